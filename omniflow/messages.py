@@ -1,0 +1,285 @@
+"""Every wire type of omniflow, and nothing else.
+
+A ZeroMQ message is ``[header, *buffers]``: the header is one msgspec-encoded
+``Message`` (a tagged union); tensors travel as ``TensorRef``s in the header and,
+for ``Frame`` refs, as the raw bytes of a later frame. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+_WIRE = {"array_like": True, "omit_defaults": True, "gc": False}
+
+
+class Code(str, enum.Enum):
+    """Failure codes carried by ``Fail.code``."""
+
+    ERROR = "error"  # the handler raised
+    BAD_REQUEST = "bad_request"  # the input was malformed; names the field
+    DEADLINE = "deadline"
+    OVERLOADED = "overloaded"
+    CANCELLED = "cancelled"
+    UNAVAILABLE = "unavailable"  # no live replica of a role / replica died
+    SHUTTING_DOWN = "shutting_down"
+
+
+# ---------------------------------------------------------------- tensor refs
+# Tensor refs are dict-shaped (not array_like) so they can sit in a union with
+# each other inside a header.
+
+
+class Frame(msgspec.Struct, tag="frame", omit_defaults=True, gc=False):
+    """The bytes travel as frame ``index`` after the header (other hosts, small tensors)."""
+
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class Shm(msgspec.Struct, tag="shm", omit_defaults=True, gc=False):
+    """Bytes at ``offset`` in the host page pool that every local process maps."""
+
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    lease: int = 0
+    pool: str = ""
+
+
+class CudaIpc(msgspec.Struct, tag="cuda", omit_defaults=True, gc=False):
+    """Bytes at ``offset`` in a device pool chunk shared through a CUDA IPC handle."""
+
+    handle: bytes
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    device: int = 0
+    lease: int = 0
+
+
+TensorRef = Frame | Shm | CudaIpc
+
+
+class Timing(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Time one role spent computing for one request (milliseconds)."""
+
+    role: str
+    replica: int
+    compute_ms: float
+
+
+class Join(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Fan-in bookkeeping: the branch ``part`` of ``parts`` that meet at ``role``."""
+
+    role: str
+    replica: str  # actor id of the join's replica, chosen once where the branches split
+    parts: int
+    part: int
+
+
+# ---------------------------------------------------------------- data messages
+
+
+class Call(msgspec.Struct, tag="call", **_WIRE):
+    """Work for one role: one chunk (``seq``) of one request's input stream.
+
+    ``credit`` is the share of the request's completion credit this branch holds;
+    it rides only on the last chunk. The client finishes a request when every
+    share has come back in a ``Done``.
+    """
+
+    request_id: str
+    role: str
+    reply_to: str  # the client's endpoint: terminal messages and Emits go there
+    data: dict[str, Any] = {}
+    tensors: dict[str, TensorRef] = {}
+    seq: int = 0
+    last: bool = True
+    credit: int = 0
+    deadline: float = 0.0  # absolute, time.time() seconds; 0 = none
+    session: str = ""
+    origin: str = ""  # the actor id (or client) that sent this chunk
+    join: Join | None = None
+    timings: list[Timing] = []
+    usage: dict[str, int] = {}
+    hops: int = 0  # roles this branch went through, for loop bounds
+
+
+class Emit(msgspec.Struct, tag="emit", **_WIRE):
+    """A chunk of output streamed to the client."""
+
+    request_id: str
+    role: str
+    seq: int
+    data: dict[str, Any] = {}
+    tensors: dict[str, TensorRef] = {}
+
+
+class Done(msgspec.Struct, tag="done", **_WIRE):
+    """A branch of a request finished; returns its ``credit`` to the client."""
+
+    request_id: str
+    role: str
+    credit: int
+    timings: list[Timing] = []
+    usage: dict[str, int] = {}
+
+
+class Fail(msgspec.Struct, tag="fail", **_WIRE):
+    """The request failed; terminal for the whole request."""
+
+    code: str
+    message: str
+    role: str
+    request_id: str
+
+
+class Cancel(msgspec.Struct, tag="cancel", **_WIRE):
+    """Stop work on a request; propagates along the path the request took."""
+
+    request_id: str
+    reason: str = "cancelled"
+
+
+# ---------------------------------------------------------------- actor records
+
+
+class ActorRecord(msgspec.Struct, omit_defaults=True, gc=False):
+    """What the registry knows of one actor replica."""
+
+    role: str
+    replica: int
+    pid: int
+    endpoint: str
+    host: str
+    gpus: list[int] = []
+    state: str = "ready"
+    inflight: int = 0
+    served: int = 0
+    started: float = 0.0
+    meta: dict[str, Any] = {}
+
+    @property
+    def actor_id(self) -> str:
+        return f"{self.role}/{self.replica}"
+
+
+# ---------------------------------------------------------------- control messages
+# Supervisor <-> worker handshake.
+
+
+class Hello(msgspec.Struct, tag="hello", **_WIRE):
+    role: str
+    replica: int
+    pid: int
+
+
+class Ready(msgspec.Struct, tag="ready", **_WIRE):
+    role: str
+    replica: int
+    pid: int
+    endpoint: str
+
+
+class SetupFailed(msgspec.Struct, tag="setup_failed", **_WIRE):
+    role: str
+    replica: int
+    pid: int
+    message: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", **_WIRE):
+    reason: str = ""
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", **_WIRE):
+    role: str
+    replica: int
+    inflight: int = 0
+    served: int = 0
+
+
+# Registry protocol (embedded registry, over ZeroMQ). Every request carries an
+# ``rid`` that its reply echoes.
+
+
+class RegPut(msgspec.Struct, tag="reg_put", **_WIRE):
+    rid: int
+    key: str
+    value: bytes
+    ttl: float = 0.0  # 0 = no lease
+
+
+class RegKeepalive(msgspec.Struct, tag="reg_keepalive", **_WIRE):
+    rid: int
+    keys: list[str]
+
+
+class RegDelete(msgspec.Struct, tag="reg_delete", **_WIRE):
+    rid: int
+    key: str
+
+
+class RegList(msgspec.Struct, tag="reg_list", **_WIRE):
+    rid: int
+    prefix: str
+
+
+class RegWatch(msgspec.Struct, tag="reg_watch", **_WIRE):
+    rid: int
+    prefix: str
+
+
+class RegBarrier(msgspec.Struct, tag="reg_barrier", **_WIRE):
+    rid: int
+    name: str
+    n: int
+    member: str
+
+
+class RegReply(msgspec.Struct, tag="reg_reply", **_WIRE):
+    rid: int
+    ok: bool = True
+    error: str = ""
+    items: list[tuple[str, bytes]] = []
+
+
+class RegEvent(msgspec.Struct, tag="reg_event", **_WIRE):
+    """A watched key changed: ``kind`` is "put" or "delete"."""
+
+    rid: int  # the watch's rid
+    kind: str
+    key: str
+    value: bytes = b""
+
+
+Message = (
+    Call
+    | Emit
+    | Done
+    | Fail
+    | Cancel
+    | Hello
+    | Ready
+    | SetupFailed
+    | Shutdown
+    | Heartbeat
+    | RegPut
+    | RegKeepalive
+    | RegDelete
+    | RegList
+    | RegWatch
+    | RegBarrier
+    | RegReply
+    | RegEvent
+)
+
+DataMessage = Call | Emit | Done | Fail | Cancel
+RegistryRequest = RegPut | RegKeepalive | RegDelete | RegList | RegWatch | RegBarrier
+RegistryMessage = RegReply | RegEvent
