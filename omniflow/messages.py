@@ -99,6 +99,7 @@ class Call(msgspec.Struct, tag="call", **_WIRE):
     reply_to: str  # the client's endpoint: terminal messages and Emits go there
     data: dict[str, Any] = {}
     tensors: dict[str, TensorRef] = {}
+    params: dict[str, Any] = {}  # request-level parameters, carried unchanged along the path
     seq: int = 0
     last: bool = True
     credit: int = 0
