@@ -199,7 +199,7 @@ class Client:
                 cancel = [encode(Cancel(request_id))]
                 for address in fanout.addresses:
                     with contextlib.suppress(Exception):
-                        self.outbox.try_send(address, cancel)
+                        self.outbox.post(address, cancel)
 
     async def call(
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any

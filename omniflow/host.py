@@ -229,21 +229,37 @@ class ActorHost:
         request = Request(
             call.request_id, call.data, tensors, call.params, call.session, call.seq, call.last
         )
-        started = time.perf_counter()
         try:
             if self._is_gen:
-                async for out in self.actor.handle(request, stream.ctx):
-                    if out is not None:
-                        await stream.fanout.output(out)
+                await self._drive_generator(stream, self.actor.handle(request, stream.ctx))
             else:
-                out = await self.actor.handle(request, stream.ctx)
+                started = time.perf_counter()
+                try:
+                    out = await self.actor.handle(request, stream.ctx)
+                finally:
+                    stream.compute += time.perf_counter() - started
                 if out is not None:
                     await stream.fanout.output(out)
         finally:
-            stream.compute += time.perf_counter() - started
             for k, v in stream.ctx.usage.items():
                 stream.usage[k] = stream.usage.get(k, 0) + v
             stream.ctx.usage = {}
+
+    async def _drive_generator(self, stream: _Stream, gen: Any) -> None:
+        """Forward each yield; time the handler's own work, not the sends."""
+        try:
+            while True:
+                started = time.perf_counter()
+                try:
+                    out = await gen.__anext__()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    stream.compute += time.perf_counter() - started
+                if out is not None:
+                    await stream.fanout.output(out)
+        finally:
+            await gen.aclose()
 
     async def _fail(self, stream: _Stream, code: str, message: str) -> None:
         call = stream.call
@@ -258,7 +274,7 @@ class ActorHost:
     def _reject(self, call: Call, code: Code, message: str) -> None:
         fail = Fail(code.value, message, self.role, call.request_id)
         try:
-            self.router.outbox.try_send(call.reply_to, [encode(fail)])
+            self.router.outbox.post(call.reply_to, [encode(fail)])
         except Exception:
             log.warning("%s: could not reject %s", self.role, call.request_id)
 
@@ -269,7 +285,7 @@ class ActorHost:
 
     def _send_cancel(self, address: str, cancel: Cancel) -> None:
         try:
-            self.router.outbox.try_send(address, [encode(cancel)])
+            self.router.outbox.post(address, [encode(cancel)])
         except Exception:
             pass
 

@@ -165,6 +165,7 @@ class EmbeddedRegistry:
         self._watch_queues: dict[int, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._leased: set[str] = set()
 
     def _ensure_reader(self) -> None:
         if self._loop is None:
@@ -212,32 +213,32 @@ class EmbeddedRegistry:
 
     async def put(self, key: str, value: bytes, ttl: float = 0.0) -> None:
         await self._call(lambda rid: RegPut(rid, key, value, ttl))
+        if ttl > 0:
+            self._leased.add(key)
+        else:
+            self._leased.discard(key)
 
     async def keepalive(self) -> None:
         await self._call(lambda rid: RegKeepalive(rid, []))
 
     async def delete(self, key: str) -> None:
+        self._leased.discard(key)
         await self._call(lambda rid: RegDelete(rid, key))
 
     async def list(self, prefix: str) -> list[tuple[str, bytes]]:
         reply = await self._call(lambda rid: RegList(rid, prefix))
         return [(k, bytes(v)) for k, v in reply.items]
 
-    async def watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    def watch(self, prefix: str) -> _Watch:
+        # Registered now (the send is synchronous), not at the first __anext__:
+        # anything this client does after watch() returns is seen.
+        self._ensure_reader()
+        rid = next(self._rids)
         queue: asyncio.Queue = asyncio.Queue()
-        rid_box: list[int] = []
-
-        def make(rid: int) -> RegWatch:
-            rid_box.append(rid)
-            self._watch_queues[rid] = queue  # before the send: no event can slip by
-            return RegWatch(rid, prefix)
-
-        await self._call(make)
-        try:
-            while True:
-                yield await queue.get()
-        finally:
-            self._watch_queues.pop(rid_box[0], None)
+        self._watch_queues[rid] = queue  # before the send: no event can slip by
+        self._sock.send(encode(RegWatch(rid, prefix)))
+        self._drain()
+        return _Watch(self, rid, queue)
 
     async def barrier(self, name: str, n: int, member: str, timeout: float) -> None:
         try:
@@ -250,6 +251,11 @@ class EmbeddedRegistry:
     async def close(self) -> None:
         if self._closed:
             return
+        for key in list(self._leased):  # release the lease now, not at expiry
+            try:
+                await self.delete(key)
+            except RegistryError:
+                break
         self._closed = True
         if self._loop is not None and not self._loop.is_closed():
             try:
@@ -260,3 +266,21 @@ class EmbeddedRegistry:
             if not fut.done():
                 fut.cancel()
         self._sock.close(0)
+
+
+class _Watch:
+    """Cancel-safe: cancelling one ``__anext__`` leaves the watch running."""
+
+    def __init__(self, client: EmbeddedRegistry, rid: int, queue: asyncio.Queue) -> None:
+        self._client, self._rid, self._queue = client, rid, queue
+
+    def __aiter__(self) -> _Watch:
+        return self
+
+    async def __anext__(self) -> WatchEvent:
+        if self._rid not in self._client._watch_queues:
+            raise StopAsyncIteration
+        return await self._queue.get()
+
+    async def aclose(self) -> None:
+        self._client._watch_queues.pop(self._rid, None)

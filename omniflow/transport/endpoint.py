@@ -109,6 +109,7 @@ class Outbox:
     def __init__(self, ctx: zmq.Context, send_timeout: float = 5.0) -> None:
         self._ctx = ctx
         self._socks: dict[str, zmq.Socket] = {}
+        self._posts: set[asyncio.Task] = set()
         self.send_timeout = send_timeout
 
     def _socket(self, address: str) -> zmq.Socket:
@@ -158,12 +159,32 @@ class Outbox:
             finally:
                 loop.remove_reader(fd)
 
+    def post(self, address: str, parts: list[Any]) -> None:
+        """Send from synchronous code: now if possible, else from a task this outbox owns.
+
+        A new DEALER takes nothing until its connection completes (IMMEDIATE), so a
+        first message to a peer usually goes the slow way.
+        """
+        if self.try_send(address, parts):
+            return
+        task = asyncio.get_running_loop().create_task(self._post_later(address, parts))
+        self._posts.add(task)
+        task.add_done_callback(self._posts.discard)
+
+    async def _post_later(self, address: str, parts: list[Any]) -> None:
+        try:
+            await self.send(address, parts)
+        except PeerUnavailable:
+            pass  # best effort: the peer is gone (a client that left, a dead replica)
+
     def forget(self, address: str) -> None:
         sock = self._socks.pop(address, None)
         if sock is not None:
             sock.close(0)
 
     def close(self) -> None:
+        for task in self._posts:
+            task.cancel()
         for sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
