@@ -33,11 +33,9 @@ def free_port() -> int:
 
 
 def etcd_binary() -> str | None:
-    return (
-        os.environ.get("OMNIFLOW_ETCD_BIN")
-        or shutil.which("etcd")
-        or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
-    )
+    """``$OMNIFLOW_ETCD_BIN`` if set (a wrong path counts as missing), else etcd on PATH."""
+    candidate = os.environ.get("OMNIFLOW_ETCD_BIN") or shutil.which("etcd") or "/usr/bin/etcd"
+    return candidate if os.access(candidate, os.X_OK) else None
 
 
 class EtcdServer:
