@@ -96,7 +96,7 @@ class Client:
         self.view = RegistryView(self.registry, self.config.name)
         await self.view.start()
         self.outbox = Outbox(self.ctx)
-        policies = {name: make_policy(rc.policy) for name, rc in self.config.roles.items()}
+        policies = {name: make_policy(rc.policy, role=name) for name, rc in self.config.roles.items()}
         idempotent = frozenset(n for n, rc in self.config.roles.items() if rc.idempotent)
         self.router = Router(
             self.config.plan(), self.view, self.outbox, policies, idempotent, socket.gethostname()

@@ -101,7 +101,7 @@ class Worker:
         registry = open_registry(os.environ["OMNIFLOW_REGISTRY"])
         view = RegistryView(registry, cfg.name)
         await view.start()
-        policies = {name: make_policy(rc.policy) for name, rc in cfg.roles.items()}
+        policies = {name: make_policy(rc.policy, role=name) for name, rc in cfg.roles.items()}
         idempotent = frozenset(n for n, rc in cfg.roles.items() if rc.idempotent)
         outbox = Outbox(self.ctx)
         router = Router(cfg.plan(), view, outbox, policies, idempotent, socket.gethostname())

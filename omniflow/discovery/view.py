@@ -22,24 +22,23 @@ class RegistryView:
         self._changed = asyncio.Event()
 
     async def start(self) -> None:
-        # Watch before listing, so no change between the two is lost.
+        # Watch before listing: a change between the two is then seen (perhaps twice).
         events = self._registry.watch(self._prefix)
-        first = asyncio.ensure_future(anext_or_none(events))
-        await asyncio.sleep(0)  # let the watch register before the list
         for key, value in await self._registry.list(self._prefix):
             self._set(key, value)
         self._reindex()
-        self._task = asyncio.create_task(self._follow(events, first), name="registry-view")
+        self._task = asyncio.create_task(self._follow(events), name="registry-view")
 
-    async def _follow(self, events, first) -> None:
-        event = await first
-        while event is not None:
-            if event.kind == "put":
-                self._set(event.key, event.value)
-            else:
-                self._records.pop(event.key, None)
-            self._reindex()
-            event = await anext_or_none(events)
+    async def _follow(self, events) -> None:
+        try:
+            async for event in events:
+                if event.kind == "put":
+                    self._set(event.key, event.value)
+                else:
+                    self._records.pop(event.key, None)
+                self._reindex()
+        finally:
+            await events.aclose()
 
     def _set(self, key: str, value: bytes) -> None:
         try:
@@ -89,9 +88,3 @@ class RegistryView:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
 
-
-async def anext_or_none(events):
-    try:
-        return await events.__anext__()
-    except StopAsyncIteration:
-        return None
