@@ -120,7 +120,7 @@ class Client:
 
     def _on_message(self, identity: bytes, parts: list[Any]) -> None:
         try:
-            msg = decode(parts[0].buffer, _decoder)
+            msg = decode(parts[0], _decoder)
         except BadMessage:
             return
         pending = self._pending.get(getattr(msg, "request_id", ""))
@@ -130,6 +130,9 @@ class Client:
             tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
             pending.queue.put_nowait(Output(msg.role, msg.seq, msg.data, tensors))
         elif isinstance(msg, Done):
+            if msg.seq >= 0:
+                tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
+                pending.queue.put_nowait(Output(msg.role, msg.seq, msg.data, tensors))
             pending.credit += msg.credit
             pending.timings += msg.timings
             for k, v in msg.usage.items():
@@ -188,11 +191,13 @@ class Client:
                 else:
                     item = await pending.queue.get()
                 if isinstance(item, RequestFailed):
+                    finished = True  # the failing role already cancelled downstream
                     raise item
-                yield item
                 if isinstance(item, Result):
-                    finished = True
+                    finished = True  # before the yield: the caller may stop iterating here
+                    yield item
                     return
+                yield item
         finally:
             self._pending.pop(request_id, None)
             if not finished:

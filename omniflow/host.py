@@ -30,7 +30,10 @@ _FINISHED_MEMORY = 4096  # finished requests whose downstream a late Cancel must
 class _Stream:
     """A request in flight at this actor."""
 
-    __slots__ = ("call", "queue", "task", "fanout", "credit", "ctx", "compute", "timings", "usage")
+    __slots__ = (
+        "call", "queue", "task", "fanout", "credit", "ctx", "compute", "timings", "usage",
+        "last_output",
+    )
 
     def __init__(self, call: Call, fanout: Fanout, ctx: Context) -> None:
         self.call = call
@@ -42,6 +45,7 @@ class _Stream:
         self.compute = 0.0
         self.timings: list[Timing] = []
         self.usage: dict[str, int] = {}
+        self.last_output: Any = None
 
 
 class ActorHost:
@@ -76,7 +80,7 @@ class ActorHost:
 
     def on_message(self, identity: bytes, parts: list[Any]) -> None:
         try:
-            msg = decode(parts[0].buffer, _decoder)
+            msg = decode(parts[0], _decoder)
         except BadMessage as e:
             self.bad_messages += 1
             log.warning("%s: dropped a malformed message: %s", self.role, e)
@@ -206,7 +210,9 @@ class ActorHost:
                 else:
                     await work()
             stream.timings.append(Timing(self.role, self.actor.replica, stream.compute * 1e3))
-            await stream.fanout.finish(stream.credit, stream.timings, stream.usage)
+            await stream.fanout.finish(
+                stream.credit, stream.timings, stream.usage, stream.last_output
+            )
             self.served += 1
         except TimeoutError:
             await self._fail(stream, Code.DEADLINE, f"deadline exceeded in {self.role}")
@@ -239,7 +245,10 @@ class ActorHost:
                 finally:
                     stream.compute += time.perf_counter() - started
                 if out is not None:
-                    await stream.fanout.output(out)
+                    if stream.queue is None:  # a single chunk: its output is the last one
+                        stream.last_output = out
+                    else:
+                        await stream.fanout.output(out)
         finally:
             for k, v in stream.ctx.usage.items():
                 stream.usage[k] = stream.usage.get(k, 0) + v

@@ -123,13 +123,20 @@ class Emit(msgspec.Struct, tag="emit", **_WIRE):
 
 
 class Done(msgspec.Struct, tag="done", **_WIRE):
-    """A branch of a request finished; returns its ``credit`` to the client."""
+    """A branch of a request finished; returns its ``credit`` to the client.
+
+    A role whose last output goes to the client sends it inside its Done
+    (``seq`` >= 0) rather than as a separate Emit: one message instead of two.
+    """
 
     request_id: str
     role: str
     credit: int
     timings: list[Timing] = []
     usage: dict[str, int] = {}
+    seq: int = -1  # >= 0: this Done carries the output chunk ``seq``
+    data: dict[str, Any] = {}
+    tensors: dict[str, TensorRef] = {}
 
 
 class Fail(msgspec.Struct, tag="fail", **_WIRE):

@@ -186,8 +186,28 @@ class Fanout:
         self.addresses.add(branch.record.endpoint)
         branch.seq += 1
 
-    async def finish(self, credit: int, timings: list[Timing], usage: dict[str, int]) -> None:
-        """Close every branch, splitting ``credit``; with none open, return it to the client."""
+    async def finish(
+        self,
+        credit: int,
+        timings: list[Timing],
+        usage: dict[str, int],
+        last_output: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Close every branch, splitting ``credit``; with none open, return it to the client.
+
+        ``last_output`` is a final output not yet routed: when it goes to the
+        client and no branch is open, it rides inside the Done.
+        """
+        if last_output is not None:
+            if self.branches or self.router.plan.route(self.src, self.call.params, last_output):
+                await self.output(last_output)
+            else:
+                data, tensors = split_output(last_output)
+                done = Done(self.call.request_id, self.src, credit, timings, usage,
+                            self.emitted, data)
+                self.emitted += 1
+                await self.router.send(self.call.reply_to, done, tensors)
+                return
         if not self.branches:
             done = Done(self.call.request_id, self.src, credit, timings, usage)
             await self.router.send(self.call.reply_to, done, {})

@@ -154,7 +154,7 @@ class Supervisor:
 
     def _on_control(self, identity: bytes, parts: list[Any]) -> None:
         try:
-            msg = decode(parts[0].buffer, _control_decoder)
+            msg = decode(parts[0], _control_decoder)
         except BadMessage:
             return
         if isinstance(msg, Shutdown):

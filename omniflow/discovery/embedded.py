@@ -71,7 +71,7 @@ class EmbeddedRegistryServer:
 
     def _on_message(self, identity: bytes, parts: list[Any]) -> None:
         try:
-            req = decode(parts[0].buffer, _request_decoder)
+            req = decode(parts[0], _request_decoder)
         except BadMessage:
             return  # not a registry client; nothing to answer
         if isinstance(req, RegPut):

@@ -10,6 +10,7 @@ This version knows ``Frame`` refs only; the data plane adds ``Shm`` and
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,6 +29,9 @@ class Link(NamedTuple):
 class TensorError(ValueError):
     """A tensor ref that cannot be honoured (forged, stale, or inconsistent)."""
 
+
+# Received frames are read-only; the views handed to roles are documented as such.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
