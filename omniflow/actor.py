@@ -71,8 +71,15 @@ class Context:
         self.replica = replica
         self.deadline = deadline
         self._sink = sink
-        self.cancelled = asyncio.Event()
+        self._cancelled: asyncio.Event | None = None
         self.usage: dict[str, int] = {}
+
+    @property
+    def cancelled(self) -> asyncio.Event:
+        """Set when the request is cancelled (made on first use: most handlers never ask)."""
+        if self._cancelled is None:
+            self._cancelled = asyncio.Event()
+        return self._cancelled
 
     def remaining(self) -> float:
         """Seconds left before the deadline (inf without one)."""

@@ -83,6 +83,8 @@ class Client:
         self.run_dir = Path(run_dir)
         self._pending: dict[str, _Pending] = {}
         self.ctx: zmq.Context | None = None
+        self._id_prefix = uuid.uuid4().hex[:16]  # unique per client; a counter after it
+        self._ids = itertools.count()
 
     async def start(self) -> None:
         self.ctx = zmq.Context()
@@ -159,7 +161,7 @@ class Client:
         Raises ``RequestFailed`` if any role fails it. Leaving the loop early
         cancels the request everywhere it went.
         """
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or f"{self._id_prefix}{next(self._ids):x}"
         deadline = time.time() + timeout if timeout else 0.0
         call = Call(request_id, "", self.inbox.endpoint, params=dict(params or {}),
                     deadline=deadline, session=session, origin="client")
@@ -169,11 +171,11 @@ class Client:
         finished = False
         try:
             try:
-                if not self.router.plan.route("input", call.params, inputs or {}):
+                await fanout.output(dict(inputs or {}))
+                if not fanout.branches:
                     raise RequestFailed(
                         Code.BAD_REQUEST.value, "no role accepts this input", "client", request_id
                     )
-                await fanout.output(dict(inputs or {}))
                 await fanout.finish(FULL_CREDIT, [], {})
             except RouteError as e:
                 raise RequestFailed(e.code, str(e), "client", request_id) from None

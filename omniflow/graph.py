@@ -91,6 +91,10 @@ class Edge(NamedTuple):
     def __str__(self) -> str:
         return f"{self.src} -> {self.dst}" + ("" if self.when == "always" else f" [{self.when}]")
 
+    @property
+    def key(self) -> str:
+        return f"{self.src}>{self.dst}"
+
 
 class Graph:
     """Roles and edges, declared in Python (or loaded from a config's ``[graph]``)."""
@@ -158,10 +162,21 @@ class Plan:
     def entry_roles(self) -> set[str]:
         return {e.dst for e in self.out_edges[INPUT]}
 
-    def route(self, src: str, params: Mapping[str, Any], output: Mapping[str, Any]) -> list[Route]:
-        """The edges ``output`` of ``src`` takes; [] means it goes to the client."""
+    def route(
+        self,
+        src: str,
+        params: Mapping[str, Any],
+        output: Mapping[str, Any],
+        loops: Mapping[str, int] | None = None,
+    ) -> list[Route]:
+        """The edges ``output`` of ``src`` takes; [] means it goes to the client.
+
+        A loop edge is taken while its count in ``loops`` is below ``max_iters``.
+        """
         taken = []
         for e in self.out_edges.get(src, ()):
+            if e.max_iters and (loops or {}).get(e.key, 0) >= e.max_iters:
+                continue
             pred = self._preds[e]
             if pred is None or pred(params, output):
                 taken.append(Route(e, self._join_of[e]))

@@ -61,9 +61,9 @@ class ActorHost:
         self.router = router
         self._slots = asyncio.Semaphore(max_concurrency)
         self._max_pending = max_concurrency + max_queue
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[tuple[str, int], _Stream] = {}  # (request id, hops)
         self._joins: dict[str, list[Call]] = {}
-        self._finished: OrderedDict[str, set[str]] = OrderedDict()
+        self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
         self._frames: dict[str, list[Any]] = {}
         self._is_gen = inspect.isasyncgenfunction(actor.handle)
         self.accepting = True
@@ -98,9 +98,10 @@ class ActorHost:
             return self._reject(call, Code.BAD_REQUEST, f"sent to {self.role}, meant for {call.role}")
         if call.join is not None and call.join.role == self.role and call.join.parts > 1:
             return self._join_part(call, parts)
-        stream = self._streams.get(call.request_id)
+        key = (call.request_id, call.hops)  # a loop may bring a request back here
+        stream = self._streams.get(key)
         if stream is None:
-            if call.request_id in self._finished:
+            if key in self._finished:
                 return  # a late chunk of a request that already ended here
             if not self.accepting:
                 return self._reject(call, Code.SHUTTING_DOWN, f"{self.role} is shutting down")
@@ -108,7 +109,7 @@ class ActorHost:
                 return self._reject(call, Code.OVERLOADED, f"{self.role} queue is full")
             if call.deadline and call.deadline <= time.time():
                 return self._reject(call, Code.DEADLINE, "deadline passed before it started")
-            stream = self._open(call)
+            stream = self._open(call, key)
             if call.seq == 0 and call.last:
                 stream.task = asyncio.create_task(self._run_single(stream, call, parts))
                 return
@@ -117,11 +118,11 @@ class ActorHost:
         assert stream.queue is not None, "a single-chunk request got a second chunk"
         stream.queue.put_nowait((call, parts))
 
-    def _open(self, call: Call) -> _Stream:
+    def _open(self, call: Call, key: tuple[str, int]) -> _Stream:
         ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, None)
         stream = _Stream(call, Fanout(self.router, self.role, call), ctx)
         ctx._sink = stream.fanout.output
-        self._streams[call.request_id] = stream
+        self._streams[key] = stream
         self._idle.clear()
         return stream
 
@@ -158,19 +159,22 @@ class ActorHost:
         merged = Call(
             first.request_id, self.role, first.reply_to, data, refs, first.params, 0, True,
             credit, first.deadline, first.session, first.origin, None, timings, usage, first.hops,
+            first.loops,
         )
         return merged, frames
 
     def _on_cancel(self, cancel: Cancel) -> None:
-        self._joins.pop(cancel.request_id, None)
-        stream = self._streams.get(cancel.request_id)
-        if stream is not None:
-            stream.ctx.cancelled.set()
-            if stream.task is not None:
-                stream.task.cancel()
-            return
-        for address in self._finished.get(cancel.request_id, ()):
-            self._send_cancel(address, cancel)
+        rid = cancel.request_id
+        self._joins.pop(rid, None)
+        for key, stream in list(self._streams.items()):
+            if key[0] == rid:
+                stream.ctx.cancelled.set()
+                if stream.task is not None:
+                    stream.task.cancel()  # its handler cancels what it sent downstream
+        for key, addresses in list(self._finished.items()):
+            if key[0] == rid:
+                for address in addresses:
+                    self._send_cancel(address, cancel)
 
     # ------------------------------------------------------------------ running
 
@@ -299,9 +303,9 @@ class ActorHost:
             pass
 
     def _close(self, stream: _Stream) -> None:
-        request_id = stream.call.request_id
-        self._streams.pop(request_id, None)
-        self._finished[request_id] = stream.fanout.addresses
+        key = (stream.call.request_id, stream.call.hops)
+        self._streams.pop(key, None)
+        self._finished[key] = stream.fanout.addresses
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
         if not self._streams:

@@ -109,7 +109,8 @@ class Call(msgspec.Struct, tag="call", **_WIRE):
     join: Join | None = None
     timings: list[Timing] = []
     usage: dict[str, int] = {}
-    hops: int = 0  # roles this branch went through, for loop bounds
+    hops: int = 0  # roles this branch went through
+    loops: dict[str, int] = {}  # times each loop edge ("src>dst") was taken on this path
 
 
 class Emit(msgspec.Struct, tag="emit", **_WIRE):

@@ -75,10 +75,14 @@ class Router:
 
 
 class _Branch:
-    __slots__ = ("role", "record", "stream", "join", "seq", "data", "tensors")
+    __slots__ = ("role", "record", "stream", "join", "seq", "data", "tensors", "loops")
 
-    def __init__(self, role: str, record: ActorRecord, stream: bool, join: Join | None) -> None:
+    def __init__(
+        self, role: str, record: ActorRecord, stream: bool, join: Join | None,
+        loops: dict[str, int],
+    ) -> None:
         self.role = role
+        self.loops = loops
         self.record = record
         self.stream = stream
         self.join = join
@@ -100,7 +104,9 @@ class Fanout:
 
     async def output(self, output: Mapping[str, Any]) -> None:
         data, tensors = split_output(output)
-        routes = self.router.plan.route(self.src, self.call.params, output)
+        routes = self.router.plan.route(self.src, self.call.params, output, self.call.loops)
+        if not routes and self.src == "input":
+            return  # the client checks that some role took the request
         if not routes:
             emit = Emit(self.call.request_id, self.src, self.emitted, data)
             self.emitted += 1
@@ -110,7 +116,7 @@ class Fanout:
         for route in routes:
             branch = self.branches.get(route.edge.dst)
             if branch is None:
-                branch = self._open(route.edge.dst, route.edge.stream, joins.get(route))
+                branch = self._open(route.edge, joins.get(route))
             if branch.stream:
                 await self._send_chunk(branch, data, tensors, last=False, credit=0)
             else:
@@ -138,16 +144,20 @@ class Fanout:
                 tags[route] = Join(join_role, target.actor_id, len(members), i)
         return tags
 
-    def _open(self, role: str, stream: bool, join: Join | None) -> _Branch:
+    def _open(self, edge: Any, join: Join | None) -> _Branch:
+        role = edge.dst
+        loops = self.call.loops
+        if edge.max_iters:
+            loops = {**loops, edge.key: loops.get(edge.key, 0) + 1}
         if join is None and self.call.join is not None and self.call.join.role == role:
             join = self.call.join
-        if join is not None:
+        if join is not None and join.role == role:  # the join's replica was chosen at the split
             record = self.router.view.find(join.replica)
             if record is None:
                 raise RouteError("unavailable", f"the {role} replica {join.replica} is gone")
         else:
             record = self._pick(role)
-        branch = _Branch(role, record, stream, join)
+        branch = _Branch(role, record, edge.stream, join, loops)
         self.branches[role] = branch
         return branch
 
@@ -167,6 +177,7 @@ class Fanout:
         msg = Call(
             c.request_id, branch.role, c.reply_to, data, {}, c.params, branch.seq, last, credit,
             c.deadline, c.session, self.src, branch.join, timings or [], usage or {}, c.hops + 1,
+            branch.loops,
         )
         while True:
             try:
@@ -199,7 +210,8 @@ class Fanout:
         client and no branch is open, it rides inside the Done.
         """
         if last_output is not None:
-            if self.branches or self.router.plan.route(self.src, self.call.params, last_output):
+            plan = self.router.plan
+            if self.branches or plan.route(self.src, self.call.params, last_output, self.call.loops):
                 await self.output(last_output)
             else:
                 data, tensors = split_output(last_output)

@@ -133,8 +133,8 @@ class Outbox:
 
     def try_send(self, address: str, parts: list[Any]) -> bool:
         """Send now if the peer's queue takes it; False if it would block."""
-        sock = self._socket(address)
-        copy = not any(_is_large(p) for p in parts[1:])
+        sock = self._socks.get(address) or self._socket(address)
+        copy = len(parts) == 1 or not any(_is_large(p) for p in parts[1:])
         try:
             # copy=False: pyzmq holds a reference to each buffer object until libzmq
             # released the frame, so the tensor behind it stays alive meanwhile.
