@@ -12,7 +12,8 @@ writing them with ``wave``: ``setnchannels(1)``, ``setsampwidth(2)``, ``setframe
 ``writeframes(b"".join(chunks))``. A chunk with no codes (a closing chunk) yields nothing.
 
 Options: ``model_path`` (built tiny there if empty), ``device``, ``seed`` (only for that
-build), ``max_chunk_tokens`` (largest n accepted in one chunk, default 512).
+build), ``max_chunk_tokens`` (largest n accepted in one chunk, default 512), ``threads``
+(torch threads of the process).
 """
 
 from __future__ import annotations
@@ -46,10 +47,15 @@ class AudioDecoderRole(Actor):
         self._streams: weakref.WeakKeyDictionary[Context, _StreamState] = (
             weakref.WeakKeyDictionary()
         )
+        if "threads" in self.options:  # process-wide, and each replica is its own process
+            torch.set_num_threads(int(self.options["threads"]))
         # One thread: the model runs off the event loop, one chunk at a time.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-{self.replica}")
         self.model: AudioDecoder = await self._run(self._load)
         self.sample_rate = self.model.config.sample_rate
+        # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
+        warm = torch.zeros(1, len(self.model.config.codebook_sizes), dtype=torch.int64)
+        await self._run(self._decode, warm, 0)
 
     def _load(self) -> AudioDecoder:
         path = self.options.get("model_path", "models/longcat-tiny/audio_decoder")

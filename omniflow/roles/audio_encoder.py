@@ -11,7 +11,7 @@ Output:
 
 Options: ``model_path`` (built tiny there if empty), ``device``, ``seed`` and ``hidden_size``
 (only for that build), ``sample_rates`` (accepted input rates), ``max_seconds``, ``max_bytes``,
-``cache_entries``, ``cache_mb``.
+``cache_entries``, ``cache_mb``, ``threads`` (torch threads of the process).
 """
 
 from __future__ import annotations
@@ -90,9 +90,13 @@ class AudioEncoderRole(Actor):
         self.cache = EncoderOutputCache(
             int(opts.get("cache_entries", 256)), int(opts.get("cache_mb", 256)) << 20
         )
+        if "threads" in self.options:  # process-wide, and each replica is its own process
+            torch.set_num_threads(int(self.options["threads"]))
         # One thread: the model runs off the event loop, one request at a time.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-{self.replica}")
         self.model: AudioTokenizer = await self._run(self._load)
+        # Warm-up: the first forward pays for allocator and FFT setup; do it before serving.
+        await self._run(self.model.encode, torch.zeros(self.model.config.samples_per_token))
 
     def _load(self) -> AudioTokenizer:
         path = self.options.get("model_path", "models/longcat-tiny/audio_encoder")

@@ -12,7 +12,7 @@ Output:
 
 Options: ``model_path`` (built tiny there if empty), ``device``, ``seed`` (only for that
 build), ``steps`` (Euler steps, default 4), ``cfg_scale`` (default 2.0), ``max_tokens``
-(largest h*w accepted, default 1024).
+(largest h*w accepted, default 1024), ``threads`` (torch threads of the process).
 """
 
 from __future__ import annotations
@@ -39,9 +39,14 @@ class ImageDecoderRole(Actor):
         self.max_tokens = int(opts.get("max_tokens", 1024))
         if self.steps < 1:
             raise ValueError(f"option steps must be at least 1, got {self.steps}")
+        if "threads" in self.options:  # process-wide, and each replica is its own process
+            torch.set_num_threads(int(self.options["threads"]))
         # One thread: the model runs off the event loop, one request at a time.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-{self.replica}")
         self.model: ImageDecoder = await self._run(self._load)
+        # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
+        warm = torch.zeros(1, len(self.model.config.codebook_sizes), dtype=torch.int64)
+        await self._run(self._decode, warm, (1, 1), self.cfg_scale, 0)
 
     def _load(self) -> ImageDecoder:
         path = self.options.get("model_path", "models/longcat-tiny/image_decoder")

@@ -13,7 +13,7 @@ The image is resized to a multiple of the model's pixels per token (aspect kept)
 ``max_pixels`` pixels. An image whose header claims more than ``max_image_pixels`` is rejected
 before its pixels are decoded. Options: ``model_path`` (built tiny there if empty), ``device``,
 ``seed`` and ``hidden_size`` (only for that build), ``max_pixels``, ``max_image_pixels``,
-``max_bytes``, ``cache_entries``, ``cache_mb``.
+``max_bytes``, ``cache_entries``, ``cache_mb``, ``threads`` (torch threads of the process).
 """
 
 from __future__ import annotations
@@ -93,12 +93,16 @@ class VisionEncoderRole(Actor):
         self.cache = EncoderOutputCache(
             int(opts.get("cache_entries", 256)), int(opts.get("cache_mb", 256)) << 20
         )
+        if "threads" in self.options:  # process-wide, and each replica is its own process
+            torch.set_num_threads(int(self.options["threads"]))
         # One thread: the model runs off the event loop, one request at a time.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-{self.replica}")
         self.model: VisionTokenizer = await self._run(self._load)
         step = self.model.config.pixels_per_token
         if self.max_pixels < step * step:
             raise ValueError(f"max_pixels {self.max_pixels} is below one token ({step}x{step})")
+        # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
+        await self._run(self.model.encode, torch.zeros(step, step, 3, dtype=torch.uint8))
 
     def _load(self) -> VisionTokenizer:
         path = self.options.get("model_path", "models/longcat-tiny/vision_encoder")
@@ -157,7 +161,9 @@ class VisionEncoderRole(Actor):
             image = Image.open(io.BytesIO(data))  # reads the header only
         except Image.DecompressionBombError as e:
             raise BadRequest("image", f"too large: {e}") from None
-        except (UnidentifiedImageError, OSError, ValueError) as e:
+        except UnidentifiedImageError:
+            raise BadRequest("image", "unreadable image: not a format Pillow recognizes") from None
+        except (OSError, ValueError) as e:
             raise BadRequest("image", f"unreadable image: {e}") from None
         width, height = image.size
         if width <= 0 or height <= 0:
