@@ -83,7 +83,8 @@ class ImageDecoderRole(Actor):
         if grid[0] * grid[1] > self.max_tokens:
             raise BadRequest(
                 "image_grid",
-                f"{grid[0]}x{grid[1]} tokens exceeds the limit of {self.max_tokens} (option max_tokens)",
+                f"{grid[0]}x{grid[1]} tokens exceeds the limit of {self.max_tokens} "
+                "(option max_tokens)",
             )
         return int(grid[0]), int(grid[1])
 

@@ -99,7 +99,7 @@ class ImageDecoder(nn.Module):
     def guided_velocity(
         self, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, cfg_scale: float
     ) -> torch.Tensor:
-        """CFG velocity: both branches in one forward, the unconditional one with a zero condition."""
+        """CFG velocity: both branches in ONE forward (unconditional: zero condition) a zero condition."""
         both = self.refiner(
             torch.cat([x, x]), torch.cat([cond, torch.zeros_like(cond)]), torch.cat([t, t])
         )
