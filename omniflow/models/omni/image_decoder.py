@@ -99,7 +99,7 @@ class ImageDecoder(nn.Module):
     def guided_velocity(
         self, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, cfg_scale: float
     ) -> torch.Tensor:
-        """CFG velocity: both branches in ONE forward (unconditional: zero condition) a zero condition."""
+        """CFG velocity: both branches in ONE forward; the unconditional one gets a zero cond."""
         both = self.refiner(
             torch.cat([x, x]), torch.cat([cond, torch.zeros_like(cond)]), torch.cat([t, t])
         )
