@@ -56,12 +56,16 @@ def _pipe_server(conn) -> None:
 def config(roles: int):
     names = [f"noop{i}" for i in range(roles)]
     edges = [{"from": "input", "to": names[0]}]
-    edges += [{"from": a, "to": b} for a, b in zip(names, names[1:])]
-    return parse({
-        "name": f"hop{roles}",
-        "roles": {n: {"actor": "omniflow.roles.echo:Noop", "max_concurrency": 256} for n in names},
-        "graph": {"edges": edges},
-    })
+    edges += [{"from": a, "to": b} for a, b in zip(names, names[1:], strict=False)]
+    return parse(
+        {
+            "name": f"hop{roles}",
+            "roles": {
+                n: {"actor": "omniflow.roles.echo:Noop", "max_concurrency": 256} for n in names
+            },
+            "graph": {"edges": edges},
+        }
+    )
 
 
 async def main(calls: int, rounds: int, clients: int) -> dict:

@@ -10,7 +10,6 @@ divided by 5; with no central router it should stay close to ``hop_p50_us``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import time

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -65,7 +65,9 @@ class Request:
 class Context:
     """Per-request handle: identity, deadline, cancellation, and ``emit``."""
 
-    def __init__(self, request_id: str, role: str, replica: int, deadline: float, sink: Any) -> None:
+    def __init__(
+        self, request_id: str, role: str, replica: int, deadline: float, sink: Any
+    ) -> None:
         self.request_id = request_id
         self.role = role
         self.replica = replica
@@ -94,6 +96,18 @@ class Context:
             self.usage[key] = self.usage.get(key, 0) + int(n)
 
 
+class MemoryBudget(NamedTuple):
+    """What a co-located role may take: ``fraction`` of ``free_bytes`` on ``device``."""
+
+    device: str
+    free_bytes: int
+    fraction: float
+
+    @property
+    def bytes(self) -> int:
+        return int(self.free_bytes * self.fraction)
+
+
 class Actor:
     """Base class of every role. Subclasses override ``handle``; others are optional."""
 
@@ -104,6 +118,10 @@ class Actor:
 
     async def setup(self) -> None:
         """Load weights and warm up; the actor registers only after this returns."""
+
+    async def reserve(self, budget: MemoryBudget) -> None:
+        """Size memory pools (KV) from ``budget``; called after every co-located role
+        finished ``setup()``, so weights of its neighbours are already counted."""
 
     async def handle(self, request: Request, ctx: Context) -> Any:
         raise NotImplementedError(f"{type(self).__name__}.handle is not written")

@@ -26,7 +26,7 @@ from omniflow.config import Config
 from omniflow.discovery import open_registry
 from omniflow.discovery.view import RegistryView
 from omniflow.messages import Call, Cancel, Code, DataMessage, Done, Emit, Fail, Timing
-from omniflow.routing import FULL_CREDIT, Fanout, Router, RouteError
+from omniflow.routing import FULL_CREDIT, Fanout, RouteError, Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
 from omniflow.transport.endpoint import Inbox, Outbox
 
@@ -98,7 +98,9 @@ class Client:
         self.view = RegistryView(self.registry, self.config.name)
         await self.view.start()
         self.outbox = Outbox(self.ctx)
-        policies = {name: make_policy(rc.policy, role=name) for name, rc in self.config.roles.items()}
+        policies = {
+            name: make_policy(rc.policy, role=name) for name, rc in self.config.roles.items()
+        }
         idempotent = frozenset(n for n, rc in self.config.roles.items() if rc.idempotent)
         self.router = Router(
             self.config.plan(), self.view, self.outbox, policies, idempotent, socket.gethostname()
@@ -163,8 +165,15 @@ class Client:
         """
         request_id = request_id or f"{self._id_prefix}{next(self._ids):x}"
         deadline = time.time() + timeout if timeout else 0.0
-        call = Call(request_id, "", self.inbox.endpoint, params=dict(params or {}),
-                    deadline=deadline, session=session, origin="client")
+        call = Call(
+            request_id,
+            "",
+            self.inbox.endpoint,
+            params=dict(params or {}),
+            deadline=deadline,
+            session=session,
+            origin="client",
+        )
         pending = _Pending()
         self._pending[request_id] = pending
         fanout = Fanout(self.router, "input", call)
@@ -185,9 +194,11 @@ class Client:
                     wait = max(0.0, deadline - time.time()) + 1.0
                     try:
                         item = await asyncio.wait_for(pending.queue.get(), wait)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         raise RequestFailed(
-                            Code.DEADLINE.value, "no answer before the deadline", "client",
+                            Code.DEADLINE.value,
+                            "no answer before the deadline",
+                            "client",
                             request_id,
                         ) from None
                 else:

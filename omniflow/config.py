@@ -1,6 +1,6 @@
 """Deployment config: TOML → typed msgspec structs, errors naming file and field.
 
-    configs/x.toml: roles.upper.replicas: expected int, got str
+configs/x.toml: roles.upper.replicas: expected int, got str
 """
 
 from __future__ import annotations
@@ -55,12 +55,34 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
     restart_backoff_max_s: float = 10.0
 
 
+class DeviceGroup(msgspec.Struct, **_STRICT):
+    """Roles co-located on one device, each with a fraction of its free memory."""
+
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    fractions: dict[str, float] = {}
+
+
+class ResourcesConfig(msgspec.Struct, **_STRICT):
+    # Co-located roles finish setup() (weights) before any measures free memory
+    # and sizes its KV pool: a registry barrier over every replica in the group.
+    kv_barrier: bool = True
+    barrier_timeout_s: float = 120.0
+    groups: dict[str, DeviceGroup] = {}
+
+    def group_of(self, role: str) -> tuple[str, DeviceGroup] | None:
+        for name, group in self.groups.items():
+            if role in group.fractions:
+                return name, group
+        return None
+
+
 class Config(msgspec.Struct, **_STRICT):
     name: str
     roles: dict[str, RoleConfig]
     graph: GraphConfig
     registry: str = "embedded"  # or "etcd://host:port"
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+    resources: ResourcesConfig = msgspec.field(default_factory=ResourcesConfig)
     source: str = ""  # the file this came from (filled by load)
 
     def plan(self) -> Plan:
@@ -147,7 +169,27 @@ def validate(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: runtime.ttl_s: must exceed runtime.heartbeat_s")
     if not (config.registry == "embedded" or config.registry.startswith("etcd://")):
         raise ConfigError(f"{source}: registry: expected 'embedded' or 'etcd://host:port'")
+    _check_resources(config, source)
     build_plan(config, source)
+
+
+def _check_resources(config: Config, source: str) -> None:
+    seen: dict[str, str] = {}
+    for name, group in config.resources.groups.items():
+        where = f"{source}: resources.groups.{name}"
+        if not re.fullmatch(r"cpu|cuda:\d+", group.device):
+            raise ConfigError(f"{where}.device: expected 'cpu' or 'cuda:N', got {group.device!r}")
+        for role, fraction in group.fractions.items():
+            if role not in config.roles:
+                raise ConfigError(f"{where}.fractions.{role}: unknown role")
+            if role in seen:
+                raise ConfigError(f"{where}.fractions.{role}: already in group {seen[role]!r}")
+            if not 0 < fraction <= 1:
+                raise ConfigError(f"{where}.fractions.{role}: must be in (0, 1], got {fraction}")
+            seen[role] = name
+        total = sum(group.fractions.values())
+        if total > 1.0 + 1e-9:
+            raise ConfigError(f"{where}.fractions: sum to {total:g}, more than the whole device")
 
 
 def _check_policy(where: str, name: str) -> None:

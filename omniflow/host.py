@@ -18,7 +18,7 @@ from typing import Any
 
 from omniflow.actor import Actor, BadRequest, Context, Request
 from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Timing
-from omniflow.routing import Fanout, Router, RouteError
+from omniflow.routing import Fanout, RouteError, Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
 from omniflow.transport.tensors import TensorError
 
@@ -31,7 +31,15 @@ class _Stream:
     """A request in flight at this actor."""
 
     __slots__ = (
-        "call", "queue", "task", "fanout", "credit", "ctx", "compute", "timings", "usage",
+        "call",
+        "queue",
+        "task",
+        "fanout",
+        "credit",
+        "ctx",
+        "compute",
+        "timings",
+        "usage",
         "last_output",
     )
 
@@ -95,7 +103,9 @@ class ActorHost:
 
     def _on_call(self, call: Call, parts: list[Any]) -> None:
         if call.role != self.role:
-            return self._reject(call, Code.BAD_REQUEST, f"sent to {self.role}, meant for {call.role}")
+            return self._reject(
+                call, Code.BAD_REQUEST, f"sent to {self.role}, meant for {call.role}"
+            )
         if call.join is not None and call.join.role == self.role and call.join.parts > 1:
             return self._join_part(call, parts)
         key = (call.request_id, call.hops)  # a loop may bring a request back here
@@ -157,8 +167,22 @@ class ActorHost:
             for k, v in c.usage.items():
                 usage[k] = usage.get(k, 0) + v
         merged = Call(
-            first.request_id, self.role, first.reply_to, data, refs, first.params, 0, True,
-            credit, first.deadline, first.session, first.origin, None, timings, usage, first.hops,
+            first.request_id,
+            self.role,
+            first.reply_to,
+            data,
+            refs,
+            first.params,
+            0,
+            True,
+            credit,
+            first.deadline,
+            first.session,
+            first.origin,
+            None,
+            timings,
+            usage,
+            first.hops,
             first.loops,
         )
         return merged, frames
@@ -319,7 +343,7 @@ class ActorHost:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for stream in list(self._streams.values()):
                 if stream.task is not None:
                     stream.task.cancel()

@@ -15,7 +15,7 @@ import msgspec
 _WIRE = {"array_like": True, "omit_defaults": True, "gc": False}
 
 
-class Code(str, enum.Enum):
+class Code(enum.StrEnum):
     """Failure codes carried by ``Fail.code``."""
 
     ERROR = "error"  # the handler raised

@@ -78,7 +78,11 @@ class _Branch:
     __slots__ = ("role", "record", "stream", "join", "seq", "data", "tensors", "loops")
 
     def __init__(
-        self, role: str, record: ActorRecord, stream: bool, join: Join | None,
+        self,
+        role: str,
+        record: ActorRecord,
+        stream: bool,
+        join: Join | None,
         loops: dict[str, int],
     ) -> None:
         self.role = role
@@ -163,20 +167,42 @@ class Fanout:
 
     def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> ActorRecord:
         try:
-            record = self.router.pick(role, PickKey(self.call.request_id, self.call.session), exclude)
+            record = self.router.pick(
+                role, PickKey(self.call.request_id, self.call.session), exclude
+            )
         except NoReplicaError:
             raise RouteError("unavailable", f"no live replica of role {role!r}") from None
         self.router.policies[role].on_send(record.actor_id)
         return record
 
     async def _send_chunk(
-        self, branch: _Branch, data: dict, tensors: dict, last: bool, credit: int,
-        timings: list[Timing] | None = None, usage: dict[str, int] | None = None,
+        self,
+        branch: _Branch,
+        data: dict,
+        tensors: dict,
+        last: bool,
+        credit: int,
+        timings: list[Timing] | None = None,
+        usage: dict[str, int] | None = None,
     ) -> None:
         c = self.call
         msg = Call(
-            c.request_id, branch.role, c.reply_to, data, {}, c.params, branch.seq, last, credit,
-            c.deadline, c.session, self.src, branch.join, timings or [], usage or {}, c.hops + 1,
+            c.request_id,
+            branch.role,
+            c.reply_to,
+            data,
+            {},
+            c.params,
+            branch.seq,
+            last,
+            credit,
+            c.deadline,
+            c.session,
+            self.src,
+            branch.join,
+            timings or [],
+            usage or {},
+            c.hops + 1,
             branch.loops,
         )
         while True:
@@ -211,12 +237,15 @@ class Fanout:
         """
         if last_output is not None:
             plan = self.router.plan
-            if self.branches or plan.route(self.src, self.call.params, last_output, self.call.loops):
+            if self.branches or plan.route(
+                self.src, self.call.params, last_output, self.call.loops
+            ):
                 await self.output(last_output)
             else:
                 data, tensors = split_output(last_output)
-                done = Done(self.call.request_id, self.src, credit, timings, usage,
-                            self.emitted, data)
+                done = Done(
+                    self.call.request_id, self.src, credit, timings, usage, self.emitted, data
+                )
                 self.emitted += 1
                 await self.router.send(self.call.reply_to, done, tensors)
                 return
@@ -231,7 +260,9 @@ class Fanout:
             if branch.stream:
                 await self._send_chunk(branch, {}, {}, True, part, timings, usage)
             else:
-                await self._send_chunk(branch, branch.data, branch.tensors, True, part, timings, usage)
+                await self._send_chunk(
+                    branch, branch.data, branch.tensors, True, part, timings, usage
+                )
             self.router.policies[branch.role].on_done(branch.record.actor_id)
             timings, usage = [], {}  # carried once, on the first branch
 

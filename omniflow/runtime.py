@@ -13,7 +13,6 @@ program's loop runs the supervisor and the client as ordinary tasks.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -69,11 +68,15 @@ class Runtime:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def stream(self, inputs: Mapping[str, Any] | None = None, **kwargs: Any) -> AsyncIterator[Output | Result]:
+    def stream(
+        self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> AsyncIterator[Output | Result]:
         assert self.client is not None, "the runtime is not started"
         return self.client.stream(inputs, **kwargs)
 
-    async def call(self, inputs: Mapping[str, Any] | None = None, **kwargs: Any) -> tuple[list[Output], Result]:
+    async def call(
+        self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> tuple[list[Output], Result]:
         assert self.client is not None, "the runtime is not started"
         return await self.client.call(inputs, **kwargs)
 
@@ -85,10 +88,14 @@ class Connection:
         self.state = state
         self.client = client
 
-    def stream(self, inputs: Mapping[str, Any] | None = None, **kwargs: Any) -> AsyncIterator[Output | Result]:
+    def stream(
+        self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> AsyncIterator[Output | Result]:
         return self.client.stream(inputs, **kwargs)
 
-    async def call(self, inputs: Mapping[str, Any] | None = None, **kwargs: Any) -> tuple[list[Output], Result]:
+    async def call(
+        self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> tuple[list[Output], Result]:
         return await self.client.call(inputs, **kwargs)
 
     async def close(self) -> None:
@@ -124,7 +131,9 @@ def find_deployment(name: str | None = None, run_dir: str | Path | None = None) 
             states.append(state)
     if not states:
         what = f"run dir {run_dir}" if run_dir else f"name {name!r}" if name else "any name"
-        raise DeploymentNotFound(f"no running omniflow deployment ({what}); start one with `omniflow up`")
+        raise DeploymentNotFound(
+            f"no running omniflow deployment ({what}); start one with `omniflow up`"
+        )
     if len(states) > 1:
         names = ", ".join(s["name"] for s in states)
         raise DeploymentNotFound(f"several deployments are running ({names}); pick one with --name")
@@ -138,4 +147,3 @@ async def connect(name: str | None = None, run_dir: str | Path | None = None) ->
     client = Client(config, state["registry"], Path(state["run_dir"]))
     await client.start()
     return Connection(state, client)
-

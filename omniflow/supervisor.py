@@ -82,6 +82,7 @@ class Supervisor:
         self._stopping = False
         self._tasks: set[asyncio.Task] = set()
         self._registry = None
+        self.generation = f"{os.getpid()}-{int(time.time() * 1000)}"  # names one start's barriers
 
     @property
     def state_path(self) -> Path:
@@ -92,7 +93,9 @@ class Supervisor:
     async def start(self) -> None:
         self._prepare_run_dir()
         if self.config.registry == "embedded":
-            self.registry_server = EmbeddedRegistryServer(f"ipc://{self.run_dir}/registry.sock", self.ctx)
+            self.registry_server = EmbeddedRegistryServer(
+                f"ipc://{self.run_dir}/registry.sock", self.ctx
+            )
             await self.registry_server.start()
             self.registry_address = self.registry_server.address
         self._registry = open_registry(self.registry_address)
@@ -128,12 +131,22 @@ class Supervisor:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         env["OMNIFLOW_CONTROL"] = self.control.endpoint
         env["OMNIFLOW_REGISTRY"] = self.registry_address
+        env["OMNIFLOW_GENERATION"] = self.generation
         log_path = self.run_dir / "logs" / f"{replica.role}-{replica.index}.log"
         with open(log_path, "ab") as log_file:
             replica.proc = subprocess.Popen(
-                [sys.executable, "-m", "omniflow.worker", str(self.run_dir), replica.role,
-                 str(replica.index)],
-                env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "omniflow.worker",
+                    str(self.run_dir),
+                    replica.role,
+                    str(replica.index),
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
             )
         replica.state = "spawned"
         replica.ready = asyncio.get_running_loop().create_future()
@@ -198,13 +211,17 @@ class Supervisor:
             replica.exited.set_result(code)
         if replica.ready is not None and not replica.ready.done():
             replica.ready.set_exception(
-                StartError(f"{replica.actor_id} exited with code {code} during startup; "
-                           f"see {self.run_dir / 'logs' / (replica.role + '-' + str(replica.index) + '.log')}")
+                StartError(
+                    f"{replica.actor_id} exited with code {code} during startup; "
+                    f"see {self.run_dir / 'logs' / (replica.role + '-' + str(replica.index) + '.log')}"
+                )
             )
         if self._stopping:
             replica.state = "stopped"
             return
-        log.warning("%s (pid %d) exited with code %s; restarting", replica.actor_id, replica.proc.pid, code)
+        log.warning(
+            "%s (pid %d) exited with code %s; restarting", replica.actor_id, replica.proc.pid, code
+        )
         replica.state = "restarting"
         self._own(self._restart(replica))
 
@@ -217,7 +234,9 @@ class Supervisor:
         rt = self.config.runtime
         if self._registry is not None:  # faster than waiting out the dead one's lease
             with contextlib.suppress(Exception):
-                await self._registry.delete(actor_key(self.config.name, replica.role, replica.index))
+                await self._registry.delete(
+                    actor_key(self.config.name, replica.role, replica.index)
+                )
         delay = min(rt.restart_backoff_s * (2**replica.restarts), rt.restart_backoff_max_s)
         replica.restarts += 1
         await asyncio.sleep(delay)

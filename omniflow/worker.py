@@ -27,10 +27,11 @@ import zmq
 from omniflow.actor import Actor
 from omniflow.balance import make_policy
 from omniflow.config import Config, from_json
-from omniflow.discovery import actor_key, encode_record, open_registry
+from omniflow.discovery import Registry, actor_key, encode_record, open_registry
 from omniflow.discovery.view import RegistryView
 from omniflow.host import ActorHost
 from omniflow.messages import ActorRecord, Hello, Ready, SetupFailed, Shutdown
+from omniflow.resources import budget_after_barrier
 from omniflow.routing import Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox
@@ -80,37 +81,58 @@ class Worker:
         loop.add_reader(control.getsockopt(zmq.FD), self._on_control, control)
         pid = os.getpid()
         control.send(encode(Hello(self.role, self.replica, pid)))
+        registry = open_registry(registry_address)
         try:
             cls = load_actor_class(self.role_config.actor)
             actor = cls(self.role, self.replica, self.role_config.options)
             await actor.setup()
+            budget = await budget_after_barrier(
+                self.config,
+                registry,
+                self.role,
+                self.replica,
+                os.environ.get("OMNIFLOW_GENERATION", "0"),
+            )
+            if budget is not None:
+                await actor.reserve(budget)
         except Exception as e:
+            await registry.close()
             traceback.print_exc()
             message = f"{type(e).__name__}: {e}"
             control.send(encode(SetupFailed(self.role, self.replica, pid, message)))
             control.close()
             return 3
         try:
-            return await self._serve(actor, control)
+            return await self._serve(actor, control, registry)
         finally:
             control.close()
             self.ctx.term()
 
-    async def _serve(self, actor: Actor, control: zmq.Socket) -> int:
+    async def _serve(self, actor: Actor, control: zmq.Socket, registry: Registry) -> int:
         cfg, rt = self.config, self.config.runtime
-        registry = open_registry(os.environ["OMNIFLOW_REGISTRY"])
         view = RegistryView(registry, cfg.name)
         await view.start()
         policies = {name: make_policy(rc.policy, role=name) for name, rc in cfg.roles.items()}
         idempotent = frozenset(n for n, rc in cfg.roles.items() if rc.idempotent)
         outbox = Outbox(self.ctx)
         router = Router(cfg.plan(), view, outbox, policies, idempotent, socket.gethostname())
-        host = ActorHost(actor, router, self.role_config.max_concurrency, self.role_config.max_queue)
-        inbox = Inbox(self.ctx, endpoint_for(cfg, self.run_dir, self.role, self.replica), host.on_message)
+        host = ActorHost(
+            actor, router, self.role_config.max_concurrency, self.role_config.max_queue
+        )
+        inbox = Inbox(
+            self.ctx, endpoint_for(cfg, self.run_dir, self.role, self.replica), host.on_message
+        )
         inbox.start()
         record = ActorRecord(
-            self.role, self.replica, os.getpid(), inbox.endpoint, socket.gethostname(),
-            list(self.role_config.gpus), "ready", started=time.time(), meta=actor.meta(),
+            self.role,
+            self.replica,
+            os.getpid(),
+            inbox.endpoint,
+            socket.gethostname(),
+            list(self.role_config.gpus),
+            "ready",
+            started=time.time(),
+            meta=actor.meta(),
         )
         key = actor_key(cfg.name, self.role, self.replica)
         await registry.put(key, encode_record(record), ttl=rt.ttl_s)
@@ -126,7 +148,9 @@ class Worker:
                 await registry.delete(key)  # producers stop picking this replica
             drained = await host.drain(rt.drain_timeout_s)
             if not drained:
-                log.warning("%s/%d: in-flight requests cancelled at shutdown", self.role, self.replica)
+                log.warning(
+                    "%s/%d: in-flight requests cancelled at shutdown", self.role, self.replica
+                )
             inbox.close()
             with contextlib.suppress(Exception):
                 await actor.close()

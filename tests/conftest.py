@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.etcd_server import etcd_server  # noqa: F401  (a session fixture)
+
 try:
     import torch
 
@@ -50,3 +52,8 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.fixture
+def etcd_url(etcd_server) -> str:  # noqa: F811
+    return etcd_server.url

@@ -28,8 +28,13 @@ def echo_config(
                 {"from": "upper", "to": "reverse", "stream": stream},
             ]
         },
-        "runtime": {"heartbeat_s": 0.2, "ttl_s": 1.0, "drain_timeout_s": 3.0,
-                    "restart_backoff_s": 0.1, **(runtime or {})},
+        "runtime": {
+            "heartbeat_s": 0.2,
+            "ttl_s": 1.0,
+            "drain_timeout_s": 3.0,
+            "restart_backoff_s": 0.1,
+            **(runtime or {}),
+        },
     }
     return parse(raw, "<test>")
 

@@ -23,17 +23,19 @@ OMNI_ROLES = {"vision", "audio", "llm", "imgdec"}
 
 def omni_config(**extra):
     R = "tests.graph_roles"
-    return parse({
-        "name": "graph",
-        "roles": {
-            "vision": {"actor": f"{R}:Encoder", "options": {"key": "image"}},
-            "audio": {"actor": f"{R}:Encoder", "options": {"key": "audio"}},
-            "llm": {"actor": f"{R}:Joiner", "replicas": 2},
-            "imgdec": {"actor": f"{R}:Decoder"},
-            **extra.get("roles", {}),
-        },
-        "graph": {"edges": OMNI_EDGES + extra.get("edges", [])},
-    })
+    return parse(
+        {
+            "name": "graph",
+            "roles": {
+                "vision": {"actor": f"{R}:Encoder", "options": {"key": "image"}},
+                "audio": {"actor": f"{R}:Encoder", "options": {"key": "audio"}},
+                "llm": {"actor": f"{R}:Joiner", "replicas": 2},
+                "imgdec": {"actor": f"{R}:Decoder"},
+                **extra.get("roles", {}),
+            },
+            "graph": {"edges": OMNI_EDGES + extra.get("edges", [])},
+        }
+    )
 
 
 # ------------------------------------------------------------------ build time
@@ -90,13 +92,24 @@ def test_bounded_loop_is_accepted_and_counted():
 
 def test_config_graph_errors_name_the_file():
     with pytest.raises(ConfigError, match="<x>: graph: edge input -> b: unknown role 'b'"):
-        parse({"name": "x", "roles": {"a": {"actor": "m:A"}},
-               "graph": {"edges": [{"from": "input", "to": "b"}]}}, "<x>")
+        parse(
+            {
+                "name": "x",
+                "roles": {"a": {"actor": "m:A"}},
+                "graph": {"edges": [{"from": "input", "to": "b"}]},
+            },
+            "<x>",
+        )
 
 
 def test_conditional_routes_taken_exactly_when_they_should():
     plan = graph_from_edges(OMNI_EDGES).compile(OMNI_ROLES)
-    dsts = lambda out, src=INPUT, params={}: sorted(r.edge.dst for r in plan.route(src, params, out))
+
+    def dsts(out, src=INPUT, params=None):
+        if params is None:
+            params = {}
+        return sorted(r.edge.dst for r in plan.route(src, params, out))
+
     assert dsts({"text": "t"}) == ["llm"]
     assert dsts({"text": "t", "image": b"i"}) == ["llm", "vision"]
     assert dsts({"audio": b"a"}) == ["audio", "llm"]
@@ -129,7 +142,9 @@ def test_fan_out_and_join_with_optional_inputs(run_root):
             assert len(outs) == 1 and outs[0].role == "llm"
             results[name] = (outs[0].data["keys"], sorted(t.role for t in result.timings))
         # concurrency: joins of many requests interleave without mixing
-        many = await asyncio.gather(*(rt.call({"text": str(i), "image": b"x" * i}) for i in range(30)))
+        many = await asyncio.gather(
+            *(rt.call({"text": str(i), "image": b"x" * i}) for i in range(30))
+        )
         assert [o[0][0].data["text"] for o in many] == [str(i) for i in range(30)]
         return results
 
@@ -137,8 +152,9 @@ def test_fan_out_and_join_with_optional_inputs(run_root):
     assert r["text"] == (["text"], ["llm"])
     assert r["image"] == (["image", "image_embeds", "image_vec", "text"], ["llm", "vision"])
     assert r["audio"] == (["audio", "audio_embeds", "audio_vec", "text"], ["audio", "llm"])
-    assert r["both"][0] == sorted(["text", "image", "audio", "image_embeds", "image_vec",
-                                   "audio_embeds", "audio_vec"])
+    assert r["both"][0] == sorted(
+        ["text", "image", "audio", "image_embeds", "image_vec", "audio_embeds", "audio_vec"]
+    )
     assert r["both"][1] == ["audio", "llm", "vision"]
 
 
@@ -157,14 +173,23 @@ def test_conditional_route_to_a_decoder_end_to_end(run_root):
 
 def test_streaming_order_across_three_roles(run_root):
     E = "omniflow.roles.echo"
-    cfg = parse({
-        "name": "three",
-        "roles": {"a": {"actor": f"{E}:Upper"}, "b": {"actor": f"{E}:Reverse"},
-                  "c": {"actor": f"{E}:Upper"}},
-        "graph": {"edges": [{"from": "input", "to": "a"},
-                            {"from": "a", "to": "b", "stream": True},
-                            {"from": "b", "to": "c", "stream": True}]},
-    })
+    cfg = parse(
+        {
+            "name": "three",
+            "roles": {
+                "a": {"actor": f"{E}:Upper"},
+                "b": {"actor": f"{E}:Reverse"},
+                "c": {"actor": f"{E}:Upper"},
+            },
+            "graph": {
+                "edges": [
+                    {"from": "input", "to": "a"},
+                    {"from": "a", "to": "b", "stream": True},
+                    {"from": "b", "to": "c", "stream": True},
+                ]
+            },
+        }
+    )
     text = " ".join(f"w{i}" for i in range(40))
 
     async def body(rt):
@@ -178,12 +203,18 @@ def test_streaming_order_across_three_roles(run_root):
 
 
 def test_bounded_loop_runs_exactly_max_iters(run_root):
-    cfg = parse({
-        "name": "loop",
-        "roles": {"count": {"actor": "tests.graph_roles:Counter"}},
-        "graph": {"edges": [{"from": "input", "to": "count"},
-                            {"from": "count", "to": "count", "max_iters": 4}]},
-    })
+    cfg = parse(
+        {
+            "name": "loop",
+            "roles": {"count": {"actor": "tests.graph_roles:Counter"}},
+            "graph": {
+                "edges": [
+                    {"from": "input", "to": "count"},
+                    {"from": "count", "to": "count", "max_iters": 4},
+                ]
+            },
+        }
+    )
 
     async def body(rt):
         return await rt.call({"n": 0})

@@ -46,7 +46,9 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "omniflow.cli", *args], capture_output=True, text=True, timeout=90
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"omniflow {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"omniflow {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -125,8 +127,12 @@ def test_garbage_bytes_do_not_kill_an_actor(deployment):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(upper.endpoint)
-    for garbage in ([b"\x00\xffnot msgpack"], [b"\x93\x01\x02"], [b"", b"x" * 1000],
-                    [msgspec.msgpack.encode(["call", "id"])]):
+    for garbage in (
+        [b"\x00\xffnot msgpack"],
+        [b"\x93\x01\x02"],
+        [b"", b"x" * 1000],
+        [msgspec.msgpack.encode(["call", "id"])],
+    ):
         sock.send_multipart(garbage)
     time.sleep(0.2)
     sock.close()

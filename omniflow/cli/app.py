@@ -30,7 +30,9 @@ out = Console()
 
 EXIT_START, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_REQUEST = 1, 2, 3, 4
 
-NameOpt = typer.Option(None, "--name", "-n", help="Deployment name (default: the only one running).")
+NameOpt = typer.Option(
+    None, "--name", "-n", help="Deployment name (default: the only one running)."
+)
 RunDirOpt = typer.Option(None, "--run-dir", help="The deployment's run directory.")
 
 
@@ -53,7 +55,9 @@ def _state(name: str | None, run_dir: Path | None) -> dict[str, Any]:
 @app.command()
 def up(
     config: Path = typer.Argument(..., help="Deployment config (TOML)."),
-    detach: bool = typer.Option(False, "--detach", "-d", help="Return once ready; run in the background."),
+    detach: bool = typer.Option(
+        False, "--detach", "-d", help="Return once ready; run in the background."
+    ),
     run_dir: Path | None = RunDirOpt,
     ready_fd: int = typer.Option(-1, hidden=True),
 ) -> None:
@@ -112,9 +116,21 @@ def _detach(config: Path, run_dir: Path) -> int:
     log_path = run_dir / "supervisor.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "omniflow.cli", "up", str(config), "--run-dir", str(run_dir),
-             "--ready-fd", str(write_end)],
-            pass_fds=(write_end,), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            [
+                sys.executable,
+                "-m",
+                "omniflow.cli",
+                "up",
+                str(config),
+                "--run-dir",
+                str(run_dir),
+                "--ready-fd",
+                str(write_end),
+            ],
+            pass_fds=(write_end,),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
             start_new_session=True,
         )
     os.close(write_end)
@@ -154,14 +170,30 @@ def status(
 
     records = uvloop.run(fetch())
     actors = [
-        {"role": r.role, "replica": r.replica, "pid": r.pid, "endpoint": r.endpoint,
-         "state": r.state, "inflight": r.inflight, "served": r.served, "host": r.host}
+        {
+            "role": r.role,
+            "replica": r.replica,
+            "pid": r.pid,
+            "endpoint": r.endpoint,
+            "state": r.state,
+            "inflight": r.inflight,
+            "served": r.served,
+            "host": r.host,
+        }
         for r in records
     ]
     if as_json:
-        print(json.dumps({"name": state["name"], "supervisor_pid": state["pid"],
-                          "run_dir": state["run_dir"], "registry": state["registry"],
-                          "actors": actors}))
+        print(
+            json.dumps(
+                {
+                    "name": state["name"],
+                    "supervisor_pid": state["pid"],
+                    "run_dir": state["run_dir"],
+                    "registry": state["registry"],
+                    "actors": actors,
+                }
+            )
+        )
         return
     from rich.table import Table
 
@@ -169,15 +201,24 @@ def status(
     for col in ("role", "replica", "pid", "endpoint", "state", "inflight", "served"):
         table.add_column(col)
     for a in actors:
-        table.add_row(*(str(a[c]) for c in ("role", "replica", "pid", "endpoint", "state", "inflight", "served")))
+        table.add_row(
+            *(
+                str(a[c])
+                for c in ("role", "replica", "pid", "endpoint", "state", "inflight", "served")
+            )
+        )
     out.print(table)
 
 
 @app.command()
 def send(
     text: str | None = typer.Option(None, "--text", "-t", help="Text input."),
-    param: list[str] = typer.Option([], "--param", "-p", help="Request parameter KEY=VALUE (repeatable)."),
-    session: str = typer.Option("", "--session", help="Session id: continue a multi-turn dialogue."),
+    param: list[str] = typer.Option(
+        [], "--param", "-p", help="Request parameter KEY=VALUE (repeatable)."
+    ),
+    session: str = typer.Option(
+        "", "--session", help="Session id: continue a multi-turn dialogue."
+    ),
     timeout: float = typer.Option(60.0, "--timeout", help="Deadline in seconds."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object with outputs and timings."),
     name: str | None = NameOpt,
@@ -206,8 +247,14 @@ def send(
         try:
             async for event in conn.stream(inputs, params=params, session=session, timeout=timeout):
                 if isinstance(event, Output):
-                    outputs.append({"role": event.role, "seq": event.seq, "data": event.data,
-                                    "tensors": {k: list(v.shape) for k, v in event.tensors.items()}})
+                    outputs.append(
+                        {
+                            "role": event.role,
+                            "seq": event.seq,
+                            "data": event.data,
+                            "tensors": {k: list(v.shape) for k, v in event.tensors.items()},
+                        }
+                    )
                     if not as_json and isinstance(event.data.get("text"), str):
                         sys.stdout.write(event.data["text"])
                         sys.stdout.flush()
@@ -215,8 +262,18 @@ def send(
                     _report(event, outputs, as_json)
         except RequestFailed as e:
             if as_json:
-                print(json.dumps({"error": {"code": e.code, "role": e.role, "message": e.detail,
-                                            "request_id": e.request_id}}))
+                print(
+                    json.dumps(
+                        {
+                            "error": {
+                                "code": e.code,
+                                "role": e.role,
+                                "message": e.detail,
+                                "request_id": e.request_id,
+                            }
+                        }
+                    )
+                )
             else:
                 err.print(f"\n[red]request failed:[/] {e}")
             return EXIT_REQUEST
@@ -232,10 +289,21 @@ def _report(result: Any, outputs: list[dict[str, Any]], as_json: bool) -> None:
     for t in result.timings:
         timings[t.role] = timings.get(t.role, 0.0) + t.compute_ms
     if as_json:
-        text = "".join(o["data"].get("text", "") for o in outputs if isinstance(o["data"].get("text"), str))
-        print(json.dumps({"request_id": result.request_id, "text": text, "outputs": outputs,
-                          "timings_ms": timings, "latency_ms": result.latency_ms,
-                          "usage": result.usage}))
+        text = "".join(
+            o["data"].get("text", "") for o in outputs if isinstance(o["data"].get("text"), str)
+        )
+        print(
+            json.dumps(
+                {
+                    "request_id": result.request_id,
+                    "text": text,
+                    "outputs": outputs,
+                    "timings_ms": timings,
+                    "latency_ms": result.latency_ms,
+                    "usage": result.usage,
+                }
+            )
+        )
         return
     sys.stdout.write("\n")
     parts = ", ".join(f"{role} {ms:.2f} ms" for role, ms in timings.items())

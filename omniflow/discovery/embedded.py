@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
@@ -152,9 +151,7 @@ class EmbeddedRegistryServer:
 class EmbeddedRegistry:
     """A client of ``EmbeddedRegistryServer``; implements the ``Registry`` protocol."""
 
-    def __init__(
-        self, address: str, ctx: zmq.Context | None = None, timeout: float = 5.0
-    ) -> None:
+    def __init__(self, address: str, ctx: zmq.Context | None = None, timeout: float = 5.0) -> None:
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -203,7 +200,7 @@ class EmbeddedRegistry:
         self._drain()  # the send may have consumed the FD's edge
         try:
             reply = await asyncio.wait_for(fut, self._timeout if timeout is None else timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RegistryError("the embedded registry did not answer in time") from None
         finally:
             self._pending.pop(rid, None)

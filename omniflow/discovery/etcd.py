@@ -137,7 +137,7 @@ class EtcdRegistry:
         refresher = asyncio.create_task(self._refresh_while_waiting())
         try:
             await asyncio.wait_for(self._arrive(prefix, key, n, arrived), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(RegistryError):
                 await self.delete(key)
             raise RegistryError(

@@ -87,4 +87,3 @@ class RegistryView:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-

@@ -160,7 +160,7 @@ class Outbox:
             loop.add_reader(fd, _set_ready, ready)
             try:
                 await asyncio.wait_for(ready, min(remaining, 0.05))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass  # re-check: the connection may complete without an FD edge
             finally:
                 loop.remove_reader(fd)
