@@ -1,5 +1,6 @@
 """LLM engines: the protocol, the torch backend, the offline and asyncio-facing APIs."""
 
+from omniflow.engine.async_engine import AsyncEngine, EngineDeadError
 from omniflow.engine.llm import LLM, GenerationOutput
 from omniflow.engine.llm_engine import EngineConfig, LLMEngine
 from omniflow.engine.page_allocator import OutOfPages, PageAllocator, PageUsage, PrefixMatch
@@ -10,6 +11,8 @@ from omniflow.engine.sequence import EmbeddingSpan
 
 __all__ = [
     "LLM",
+    "AsyncEngine",
+    "EngineDeadError",
     "EmbeddingSpan",
     "EngineBackend",
     "EngineConfig",

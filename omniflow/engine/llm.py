@@ -1,7 +1,7 @@
 """Offline batch generation in the style of vLLM/SGLang:
 
-    llm = LLM(model_path)
-    outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+llm = LLM(model_path)
+outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ class LLM:
     ) -> list[GenerationOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = (
+            params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
         request_ids = []

@@ -62,7 +62,9 @@ class LLMEngine:
             parameter.dtype,
         )
         pages_for_all = config.max_num_seqs * -(-self.max_model_len // config.page_size)
-        num_pages = config.num_pages or max(1, min(config.kv_cache_bytes // per_page, pages_for_all))
+        num_pages = config.num_pages or max(
+            1, min(config.kv_cache_bytes // per_page, pages_for_all)
+        )
         self.cache = KVCache(
             model_config.num_hidden_layers,
             num_pages,
@@ -181,7 +183,9 @@ class LLMEngine:
 
     def _check_stop(self, sequence: Sequence) -> None:
         params, token = sequence.params, sequence.output_token_ids[-1]
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
             sequence.finish_reason, sequence.stop_reason = "stop", token
             return
         if params.stop:
@@ -190,7 +194,10 @@ class LLMEngine:
                 if stop in text:
                     sequence.finish_reason, sequence.stop_reason = "stop", stop
                     return
-        if len(sequence.output_token_ids) >= params.max_tokens or len(sequence) >= self.max_model_len:
+        if (
+            len(sequence.output_token_ids) >= params.max_tokens
+            or len(sequence) >= self.max_model_len
+        ):
             sequence.finish_reason = "length"
 
     @staticmethod

@@ -61,7 +61,9 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=device),
             PagedAttention(self.cache, batch, self.scale),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
-            embed_rows=torch.tensor(embed_rows, dtype=torch.long, device=device) if embed_rows else None,
+            embed_rows=torch.tensor(embed_rows, dtype=torch.long, device=device)
+            if embed_rows
+            else None,
             embed_values=torch.cat(embed_values).to(device) if embed_values else None,
         )
         return StepLogits(sampling, logits.float())

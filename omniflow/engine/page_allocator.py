@@ -40,7 +40,9 @@ class PageAllocator(Protocol):
         """Drop one reference to each page; unreferenced cached pages stay matchable."""
         ...
 
-    def match_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> PrefixMatch:
+    def match_prefix(
+        self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None
+    ) -> PrefixMatch:
         """Acquire the longest run of full cached pages that prefixes token_ids."""
         ...
 

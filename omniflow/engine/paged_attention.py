@@ -120,13 +120,17 @@ class PagedAttention:
             outputs.append(self._decode(q[: batch.num_decode_rows], layer_keys, layer_values))
         for segment in batch.prefills:
             rows = slice(segment.row_start, segment.row_end)
-            outputs.append(self._prefill(segment, q[rows], k[rows], v[rows], layer_keys, layer_values))
+            outputs.append(
+                self._prefill(segment, q[rows], k[rows], v[rows], layer_keys, layer_values)
+            )
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _decode(self, q, layer_keys, layer_values) -> torch.Tensor:
         slots = self.batch.decode_slots
         decodes, longest = slots.shape
-        keys = layer_keys.index_select(0, slots.view(-1)).view(decodes, longest, *layer_keys.shape[1:])
+        keys = layer_keys.index_select(0, slots.view(-1)).view(
+            decodes, longest, *layer_keys.shape[1:]
+        )
         values = layer_values.index_select(0, slots.view(-1)).view(keys.shape)
         out = F.scaled_dot_product_attention(
             q[:, :, None, :],

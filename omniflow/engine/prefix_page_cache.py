@@ -69,7 +69,9 @@ class HashPrefixPageCache:
                 else:
                     self.blank_pages.append(page)
 
-    def match_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> PrefixMatch:
+    def match_prefix(
+        self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None
+    ) -> PrefixMatch:
         pages: list[int] = []
         key = self.root_key
         for start in range(0, len(token_ids) - self.page_size + 1, self.page_size):
