@@ -217,8 +217,7 @@ class ActorHost:
                 if not is_marker:
                     await self._handle_chunk(stream, call, parts)
                 else:
-                    stream.credit += call.credit
-                    stream.timings += call.timings
+                    self._account(stream, call)
                 if call.last:
                     return
 
@@ -254,11 +253,16 @@ class ActorHost:
             log.exception("%s: request %s failed", self.role, call.request_id)
             await self._fail(stream, Code.ERROR, f"{type(e).__name__}: {e}")
 
-    async def _handle_chunk(self, stream: _Stream, call: Call, parts: list[Any]) -> None:
+    @staticmethod
+    def _account(stream: _Stream, call: Call) -> None:
+        """What a chunk brings besides its input: credit, upstream timings and usage."""
         stream.credit += call.credit
         stream.timings += call.timings
         for k, v in call.usage.items():
             stream.usage[k] = stream.usage.get(k, 0) + v
+
+    async def _handle_chunk(self, stream: _Stream, call: Call, parts: list[Any]) -> None:
+        self._account(stream, call)
         tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
         request = Request(
             call.request_id, call.data, tensors, call.params, call.session, call.seq, call.last

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -213,22 +214,39 @@ def status(
 @app.command()
 def send(
     text: str | None = typer.Option(None, "--text", "-t", help="Text input."),
+    image: list[Path] = typer.Option([], "--image", "-i", help="An image file (repeatable)."),
+    audio: Path | None = typer.Option(None, "--audio", "-a", help="A WAV file."),
+    want: str | None = typer.Option(
+        None, "--want", "-w", help="Output modalities, e.g. text,image,audio."
+    ),
     param: list[str] = typer.Option(
         [], "--param", "-p", help="Request parameter KEY=VALUE (repeatable)."
     ),
     session: str = typer.Option(
         "", "--session", help="Session id: continue a multi-turn dialogue."
     ),
+    out_dir: Path = typer.Option(
+        Path("out"), "--out", "-o", help="Where images and audio are written."
+    ),
     timeout: float = typer.Option(60.0, "--timeout", help="Deadline in seconds."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object with outputs and timings."),
+    as_json: bool = typer.Option(
+        False, "--json", help="One JSON object with outputs, files, timings, usage."
+    ),
     name: str | None = NameOpt,
     run_dir: Path | None = RunDirOpt,
 ) -> None:
-    """Send one request and stream its output."""
+    """Send one request: stream text to the terminal, write images (PNG) and audio (WAV) to --out."""
     state = _state(name, run_dir)
     inputs: dict[str, Any] = {}
     if text is not None:
         inputs["text"] = text
+    images = [_read_input(path, "--image") for path in image]
+    if len(images) == 1:
+        inputs["image"] = images[0]
+    elif images:
+        inputs["images"] = images
+    if audio is not None:
+        inputs["audio"] = _read_input(audio, "--audio")
     params: dict[str, Any] = {}
     for item in param:
         key, sep, value = item.partition("=")
@@ -236,30 +254,27 @@ def send(
             err.print(f"[red]--param {item!r}: expected KEY=VALUE[/]")
             raise typer.Exit(EXIT_USAGE)
         params[key] = _parse_value(value)
+    if want is not None:
+        params["want"] = want
     import uvloop
 
+    from omniflow.cli.outputs import OutputWriter
     from omniflow.client import Output, RequestFailed
     from omniflow.runtime import connect
 
     async def run() -> int:
         conn = await connect(run_dir=state["run_dir"])
-        outputs: list[dict[str, Any]] = []
+        request_id = uuid.uuid4().hex
+        writer = OutputWriter(out_dir, request_id, echo=not as_json)
         try:
-            async for event in conn.stream(inputs, params=params, session=session, timeout=timeout):
+            async for event in conn.stream(
+                inputs, params=params, session=session, timeout=timeout, request_id=request_id
+            ):
                 if isinstance(event, Output):
-                    outputs.append(
-                        {
-                            "role": event.role,
-                            "seq": event.seq,
-                            "data": event.data,
-                            "tensors": {k: list(v.shape) for k, v in event.tensors.items()},
-                        }
-                    )
-                    if not as_json and isinstance(event.data.get("text"), str):
-                        sys.stdout.write(event.data["text"])
-                        sys.stdout.flush()
+                    writer.add(event)
                 else:
-                    _report(event, outputs, as_json)
+                    writer.finish()
+                    _report(event, writer, as_json)
         except RequestFailed as e:
             if as_json:
                 print(
@@ -284,20 +299,26 @@ def send(
     raise typer.Exit(uvloop.run(run()))
 
 
-def _report(result: Any, outputs: list[dict[str, Any]], as_json: bool) -> None:
+def _read_input(path: Path, option: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        err.print(f"[red]{option} {path}: cannot read: {e.strerror}[/]")
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def _report(result: Any, writer: Any, as_json: bool) -> None:
     timings: dict[str, float] = {}
     for t in result.timings:
         timings[t.role] = timings.get(t.role, 0.0) + t.compute_ms
     if as_json:
-        text = "".join(
-            o["data"].get("text", "") for o in outputs if isinstance(o["data"].get("text"), str)
-        )
         print(
             json.dumps(
                 {
                     "request_id": result.request_id,
-                    "text": text,
-                    "outputs": outputs,
+                    "text": writer.text,
+                    "outputs": writer.outputs,
+                    "files": writer.files,
                     "timings_ms": timings,
                     "latency_ms": result.latency_ms,
                     "usage": result.usage,
@@ -305,9 +326,15 @@ def _report(result: Any, outputs: list[dict[str, Any]], as_json: bool) -> None:
             )
         )
         return
-    sys.stdout.write("\n")
-    parts = ", ".join(f"{role} {ms:.2f} ms" for role, ms in timings.items())
+    if writer.text:
+        sys.stdout.write("\n")
+    for path in writer.files:
+        err.print(f"wrote {path}")
+    parts = ", ".join(f"{role} {ms:.1f} ms" for role, ms in timings.items())
+    usage = ", ".join(f"{k} {v}" for k, v in sorted(result.usage.items()))
     err.print(f"[dim]{result.latency_ms:.1f} ms end to end; compute: {parts}[/]")
+    if usage:
+        err.print(f"[dim]usage: {usage}[/]")
 
 
 def _parse_value(value: str) -> Any:

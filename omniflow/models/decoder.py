@@ -151,6 +151,19 @@ class DecoderLM(nn.Module):
         x = self.model.norm(x)
         return nn.functional.linear(x, self.output_weight)
 
+    def hidden_states(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states [T, hidden] of one causal sequence of input embeddings.
+
+        A plain (non-paged) forward for heads that read hidden states rather than
+        logits: the image/audio depth heads, and diffusion over latent tokens.
+        """
+        positions = torch.arange(inputs_embeds.shape[0], device=inputs_embeds.device)
+        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        x = inputs_embeds
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, _causal_attention)
+        return self.model.norm(x)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this module; returns the names loaded."""
         params = dict(self.named_parameters())
@@ -198,3 +211,17 @@ class DecoderLM(nn.Module):
             else:
                 names.add(name)
         return names
+
+
+def _causal_attention(
+    layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention over one sequence; q [T, H, d], k/v [T, KV, d] (GQA repeats k/v)."""
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+    out = nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    )
+    return out.transpose(0, 1)

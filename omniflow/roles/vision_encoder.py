@@ -2,6 +2,7 @@
 
 Input (one of):
     data["image"]: bytes          an encoded image (PNG, JPEG, anything Pillow reads)
+    data["images"]: [bytes, ...]  several; then image_spans lists [hash, tokens] per image
     tensors["image"]: uint8 [H, W, 3]
 Output:
     image_embeds: float32 [N, hidden_size]   one LLM input vector per token
@@ -117,26 +118,46 @@ class VisionEncoderRole(Actor):
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
-        raw = request.data.get("image")
-        if raw is None and "image" in request.tensors:
-            pixels = request.tensors["image"]
+        images = request.data.get("images")
+        if images is None:
+            return await self._one(
+                request.data.get("image"), request.tensors.get("image"), ctx, "image"
+            )
+        if not isinstance(images, list) or not images:
+            raise BadRequest("images", "expected a non-empty list of encoded images")
+        outputs = [await self._one(raw, None, ctx, f"images[{i}]") for i, raw in enumerate(images)]
+        # Several images: embeddings back to back; image_spans says which rows are which.
+        return {
+            "image_embeds": torch.cat([o["image_embeds"] for o in outputs]),
+            "image_codes": torch.cat([o["image_codes"] for o in outputs]),
+            "image_grid": outputs[-1]["image_grid"],
+            "image_spans": [[o["image_hash"], int(o["image_embeds"].shape[0])] for o in outputs],
+        }
+
+    async def _one(self, raw: Any, pixels: Any, ctx: Context, field: str) -> dict[str, Any]:
+        if raw is None and pixels is not None:
             self._check_pixels(pixels)
             blob = repr(tuple(pixels.shape)).encode() + pixels.contiguous().numpy().tobytes()
             key = await _hash(blob)
             source: bytes | torch.Tensor = pixels
         elif isinstance(raw, (bytes, bytearray, memoryview)):
             if len(raw) > self.max_bytes:
-                raise BadRequest("image", f"{len(raw)} bytes exceeds the limit of {self.max_bytes}")
+                raise BadRequest(field, f"{len(raw)} bytes exceeds the limit of {self.max_bytes}")
             source = bytes(raw)
             key = await _hash(source)
         else:
             got = "nothing" if raw is None else type(raw).__name__
-            raise BadRequest("image", f"expected encoded image bytes or a uint8 tensor, got {got}")
+            raise BadRequest(field, f"expected encoded image bytes or a uint8 tensor, got {got}")
         cached = self.cache.get(key)
         if cached is not None:
             ctx.add_usage(encoder_cache_hits=1)
             return dict(cached)
-        output = await self._run(self._encode, source)
+        try:
+            output = await self._run(self._encode, source)
+        except BadRequest as e:
+            if field == "image":
+                raise
+            raise BadRequest(field, str(e).split(": ", 1)[-1]) from None
         output["image_hash"] = key
         self.cache.put(key, output)
         return dict(output)

@@ -24,13 +24,30 @@ from torch import nn
 from omniflow.models.omni.audio import AudioConfig, AudioTokenizer
 from omniflow.models.omni.audio_decoder import AudioDecoder, AudioDecoderConfig
 from omniflow.models.omni.depth_head import DepthHead, DepthHeadConfig
+from omniflow.models.omni.embedder import CodeEmbedder
 from omniflow.models.omni.image_decoder import ImageDecoder, ImageDecoderConfig
 from omniflow.models.omni.vision import VisionConfig, VisionTokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
+@dataclasses.dataclass
+class CodeEmbedderConfig:
+    codebook_sizes: list[int] = dataclasses.field(default_factory=lambda: [1024] * 8)
+    code_dim: int = 32
+    hidden_size: int = 64
+
+
+class StoredCodeEmbedder(CodeEmbedder):
+    """A CodeEmbedder saved on its own (the LLM's input side for generated codes)."""
+
+    def __init__(self, config: CodeEmbedderConfig) -> None:
+        super().__init__(config.codebook_sizes, config.code_dim, config.hidden_size)
+        self.config = config
+
+
 KINDS: dict[str, tuple[type, type[nn.Module]]] = {
+    "code_embedder": (CodeEmbedderConfig, StoredCodeEmbedder),
     "vision": (VisionConfig, VisionTokenizer),
     "audio": (AudioConfig, AudioTokenizer),
     "depth_head": (DepthHeadConfig, DepthHead),

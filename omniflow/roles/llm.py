@@ -1,0 +1,327 @@
+"""``llm`` role: the LongCat-style omni LLM — text in/out, image and audio tokens out.
+
+Input (joined from the client and the encoders):
+    data["text"]: str                      the user's turn
+    tensors["image_embeds"] [N, hidden], data["image_hash"]    from vision_encoder (optional)
+    tensors["audio_embeds"] [M, hidden], data["audio_hash"]    from audio_encoder (optional)
+    params: want ("text,image,audio"), max_tokens, temperature, top_p, top_k, seed,
+            image_grid [h, w], cfg_scale, audio_chunks, audio_chunk_tokens
+    session (the request's): continue that dialogue; its tokens are the prompt's prefix
+Output (streamed):
+    {"text": str}                          text deltas (to the client)
+    {"image_codes": int64 [h*w, 8], "image_grid": [h, w]}   (routes to image_decoder)
+    {"audio_codes": int64 [n, 8], "index": i}               chunks (stream to audio_decoder)
+
+Text runs through the paged engine (continuous batching, prefix cache keyed by the
+media's content hashes, so a later turn reuses every earlier turn's KV). Image and audio
+tokens are decoded the LongCat way: the LLM's hidden state feeds a depth head that
+predicts the 8 codebook ids of one token, whose embedding is the next input. Image tokens
+use classifier-free guidance against a paired unconditional sequence (the prompt without
+the user's turn) in the same process. Random weights cannot choose a modality, so
+``want`` forces which outputs are made.
+
+Options: ``model_path`` (tiny model built there if empty), ``device``, ``seed``,
+``hidden_size`` (for that build; must match the encoders'), ``kv_cache_mb``,
+``max_tokens`` (default cap 64), ``max_sessions``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, SamplingParams
+from omniflow.models.loader import load_tokenizer
+from omniflow.models.omni import load_depth_head
+from omniflow.models.omni.loader import ensure_model, load_model
+from omniflow.models.tiny import build_tiny_model
+
+AUDIO_CODEBOOKS = [8192, 4096, 2048] + [1024] * 5
+IMAGE_CODEBOOKS = [1024] * 8
+_SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+)
+
+
+class _Session:
+    __slots__ = ("tokens", "spans")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.spans: list[EmbeddingSpan] = []
+
+
+class LLMRole(Actor):
+    async def setup(self) -> None:
+        torch.set_num_threads(int(self.options.get("threads", 1)))
+        self.path = Path(self.options.get("model_path", "models/longcat-tiny/llm"))
+        hidden = int(self.options.get("hidden_size", 64))
+        seed = int(self.options.get("seed", 0))
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-heads")
+        await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._build_if_missing, hidden, seed
+        )
+        device = self.options.get("device", "cpu")
+        config = EngineConfig(
+            device=device, kv_cache_bytes=int(self.options.get("kv_cache_mb", 64)) << 20
+        )
+        self.tokenizer = load_tokenizer(self.path)
+        self.engine = AsyncEngine.from_path(self.path, config)
+        self.model = self.engine.backend.model  # the heads share the engine's weights
+        omni = self.path / "omni"
+        self.image_head = load_depth_head(omni / "image_head", device)
+        self.audio_head = load_depth_head(omni / "audio_head", device)
+        self.image_embedder = load_model("code_embedder", omni / "image_embedder", device)
+        self.audio_embedder = load_model("code_embedder", omni / "audio_embedder", device)
+        self.hidden_size = self.model.config.hidden_size
+        # Media positions hold a placeholder id; their embeddings replace its embedding.
+        self.placeholder = self.tokenizer.tokenizer.token_to_id("<pad>") or 0
+        self.bos = self.tokenizer.encode("", add_special_tokens=True)
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.max_sessions = int(self.options.get("max_sessions", 1024))
+        self._ids = itertools.count()
+
+    def _build_if_missing(self, hidden: int, seed: int) -> None:
+        if not (self.path / "config.json").is_file():
+            build_tiny_model(self.path, "llama-mha", seed=seed, hidden_size=hidden, vocab_size=512)
+        omni = self.path / "omni"
+        ensure_model(
+            "depth_head",
+            omni / "image_head",
+            seed + 1,
+            hidden_size=hidden,
+            codebook_sizes=IMAGE_CODEBOOKS,
+        )
+        ensure_model(
+            "depth_head",
+            omni / "audio_head",
+            seed + 2,
+            hidden_size=hidden,
+            codebook_sizes=AUDIO_CODEBOOKS,
+        )
+        ensure_model(
+            "code_embedder",
+            omni / "image_embedder",
+            seed + 3,
+            hidden_size=hidden,
+            codebook_sizes=IMAGE_CODEBOOKS,
+        )
+        ensure_model(
+            "code_embedder",
+            omni / "audio_embedder",
+            seed + 4,
+            hidden_size=hidden,
+            codebook_sizes=AUDIO_CODEBOOKS,
+        )
+
+    async def close(self) -> None:
+        await self.engine.close()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ requests
+
+    async def handle(self, request: Request, ctx: Context):
+        want = _want(request.params)
+        text = request.data.get("text", "")
+        if not isinstance(text, str):
+            raise BadRequest("text", f"expected a string, got {type(text).__name__}")
+        session = self._session(request.session)
+        turn, spans = self._turn(request, text, len(session.tokens))
+        prompt = session.tokens + turn
+        all_spans = session.spans + spans
+        params = self._sampling(request)
+        generated: list[int] = []
+        if "text" in want:
+            rid = f"{request.request_id}-{next(self._ids)}"
+            shown = ""
+            first = True
+            async for delta in self.engine.generate(rid, prompt, params, all_spans or None):
+                if first:
+                    ctx.add_usage(cached_tokens=delta.num_cached_tokens)
+                    first = False
+                generated += delta.token_ids
+                full = self.tokenizer.decode(generated)
+                # A byte-level token may end mid-character: hold it back until complete.
+                if full.endswith("\ufffd") and delta.finish_reason is None:
+                    continue
+                if len(full) > len(shown):
+                    yield {"text": full[len(shown) :]}
+                    shown = full
+            ctx.add_usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
+        if request.session:  # the next turn starts from all of this one, reply included
+            session.tokens = prompt + generated
+            session.spans = all_spans
+        if "image" in want or "audio" in want:
+            context = self._embed(prompt + generated, all_spans)
+            unconditional = self._embed(session.tokens[: len(self.bos)] or self.bos, [])
+            if "image" in want:
+                yield await self._image(request, context, unconditional)
+            if "audio" in want:
+                async for chunk in self._audio(request, context):
+                    yield chunk
+
+    def _session(self, session_id: str) -> _Session:
+        if not session_id:
+            return _Session()
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = self.sessions[session_id] = _Session()
+            while len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+        self.sessions.move_to_end(session_id)
+        return session
+
+    def _turn(
+        self, request: Request, text: str, offset: int
+    ) -> tuple[list[int], list[EmbeddingSpan]]:
+        """This turn's tokens: media placeholders first, then the text; spans at the placeholders."""
+        tokens: list[int] = [] if offset else list(self.bos)
+        spans: list[EmbeddingSpan] = []
+        for kind in ("image", "audio"):
+            embeds = request.tensors.get(f"{kind}_embeds")
+            if embeds is None:
+                continue
+            if embeds.dim() != 2 or embeds.shape[1] != self.hidden_size:
+                raise BadRequest(
+                    f"{kind}_embeds", f"expected [n, {self.hidden_size}], got {list(embeds.shape)}"
+                )
+            pieces = request.data.get(f"{kind}_spans") or [
+                [request.data.get(f"{kind}_hash") or _tensor_hash(embeds), embeds.shape[0]]
+            ]
+            if sum(int(n) for _, n in pieces) != embeds.shape[0]:
+                raise BadRequest(f"{kind}_spans", "token counts do not add up to the embeddings")
+            row = 0
+            for content_hash, n in pieces:
+                # The content hash, not the placeholder id, keys these positions in the
+                # prefix cache: two images of equal size never share KV.
+                part = embeds[row : row + int(n)].float().clone()
+                spans.append(EmbeddingSpan(offset + len(tokens), part, (kind, content_hash)))
+                tokens += [self.placeholder] * int(n)
+                row += int(n)
+        tokens += self.tokenizer.encode(f"user: {text}\nassistant:", add_special_tokens=False)
+        return tokens, spans
+
+    def _sampling(self, request: Request) -> SamplingParams:
+        values = {k: request.params[k] for k in _SAMPLING_KEYS if k in request.params}
+        values.setdefault("max_tokens", 16)
+        cap = int(self.options.get("max_tokens", 64))
+        if isinstance(values["max_tokens"], int) and values["max_tokens"] > cap:
+            raise BadRequest(
+                "params.max_tokens", f"{values['max_tokens']} exceeds this role's cap of {cap}"
+            )
+        try:
+            return SamplingParams.from_dict(values, request.request_id)
+        except (TypeError, ValueError) as e:
+            raise BadRequest("params", str(e)) from None
+
+    # ------------------------------------------------------------------ image and audio tokens
+
+    def _embed(self, tokens: list[int], spans: list[EmbeddingSpan]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        with torch.inference_mode():
+            x = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=device)).clone()
+            for span in spans:
+                x[span.start : span.start + len(span.embeddings)] = span.embeddings.to(x.dtype)
+        return x
+
+    async def _image(
+        self, request: Request, context: torch.Tensor, uncond: torch.Tensor
+    ) -> dict[str, Any]:
+        grid = request.params.get("image_grid", [4, 4])
+        if not (
+            isinstance(grid, list)
+            and len(grid) == 2
+            and all(isinstance(g, int) and 1 <= g <= 32 for g in grid)
+        ):
+            raise BadRequest(
+                "params.image_grid", f"expected [h, w] with 1..32 tokens each, got {grid!r}"
+            )
+        scale = float(request.params.get("cfg_scale", 2.0))
+        seed = int(request.params.get("seed", 0))
+        codes = await asyncio.get_running_loop().run_in_executor(
+            self._executor,
+            self._generate_codes,
+            context,
+            uncond,
+            grid[0] * grid[1],
+            self.image_head,
+            self.image_embedder,
+            scale,
+            seed,
+        )
+        return {"image_codes": codes, "image_grid": list(grid)}
+
+    async def _audio(self, request: Request, context: torch.Tensor):
+        chunks = int(request.params.get("audio_chunks", 3))
+        per_chunk = int(request.params.get("audio_chunk_tokens", 4))
+        if not (1 <= chunks <= 64 and 1 <= per_chunk <= 256):
+            raise BadRequest("params.audio_chunks", "expected 1..64 chunks of 1..256 tokens")
+        seed = int(request.params.get("seed", 0))
+        loop = asyncio.get_running_loop()
+        for index in range(chunks):
+            codes = await loop.run_in_executor(
+                self._executor,
+                self._generate_codes,
+                context,
+                None,
+                per_chunk,
+                self.audio_head,
+                self.audio_embedder,
+                1.0,
+                seed + index,
+            )
+            context = torch.cat([context, self._embed_codes(self.audio_embedder, codes)])
+            yield {"audio_codes": codes, "index": index}  # streams on while the next is made
+
+    def _embed_codes(self, embedder: Any, codes: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return embedder(codes)
+
+    @torch.inference_mode()
+    def _generate_codes(self, context, uncond, n, head, embedder, scale, seed) -> torch.Tensor:
+        """n tokens of 8 ids each: hidden state -> depth head -> ids -> embedding -> next input."""
+        generator = torch.Generator().manual_seed(seed)
+        rows = []
+        for _ in range(n):
+            hidden = self.model.hidden_states(context)[-1:]
+            if uncond is not None and scale != 1.0:
+                base = self.model.hidden_states(uncond)[-1:]
+                hidden = base + scale * (hidden - base)
+            ids = head.generate(hidden, temperature=0.0, generator=generator)
+            rows.append(ids)
+            step = embedder(ids).to(context.dtype)
+            context = torch.cat([context, step])
+            if uncond is not None:
+                uncond = torch.cat([uncond, step])
+        return torch.cat(rows)
+
+
+def _want(params: dict[str, Any]) -> set[str]:
+    want = params.get("want", "text")
+    kinds = {w.strip() for w in (want.split(",") if isinstance(want, str) else want)}
+    unknown = kinds - {"text", "image", "audio"}
+    if unknown or not kinds:
+        raise BadRequest("params.want", f"expected some of text,image,audio; got {want!r}")
+    return kinds
+
+
+def _tensor_hash(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.blake2b(t.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
