@@ -40,7 +40,7 @@ class _Stream:
         "compute",
         "timings",
         "usage",
-        "last_output",
+        "last_output", "arrived",
     )
 
     def __init__(self, call: Call, fanout: Fanout, ctx: Context) -> None:
@@ -54,6 +54,7 @@ class _Stream:
         self.timings: list[Timing] = []
         self.usage: dict[str, int] = {}
         self.last_output: Any = None
+        self.arrived = time.time()
 
 
 class ActorHost:
@@ -236,7 +237,9 @@ class ActorHost:
                         await work()
                 else:
                     await work()
-            stream.timings.append(Timing(self.role, self.actor.replica, stream.compute * 1e3))
+            stream.timings.append(
+                Timing(self.role, self.actor.replica, stream.compute * 1e3, stream.arrived, time.time())
+            )
             await stream.fanout.finish(
                 stream.credit, stream.timings, stream.usage, stream.last_output
             )

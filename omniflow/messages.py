@@ -67,11 +67,17 @@ TensorRef = Frame | Shm | CudaIpc
 
 
 class Timing(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Time one role spent computing for one request (milliseconds)."""
+    """Time one role spent computing for one request (milliseconds), and when.
+
+    ``arrived`` and ``left`` are wall-clock (time.time()) instants: the first input
+    chunk reached the actor, and its outputs were about to be sent onward.
+    """
 
     role: str
     replica: int
     compute_ms: float
+    arrived: float = 0.0
+    left: float = 0.0
 
 
 class Join(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
