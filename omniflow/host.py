@@ -16,8 +16,10 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
+
 from omniflow.actor import Actor, BadRequest, Context, Request
-from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Timing
+from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing
 from omniflow.routing import Fanout, RouteError, Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
 from omniflow.transport.tensors import TensorError
@@ -40,7 +42,8 @@ class _Stream:
         "compute",
         "timings",
         "usage",
-        "last_output", "arrived",
+        "last_output",
+        "arrived",
     )
 
     def __init__(self, call: Call, fanout: Fanout, ctx: Context) -> None:
@@ -71,9 +74,8 @@ class ActorHost:
         self._slots = asyncio.Semaphore(max_concurrency)
         self._max_pending = max_concurrency + max_queue
         self._streams: dict[tuple[str, int], _Stream] = {}  # (request id, hops)
-        self._joins: dict[str, list[Call]] = {}
+        self._joins: dict[str, list[tuple[Call, list[Any]]]] = {}
         self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
-        self._frames: dict[str, list[Any]] = {}
         self._is_gen = inspect.isasyncgenfunction(actor.handle)
         self.accepting = True
         self.served = 0
@@ -138,53 +140,47 @@ class ActorHost:
         return stream
 
     def _join_part(self, call: Call, parts: list[Any]) -> None:
+        join = call.join
+        assert join is not None
         buffered = self._joins.setdefault(call.request_id, [])
-        buffered.append(call)
-        self._frames[f"{call.request_id}/{call.join.part}/{call.seq}"] = parts
-        done_parts = {c.join.part for c in buffered if c.last}
-        if len(done_parts) < call.join.parts:
+        buffered.append((call, parts))
+        done_parts = {c.join.part for c, _ in buffered if c.last and c.join is not None}
+        if len(done_parts) < join.parts:
             return
         del self._joins[call.request_id]
         merged, frames = self._merge_join(buffered)
         self._on_call(merged, frames)
 
-    def _merge_join(self, calls: list[Call]) -> tuple[Call, list[Any]]:
-        calls.sort(key=lambda c: (c.join.part, c.seq))
+    def _merge_join(self, buffered: list[tuple[Call, list[Any]]]) -> tuple[Call, list[Any]]:
+        """One Call holding every part's inputs, in part order; Frame refs renumbered."""
+        buffered.sort(key=lambda item: (item[0].join.part if item[0].join else 0, item[0].seq))
         frames: list[Any] = [b""]
         data: dict[str, Any] = {}
         refs: dict[str, Any] = {}
-        first = calls[0]
-        credit, timings, usage = 0, [], {}
-        for c in calls:
-            parts = self._frames.pop(f"{c.request_id}/{c.join.part}/{c.seq}")
+        credit, timings, usage = 0, [], {}  # type: ignore[var-annotated]
+        for c, parts in buffered:
             data.update(c.data)
             for name, ref in c.tensors.items():
-                if hasattr(ref, "index"):  # Frame refs point into this call's own frames
+                if isinstance(ref, Frame):  # it points into this part's own frames
                     frames.append(parts[ref.index])
-                    ref = type(ref)(len(frames) - 1, ref.dtype, ref.shape)
+                    ref = msgspec.structs.replace(ref, index=len(frames) - 1)
                 refs[name] = ref
             credit += c.credit
             timings += c.timings
             for k, v in c.usage.items():
                 usage[k] = usage.get(k, 0) + v
-        merged = Call(
-            first.request_id,
-            self.role,
-            first.reply_to,
-            data,
-            refs,
-            first.params,
-            0,
-            True,
-            credit,
-            first.deadline,
-            first.session,
-            first.origin,
-            None,
-            timings,
-            usage,
-            first.hops,
-            first.loops,
+        first = buffered[0][0]
+        merged = msgspec.structs.replace(
+            first,
+            role=self.role,
+            data=data,
+            tensors=refs,
+            seq=0,
+            last=True,
+            credit=credit,
+            join=None,
+            timings=timings,
+            usage=usage,
         )
         return merged, frames
 
@@ -238,7 +234,9 @@ class ActorHost:
                 else:
                     await work()
             stream.timings.append(
-                Timing(self.role, self.actor.replica, stream.compute * 1e3, stream.arrived, time.time())
+                Timing(
+                    self.role, self.actor.replica, stream.compute * 1e3, stream.arrived, time.time()
+                )
             )
             await stream.fanout.finish(
                 stream.credit, stream.timings, stream.usage, stream.last_output

@@ -26,7 +26,7 @@ import zmq
 
 import omniflow
 from omniflow.config import Config, to_json
-from omniflow.discovery import EmbeddedRegistryServer, actor_key, open_registry
+from omniflow.discovery import EmbeddedRegistryServer, Registry, actor_key, open_registry
 from omniflow.messages import Hello, Ready, SetupFailed, Shutdown
 from omniflow.transport.codec import BadMessage, decode, decoder_for
 from omniflow.transport.endpoint import Inbox
@@ -81,7 +81,7 @@ class Supervisor:
         self.stopped = asyncio.Event()
         self._stopping = False
         self._tasks: set[asyncio.Task] = set()
-        self._registry = None
+        self._registry: Registry | None = None
         self.generation = f"{os.getpid()}-{int(time.time() * 1000)}"  # names one start's barriers
 
     @property
@@ -268,18 +268,18 @@ class Supervisor:
         for task in list(self._tasks):
             if task is not asyncio.current_task():
                 task.cancel()
-        live = [r for r in self.replicas if r.proc is not None and r.proc.poll() is None]
-        for r in live:
+        live = [(r, r.proc) for r in self.replicas if r.proc is not None and r.proc.poll() is None]
+        for _, proc in live:
             with contextlib.suppress(ProcessLookupError):
-                r.proc.send_signal(signal.SIGTERM)
-        exits = [r.exited for r in live if r.exited is not None]
+                proc.send_signal(signal.SIGTERM)
+        exits = [r.exited for r, _ in live if r.exited is not None]
         if exits:
             _, late = await asyncio.wait(exits, timeout=self.config.runtime.drain_timeout_s + 2.0)
-            for r in live:
+            for r, proc in live:
                 if r.exited in late:
                     log.warning("%s did not stop in time; killing it", r.actor_id)
                     with contextlib.suppress(ProcessLookupError):
-                        r.proc.kill()
+                        proc.kill()
             if late:
                 await asyncio.wait(late, timeout=5.0)
         for r in self.replicas:

@@ -34,7 +34,7 @@ from omniflow.messages import ActorRecord, Hello, Ready, SetupFailed, Shutdown
 from omniflow.resources import budget_after_barrier
 from omniflow.routing import Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
-from omniflow.transport.endpoint import Inbox, Outbox
+from omniflow.transport.endpoint import Inbox, Outbox, fd_of
 
 log = logging.getLogger("omniflow.worker")
 _control_decoder = decoder_for(Shutdown)
@@ -78,7 +78,7 @@ class Worker:
         control = self.ctx.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 1000)
         control.connect(control_address)
-        loop.add_reader(control.getsockopt(zmq.FD), self._on_control, control)
+        loop.add_reader(fd_of(control), self._on_control, control)
         pid = os.getpid()
         control.send(encode(Hello(self.role, self.replica, pid)))
         registry = open_registry(registry_address)

@@ -28,7 +28,7 @@ from omniflow.messages import (
     RegWatch,
 )
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
-from omniflow.transport.endpoint import Inbox
+from omniflow.transport.endpoint import Inbox, fd_of
 
 _request_decoder = decoder_for(RegistryRequest)
 _reply_decoder = decoder_for(RegistryMessage)
@@ -167,7 +167,7 @@ class EmbeddedRegistry:
     def _ensure_reader(self) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+            self._loop.add_reader(fd_of(self._sock), self._drain)
 
     def _drain(self) -> None:
         while not self._closed:
@@ -256,7 +256,7 @@ class EmbeddedRegistry:
         self._closed = True
         if self._loop is not None and not self._loop.is_closed():
             try:
-                self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+                self._loop.remove_reader(fd_of(self._sock))
             except (ValueError, OSError, zmq.ZMQError):
                 pass
         for fut in self._pending.values():

@@ -83,7 +83,7 @@ class LLMRole(Actor):
         )
         self.tokenizer = load_tokenizer(self.path)
         self.engine = AsyncEngine.from_path(self.path, config)
-        self.model = self.engine.backend.model  # the heads share the engine's weights
+        self.model = self.engine.backend.model  # type: ignore[attr-defined]  # shared weights
         omni = self.path / "omni"
         self.image_head = load_depth_head(omni / "image_head", device)
         self.audio_head = load_depth_head(omni / "audio_head", device)

@@ -65,7 +65,7 @@ class Inbox:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+        self._loop.add_reader(fd_of(self._sock), self._drain)
         self._loop.call_soon(self._drain)  # messages that arrived before the reader
 
     def _drain(self) -> None:
@@ -98,7 +98,7 @@ class Inbox:
         self._closed = True
         if self._loop is not None and not self._loop.is_closed():
             try:
-                self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+                self._loop.remove_reader(fd_of(self._sock))
             except (ValueError, OSError, zmq.ZMQError):
                 pass
         self._sock.close(0)
@@ -149,7 +149,7 @@ class Outbox:
         sock = self._socks[address]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.send_timeout if timeout is None else timeout)
-        fd = sock.getsockopt(zmq.FD)
+        fd = fd_of(sock)
         while True:
             if sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT and self.try_send(address, parts):
                 return
@@ -194,6 +194,11 @@ class Outbox:
         for sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
+
+
+def fd_of(sock: zmq.Socket) -> int:
+    """The socket's notification FD, for the loop's reader (edge-triggered)."""
+    return int(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]
 
 
 def _set_ready(fut: asyncio.Future) -> None:

@@ -31,6 +31,7 @@ from omniflow.models.omni.vision import VisionConfig, VisionTokenizer
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
+
 @dataclasses.dataclass
 class CodeEmbedderConfig:
     codebook_sizes: list[int] = dataclasses.field(default_factory=lambda: [1024] * 8)
