@@ -1,0 +1,34 @@
+"""Memory and what lives in it: the host page pool, its leases, the SSD tier below it.
+
+``omniflow.cache.cuda_ipc`` (device-side pool, CUDA IPC handles) is imported on its own:
+it pulls in cupy when installed.
+"""
+
+from omniflow.cache.config import CacheConfig, format_size, parse_size
+from omniflow.cache.errors import (
+    InvalidHandle,
+    PoolError,
+    PoolExhausted,
+    SsdCorruption,
+    SsdError,
+    StaleLease,
+)
+from omniflow.cache.pool import Lease, PagePool, PoolStats, PoolTensor, Reclaimed, unlink_pool
+
+__all__ = [
+    "CacheConfig",
+    "InvalidHandle",
+    "Lease",
+    "PagePool",
+    "PoolError",
+    "PoolExhausted",
+    "PoolStats",
+    "PoolTensor",
+    "Reclaimed",
+    "SsdCorruption",
+    "SsdError",
+    "StaleLease",
+    "format_size",
+    "parse_size",
+    "unlink_pool",
+]
