@@ -14,6 +14,8 @@ from omniflow.cache.errors import (
     StaleLease,
 )
 from omniflow.cache.pool import Lease, PagePool, PoolStats, PoolTensor, Reclaimed, unlink_pool
+from omniflow.cache.ssd import SsdBlock, SsdStore
+from omniflow.cache.tiers import TieredCache
 
 __all__ = [
     "CacheConfig",
@@ -25,9 +27,12 @@ __all__ = [
     "PoolStats",
     "PoolTensor",
     "Reclaimed",
+    "SsdBlock",
     "SsdCorruption",
     "SsdError",
+    "SsdStore",
     "StaleLease",
+    "TieredCache",
     "format_size",
     "parse_size",
     "unlink_pool",

@@ -19,7 +19,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
-ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()}
+ITEMSIZE: dict[str, int] = {
+    k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -36,7 +36,9 @@ SLOT_MASK = (1 << SLOT_BITS) - 1
 SUPER_QWORDS = 32
 SLOT_QWORDS = 8
 # superblock fields
-_MAGIC, _VERSION, _PAGE_SIZE, _N_PAGES, _N_SLOTS, _DATA_OFFSET, _TOTAL, _GEN, _USED, _LIVE = range(10)
+_MAGIC, _VERSION, _PAGE_SIZE, _N_PAGES, _N_SLOTS, _DATA_OFFSET, _TOTAL, _GEN, _USED, _LIVE = range(
+    10
+)
 # slot fields
 _LEASE, _START, _NPAGES, _NBYTES, _REFS, _ANON, _AUX, _PID = range(SLOT_QWORDS)
 
@@ -65,7 +67,9 @@ def plan(page_size: int, n_pages: int, n_tickets: int = 4096) -> Layout:
         offsets.append(at)
         at = _align(at + nbytes, 64)
     data_offset = _align(at, max(4096, min(page_size, 1 << 21)))
-    return Layout(page_size, n_pages, n_slots, *offsets, data_offset, data_offset + n_pages * page_size)
+    return Layout(
+        page_size, n_pages, n_slots, *offsets, data_offset, data_offset + n_pages * page_size
+    )
 
 
 def _align(n: int, a: int) -> int:
@@ -81,8 +85,12 @@ class PageTable:
         self.n_slots = lay.n_slots
         # Memoryviews give fast scalar access (Python ints); numpy views serve bulk work.
         self._super = memoryview(buf)[: SUPER_QWORDS * 8].cast("q")
-        self._slots = memoryview(buf)[lay.slots : lay.slots + 8 * SLOT_QWORDS * lay.n_slots].cast("q")
-        self._holders = memoryview(buf)[lay.holders : lay.holders + 8 * HOLDERS * lay.n_slots].cast("i")
+        self._slots = memoryview(buf)[lay.slots : lay.slots + 8 * SLOT_QWORDS * lay.n_slots].cast(
+            "q"
+        )
+        self._holders = memoryview(buf)[lay.holders : lay.holders + 8 * HOLDERS * lay.n_slots].cast(
+            "i"
+        )
         self._page_used = np.frombuffer(buf, np.uint8, lay.n_pages, lay.page_used)
         self._slot_used = np.frombuffer(buf, np.uint8, lay.n_slots, lay.slot_used)
         self._page_slot = np.frombuffer(buf, np.int32, lay.n_pages, lay.page_slot)
@@ -196,7 +204,9 @@ class PageTable:
     def holders(self, lease: int) -> dict[int, int]:
         slot = self.check(lease)
         h = self._holders
-        out = {h[i]: h[i + 1] for i in range(slot * 2 * HOLDERS, (slot + 1) * 2 * HOLDERS, 2) if h[i]}
+        out = {
+            h[i]: h[i + 1] for i in range(slot * 2 * HOLDERS, (slot + 1) * 2 * HOLDERS, 2) if h[i]
+        }
         anon = self._slots[slot * SLOT_QWORDS + _ANON]
         if anon:
             out[0] = anon

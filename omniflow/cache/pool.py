@@ -120,14 +120,22 @@ class PagePool:
 
     @classmethod
     def create(
-        cls, name: str, size: int, page_size: int = 64 << 10, *,
-        populate: bool = True, pin: bool | None = None, tickets: int = 4096,
+        cls,
+        name: str,
+        size: int,
+        page_size: int = 64 << 10,
+        *,
+        populate: bool = True,
+        pin: bool | None = None,
+        tickets: int = 4096,
     ) -> PagePool:
         """Create the segment ``name`` with ``size`` bytes of pages (plus its header)."""
         if page_size < 4096 or page_size & (page_size - 1):
             raise ValueError(f"page_size: must be a power of two >= 4096, got {page_size}")
         if size < page_size or size % page_size:
-            raise ValueError(f"size: must be a positive multiple of page_size {page_size}, got {size}")
+            raise ValueError(
+                f"size: must be a positive multiple of page_size {page_size}, got {size}"
+            )
         layout = plan(page_size, size // page_size, tickets)
         seg = Segment.create(name, layout.total, populate)
         try:
@@ -277,6 +285,14 @@ class PagePool:
             strides.append(step)
             step *= max(d, 1)
         return typed.as_strided(shape, tuple(reversed(strides)), offset // typed.element_size())
+
+    def tensor(self, lease: Lease, dtype: torch.dtype, shape: Iterable[int]) -> torch.Tensor:
+        """A ``dtype``/``shape`` view at the start of ``lease``'s block (checked to fit)."""
+        shape = tuple(shape)
+        nbytes = nbytes_of(dtype_name(dtype), shape)
+        with self._seg.lock():
+            self._check_within(self._table.check(lease.id), lease.offset, nbytes, lease.id)
+        return self._view(lease.offset, dtype, shape)
 
     def block_bytes(self, lease: int) -> torch.Tensor:
         """A uint8 view of a live lease's whole block (every page of it)."""

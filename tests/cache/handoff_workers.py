@@ -63,7 +63,8 @@ def _answer(pool: PagePool, msg: Call, parts: list[Any]) -> list[Any]:
         report[name] = {
             "kind": type(ref).__name__,
             "in_pool": pool.contains(t),
-            "address": t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+            "address": t.untyped_storage().data_ptr()
+            + t.storage_offset() * t.element_size()
             - pool.base,
         }
         copies[name] = t.clone()  # our own bytes: the refs are released before replying
@@ -72,6 +73,8 @@ def _answer(pool: PagePool, msg: Call, parts: list[Any]) -> list[Any]:
     refs = {name: export(t, frames, Link()) for name, t in copies.items()}
     assert all(isinstance(r, Frame) for r in refs.values())
     frames[0] = _encoder.encode(
-        Emit(request_id=msg.request_id, role="receiver", seq=0, data={"report": report}, tensors=refs)
+        Emit(
+            request_id=msg.request_id, role="receiver", seq=0, data={"report": report}, tensors=refs
+        )
     )
     return frames

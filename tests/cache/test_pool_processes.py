@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from omniflow.cache import PagePool, StaleLease, unlink_pool
-from tests.cache.pool_workers import SPAWN, Worker, create_and_hold, digest, start_workers, stop_workers
+from tests.cache.pool_workers import (
+    SPAWN,
+    Worker,
+    create_and_hold,
+    digest,
+    start_workers,
+    stop_workers,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +47,11 @@ def test_block_handed_to_three_readers_is_freed_after_all_released(shared_pool, 
     t, lease = pool.empty((256, 33), torch.bfloat16)
     t.copy_(torch.randn(256, 33))
     refs = [pool.share(t, w.pid) for w in readers]
-    for w, ref in zip(readers, refs):
+    for w, ref in zip(readers, refs, strict=True):
         assert w.call("open", ref) == (digest(t), True)  # same bytes, viewed in the pool
     assert pool.refs(lease.id) == 4
     lease.release()
-    for i, (w, ref) in enumerate(zip(readers, refs)):
+    for i, (w, ref) in enumerate(zip(readers, refs, strict=True)):
         freed = w.call("release", ref.lease)
         assert freed is (i == 2)
         assert pool.refs(lease.id) == 2 - i

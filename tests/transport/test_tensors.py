@@ -54,7 +54,9 @@ class Receiver:
         self.sock = self.ctx.socket(zmq.PAIR)
         self.sock.linger = 0
         self.sock.bind(f"ipc://{self.path}")
-        self.proc = SPAWN.Process(target=receive, args=(pool.name, f"ipc://{self.path}"), daemon=True)
+        self.proc = SPAWN.Process(
+            target=receive, args=(pool.name, f"ipc://{self.path}"), daemon=True
+        )
         self.proc.start()
         assert self.sock.poll(60_000), "receiver did not start"
         self.pid = _hello.decode(self.sock.recv()).pid
@@ -62,7 +64,9 @@ class Receiver:
     def send(self, tensors: dict[str, object], link: Link) -> tuple[dict, dict, dict]:
         frames: list[object] = [b""]
         refs = {name: T.export(t, frames, link) for name, t in tensors.items()}
-        frames[0] = _encoder.encode(Call(request_id="r", role="receiver", reply_to="", tensors=refs))
+        frames[0] = _encoder.encode(
+            Call(request_id="r", role="receiver", reply_to="", tensors=refs)
+        )
         self.sock.send_multipart(frames, copy=False)
         assert self.sock.poll(30_000), "receiver did not answer"
         parts = self.sock.recv_multipart(copy=False)
