@@ -34,7 +34,7 @@ def test_spill_restore_is_bit_exact(store: SsdStore, n: int) -> None:
     dst = torch.zeros(n, dtype=torch.uint8)
     store.restore(block, dst)
     assert torch.equal(src, dst)
-    assert len(block.crcs) == -(-n // PAGE)
+    assert len(block.sums) == -(-n // PAGE)
     store.free(block)
     assert store.free_slots == 64
 
