@@ -63,7 +63,8 @@ class DeviceLease:
     """The producer's hold on a block from ``DevicePool.empty``; ``release()`` once."""
 
     def __init__(self, pool: DevicePool, block: _Block) -> None:
-        self._pool, self._block = pool, block
+        self._pool = pool
+        self._block: _Block | None = block
 
     def release(self) -> None:
         if self._block is not None:
@@ -81,7 +82,7 @@ class DevicePool:
         with cupy.cuda.Device(device):
             self._ptr = cupy.cuda.runtime.malloc(size)
             self.handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._ptr))
-        self._chunk = _device_view(self._ptr, size, device)
+        self._chunk: torch.Tensor | None = _device_view(self._ptr, size, device)
         self._used = bytearray(size // page_size)
         self._blocks: dict[int, _Block] = {}
 
@@ -99,6 +100,7 @@ class DevicePool:
         return block
 
     def _tensor(self, block: _Block, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        assert self._chunk is not None, "device pool is closed"
         lo = block.start * self.page_size
         raw = self._chunk[lo : lo + nbytes_of(dtype_name(dtype), shape)]
         return raw.view(dtype).view(shape)

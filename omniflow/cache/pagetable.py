@@ -62,13 +62,24 @@ def plan(page_size: int, n_pages: int, n_tickets: int = 4096) -> Layout:
     if n_slots > SLOT_MASK:
         raise ValueError(f"{n_pages} pages need {n_slots} lease slots, more than {SLOT_MASK}")
     at = SUPER_QWORDS * 8
-    offsets = []
+    offsets: list[int] = []
     for nbytes in (n_pages, n_slots, 4 * n_pages, 8 * SLOT_QWORDS * n_slots, 8 * HOLDERS * n_slots):
         offsets.append(at)
         at = _align(at + nbytes, 64)
     data_offset = _align(at, max(4096, min(page_size, 1 << 21)))
+    page_used, slot_used, page_slot, slots, holders = offsets
+    total = data_offset + n_pages * page_size
     return Layout(
-        page_size, n_pages, n_slots, *offsets, data_offset, data_offset + n_pages * page_size
+        page_size,
+        n_pages,
+        n_slots,
+        page_used,
+        slot_used,
+        page_slot,
+        slots,
+        holders,
+        data_offset,
+        total,
     )
 
 

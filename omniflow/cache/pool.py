@@ -29,67 +29,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
 
+from omniflow.cache.config import CacheConfig
 from omniflow.cache.dtypes import ITEMSIZE, dtype_name, nbytes_of, torch_dtype
 from omniflow.cache.errors import InvalidHandle, PoolError
+from omniflow.cache.lease import Lease, PoolStats, PoolTensor, Reclaimed
 from omniflow.cache.pagetable import PageTable, plan
 from omniflow.cache.pinned import cuda_available, register_host, unregister_host
 from omniflow.cache.segment import Segment, unlink_segment
 from omniflow.messages import Shm
-
-
-class PoolTensor(NamedTuple):
-    tensor: torch.Tensor
-    lease: Lease
-
-
-class PoolStats(NamedTuple):
-    name: str
-    page_size: int
-    pages: int
-    used_pages: int
-    live_leases: int
-
-    @property
-    def usage(self) -> float:
-        return self.used_pages / self.pages
-
-
-class Reclaimed(NamedTuple):
-    dead_pids: frozenset[int]
-    refs_dropped: int
-    leases_freed: int
-
-
-class Lease:
-    """One ref on a block, held by the process that made it; ``release()`` once."""
-
-    __slots__ = ("pool", "id", "offset", "nbytes", "pid", "_held")
-
-    def __init__(self, pool: PagePool, lease: int, offset: int, nbytes: int, pid: int) -> None:
-        self.pool, self.id, self.offset, self.nbytes, self.pid = pool, lease, offset, nbytes, pid
-        self._held = True
-
-    @property
-    def held(self) -> bool:
-        return self._held
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self.pool.release(self.id, self.pid)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"Lease({self.id}, offset={self.offset}, nbytes={self.nbytes}, held={self._held})"
 
 
 def unlink_pool(name: str) -> bool:
@@ -146,6 +96,20 @@ class PagePool:
             seg.unlink()
             seg.close()
             raise
+
+    @classmethod
+    def from_config(cls, name: str, config: CacheConfig, *, create: bool = False) -> PagePool:
+        """``create`` (the supervisor) or ``attach`` (a worker) with a ``[cache]`` table's settings."""
+        pin = None if config.pin_memory else False
+        if create:
+            return cls.create(
+                name,
+                config.host_pool_bytes,
+                config.page_size_bytes,
+                populate=config.populate,
+                pin=pin,
+            )
+        return cls.attach(name, populate=config.populate, pin=pin)
 
     @classmethod
     def attach(cls, name: str, *, populate: bool = True, pin: bool | None = None) -> PagePool:
@@ -358,7 +322,8 @@ class PagePool:
 
 def _address(tensor: torch.Tensor) -> int:
     # Not data_ptr(): an empty tensor reports 0 there, wherever its storage lies.
-    return tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+    offset = int(tensor.storage_offset()) * tensor.element_size()
+    return int(tensor.untyped_storage().data_ptr()) + offset
 
 
 def _alive(pid: int) -> bool:

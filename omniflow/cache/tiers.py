@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from omniflow.cache.config import CacheConfig
 from omniflow.cache.errors import PoolExhausted
 from omniflow.cache.pool import Lease, PagePool, PoolTensor
 from omniflow.cache.ssd import SsdBlock, SsdStore
@@ -54,6 +55,17 @@ class TieredCache:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # oldest first
         self._lock = threading.RLock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="omniflow-tiers")
+        self._owns_ssd = False
+
+    @classmethod
+    def from_config(cls, pool: PagePool, config: CacheConfig, name: str) -> TieredCache:
+        """A cache over ``pool`` with the SSD tier ``config`` asks for (files ``name``.*)."""
+        ssd = None
+        if config.ssd_dir:
+            ssd = SsdStore(config.ssd_dir, config.ssd_capacity_bytes, pool.page_size, name=name)
+        cache = cls(pool, ssd, config.high_watermark, config.low_watermark)
+        cache._owns_ssd = True
+        return cache
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -91,10 +103,9 @@ class TieredCache:
             if e is None:
                 return None
             self._entries.move_to_end(key)
-            if e.lease is None:
-                self._promote(e)
-            self.pool.retain(e.lease.id)
-            lease = Lease(self.pool, e.lease.id, e.lease.offset, e.nbytes, os.getpid())
+            held = e.lease if e.lease is not None else self._promote(e)
+            self.pool.retain(held.id)
+            lease = Lease(self.pool, held.id, held.offset, e.nbytes, os.getpid())
             return PoolTensor(self.pool.tensor(lease, e.dtype, e.shape), lease)
 
     def discard(self, key: Hashable) -> None:
@@ -109,8 +120,11 @@ class TieredCache:
                 self._drop(self._entries.popitem()[1])
 
     def close(self) -> None:
+        """Drop every entry; closes (and removes) the SSD store if ``from_config`` made it."""
         self.clear()
         self._worker.shutdown(wait=True)
+        if self._owns_ssd and self.ssd is not None:
+            self.ssd.close()
 
     # ------------------------------------------------------------ tiers
 
@@ -144,9 +158,9 @@ class TieredCache:
             return max(e.nbytes, 1)
         return 0
 
-    def _promote(self, e: _Entry) -> None:
-        assert e.ssd is not None
-        lease = self._make_room(lambda: self.pool.alloc(e.nbytes))
+    def _promote(self, e: _Entry) -> Lease:
+        assert e.ssd is not None and self.ssd is not None  # only SSD-resident entries come here
+        lease: Lease = self._make_room(lambda: self.pool.alloc(e.nbytes))
         try:
             self.ssd.restore(e.ssd, self.pool.block_bytes(lease.id)[: e.nbytes])
         except BaseException:
@@ -154,6 +168,7 @@ class TieredCache:
             raise
         self.ssd.free(e.ssd)
         e.ssd, e.lease = None, lease
+        return lease
 
     def _make_room(self, allocate: Any) -> Any:
         while True:
