@@ -233,11 +233,12 @@ class SsdStore:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None
 try:
     _sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 except (OSError, AttributeError):  # not Linux: fdatasync alone
-    _sync_file_range = None
+    pass
 
 _SECTOR_WORDS = 64  # 512-byte sectors
 _weights: dict[int, torch.Tensor] = {}
