@@ -4,13 +4,14 @@ The supervisor creates it, every local process maps it once and keeps the mappin
 tensors in it travel between processes as ``Shm`` handles (an offset and a lease),
 never as bytes. Usage::
 
-    # supervisor, at `up`
+    # supervisor, at `up` (stale segment from a crashed run: unlink_pool(name) first)
     pool = PagePool.create("omniflow-demo", size=parse_size("4GiB"), page_size=64 << 10)
+    # or PagePool.from_config(name, config.cache, create=True)
     ...   # spawn workers, tell them pool.name
     pool.reclaim({dead_pid})   # whenever a worker dies (before its pid can be reused)
     pool.unlink(); pool.close()   # at `down`; unlink_pool(name) also works without a mapping
 
-    # worker
+    # worker, at startup (then omniflow.transport.tensors.attach_pool(pool))
     pool = PagePool.attach(name)
     t, lease = pool.empty((3, 224, 224), torch.float32)   # write in place
     ref = pool.share(t, pid=receiver_pid)   # no copy: a ref now held for the receiver
@@ -23,6 +24,11 @@ never as bytes. Usage::
 Refs are attributed to pids (``pid=0``: anonymous, never reclaimed), so a reader that
 dies with refs outstanding is cleaned up by ``reclaim``/``scan``. A view stays readable
 after its lease is released, but the pages may be reused: release only when done.
+
+Trust: handles arriving in messages are checked (pool name, bounds, alignment, live
+lease, dtype/shape against nbytes) before any view is made. Every local process of the
+deployment's user can write the segment, header included; the pool does not defend
+against a process that scribbles on it.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import time
@@ -125,3 +126,21 @@ def test_sigkill_of_workers_and_creator_then_cleanup_leaves_nothing(pool_name: s
     pool.close()
     assert unlink_pool(pool_name) is True
     assert _leftovers(pool_name) == []
+
+
+def _alloc_in_forked_child(pool: PagePool, conn) -> None:
+    lease = pool.alloc(pool.page_size)  # the child reopens the segment for its own flock
+    conn.send((lease.id, os.getpid()))
+
+
+def test_a_forked_child_locks_on_its_own(shared_pool: PagePool) -> None:
+    conn, child_conn = mp.get_context("fork").Pipe()
+    proc = mp.get_context("fork").Process(
+        target=_alloc_in_forked_child, args=(shared_pool, child_conn)
+    )
+    proc.start()
+    assert conn.poll(30)
+    lease, pid = conn.recv()
+    proc.join(10)
+    assert shared_pool.holders(lease) == {pid: 1}
+    assert shared_pool.reclaim([pid]).leases_freed == 1
