@@ -19,7 +19,10 @@ A process opts in once, at startup, after mapping the deployment's pool::
 
 Each ``Shm``/``CudaIpc`` ref holds one ref on its block for the receiver, attributed to
 ``Link.pid`` (the receiver's pid from the registry) so that a receiver that dies is
-reclaimed; the receiver calls ``release(ref)`` when done with the tensor.
+reclaimed; the receiver calls ``release(ref)`` when done with the tensor, and also for
+refs of a message it drops unread (bad header, overload, cancelled), or the block stays
+allocated until the receiver exits and is reclaimed. A full pool makes ``export`` raise
+``PoolExhausted`` (a ``MemoryError``) at once; the caller may resend with ``Link()``.
 """
 
 from __future__ import annotations
