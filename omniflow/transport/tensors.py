@@ -28,6 +28,7 @@ allocated until the receiver exits and is reclaimed. A full pool makes ``export`
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -41,6 +42,9 @@ from omniflow.cache.dtypes import torch_dtype as _torch_dtype
 from omniflow.messages import CudaIpc, Frame, Shm, TensorRef
 
 FRAME_THRESHOLD = 64 << 10
+
+# Received frames are read-only; the views handed to roles are documented as such.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 class Link(NamedTuple):
