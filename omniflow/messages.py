@@ -15,7 +15,7 @@ import msgspec
 _WIRE = {"array_like": True, "omit_defaults": True, "gc": False}
 
 
-class Code(str, enum.Enum):
+class Code(enum.StrEnum):
     """Failure codes carried by ``Fail.code``."""
 
     ERROR = "error"  # the handler raised
@@ -99,6 +99,7 @@ class Call(msgspec.Struct, tag="call", **_WIRE):
     reply_to: str  # the client's endpoint: terminal messages and Emits go there
     data: dict[str, Any] = {}
     tensors: dict[str, TensorRef] = {}
+    params: dict[str, Any] = {}  # request-level parameters, carried unchanged along the path
     seq: int = 0
     last: bool = True
     credit: int = 0
@@ -108,7 +109,8 @@ class Call(msgspec.Struct, tag="call", **_WIRE):
     join: Join | None = None
     timings: list[Timing] = []
     usage: dict[str, int] = {}
-    hops: int = 0  # roles this branch went through, for loop bounds
+    hops: int = 0  # roles this branch went through
+    loops: dict[str, int] = {}  # times each loop edge ("src>dst") was taken on this path
 
 
 class Emit(msgspec.Struct, tag="emit", **_WIRE):
@@ -122,13 +124,20 @@ class Emit(msgspec.Struct, tag="emit", **_WIRE):
 
 
 class Done(msgspec.Struct, tag="done", **_WIRE):
-    """A branch of a request finished; returns its ``credit`` to the client."""
+    """A branch of a request finished; returns its ``credit`` to the client.
+
+    A role whose last output goes to the client sends it inside its Done
+    (``seq`` >= 0) rather than as a separate Emit: one message instead of two.
+    """
 
     request_id: str
     role: str
     credit: int
     timings: list[Timing] = []
     usage: dict[str, int] = {}
+    seq: int = -1  # >= 0: this Done carries the output chunk ``seq``
+    data: dict[str, Any] = {}
+    tensors: dict[str, TensorRef] = {}
 
 
 class Fail(msgspec.Struct, tag="fail", **_WIRE):

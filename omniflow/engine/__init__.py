@@ -1,0 +1,28 @@
+"""LLM engines: the protocol, the torch backend, the offline and asyncio-facing APIs."""
+
+from omniflow.engine.async_engine import AsyncEngine, EngineDeadError
+from omniflow.engine.llm import LLM, GenerationOutput
+from omniflow.engine.llm_engine import EngineConfig, LLMEngine
+from omniflow.engine.page_allocator import OutOfPages, PageAllocator, PageUsage, PrefixMatch
+from omniflow.engine.prefix_page_cache import HashPrefixPageCache
+from omniflow.engine.protocol import EngineBackend, TokenDelta
+from omniflow.engine.sampling_params import SamplingParams
+from omniflow.engine.sequence import EmbeddingSpan
+
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "EngineDeadError",
+    "EmbeddingSpan",
+    "EngineBackend",
+    "EngineConfig",
+    "GenerationOutput",
+    "HashPrefixPageCache",
+    "LLMEngine",
+    "OutOfPages",
+    "PageAllocator",
+    "PageUsage",
+    "PrefixMatch",
+    "SamplingParams",
+    "TokenDelta",
+]

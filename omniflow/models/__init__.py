@@ -1,0 +1,20 @@
+"""Model definitions, Hugging Face-layout loaders and tiny random-weight builders."""
+
+from omniflow.models.decoder import AttentionFn, DecoderLM
+from omniflow.models.decoder_config import DecoderConfig
+from omniflow.models.loader import checkpoint_files, load_decoder, load_tokenizer
+from omniflow.models.text_tokenizer import TextTokenizer
+from omniflow.models.tiny import PRESETS, TinySpec, build_tiny_model
+
+__all__ = [
+    "PRESETS",
+    "AttentionFn",
+    "DecoderConfig",
+    "DecoderLM",
+    "TextTokenizer",
+    "TinySpec",
+    "build_tiny_model",
+    "checkpoint_files",
+    "load_decoder",
+    "load_tokenizer",
+]

@@ -1,0 +1,40 @@
+"""Shared helpers for the benchmarks: percentiles, short run dirs, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+
+def pct(samples: list[float], q: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def median(samples: list[float]) -> float:
+    return statistics.median(samples) if samples else float("nan")
+
+
+def short_run_root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="ofb-", dir="/tmp"))
+    os.environ["OMNIFLOW_RUN_ROOT"] = str(root)
+    return root
+
+
+def emit(result: dict) -> None:
+    """The last line of every benchmark: one JSON object."""
+    print(json.dumps(result, sort_keys=False), flush=True)
+
+
+def have_ray() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True

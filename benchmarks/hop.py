@@ -1,0 +1,181 @@
+"""One hop between two actor processes, against the floor and the alternatives.
+
+Subject: ``hop`` — the client sends a Call to a no-op actor in another process
+and waits for its Done (the full omniflow path: codec, routing, credit).
+Baselines, measured in the same run and interleaved in rounds (A B C D A B ...):
+``floor`` — synchronous pyzmq REQ/REP over ipc:// with the same payload;
+``mp_pipe`` — multiprocessing.Pipe with pickle; ``ray`` — a Ray async actor call.
+Also ``pipeline_rps``: a two-role pipeline driven by 64 concurrent clients.
+
+    python benchmarks/hop.py [--calls 5000] [--rounds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import zmq
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import emit, have_ray, pct, short_run_root  # noqa: E402
+
+import omniflow  # noqa: E402
+from omniflow.config import parse  # noqa: E402
+from omniflow.messages import Call  # noqa: E402
+from omniflow.transport.codec import encode  # noqa: E402
+
+PAYLOAD = {"text": "x" * 64}
+
+
+def _rep_server(address: str, ready) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REP)
+    sock.bind(address)
+    ready.set()
+    while True:
+        msg = sock.recv()
+        if msg == b"stop":
+            sock.send(b"")
+            break
+        sock.send(msg)
+
+
+def _pipe_server(conn) -> None:
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        conn.send(msg)
+
+
+def config(roles: int):
+    names = [f"noop{i}" for i in range(roles)]
+    edges = [{"from": "input", "to": names[0]}]
+    edges += [{"from": a, "to": b} for a, b in zip(names, names[1:], strict=False)]
+    return parse(
+        {
+            "name": f"hop{roles}",
+            "roles": {
+                n: {"actor": "omniflow.roles.echo:Noop", "max_concurrency": 256} for n in names
+            },
+            "graph": {"edges": edges},
+        }
+    )
+
+
+async def main(calls: int, rounds: int, clients: int) -> dict:
+    short_run_root()
+    per_round = max(1, calls // rounds)
+    header = encode(Call("0" * 32, "noop0", "ipc:///tmp/x", data=PAYLOAD))
+
+    # floor: sync REQ/REP with a payload of the same size as omniflow's header
+    spawn = mp.get_context("spawn")
+    address = f"ipc:///tmp/ofb-floor-{os.getpid()}.sock"
+    ready = spawn.Event()
+    rep = spawn.Process(target=_rep_server, args=(address, ready), daemon=True)
+    rep.start()
+    ready.wait(30)
+    zctx = zmq.Context()
+    req = zctx.socket(zmq.REQ)
+    req.connect(address)
+
+    parent, child = spawn.Pipe()
+    piper = spawn.Process(target=_pipe_server, args=(child,), daemon=True)
+    piper.start()
+
+    ray_actor = None
+    if have_ray():
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+
+        @ray.remote
+        class Echo:
+            async def call(self, payload):
+                return payload
+
+        ray_actor = Echo.remote()
+        await ray_actor.call.remote(PAYLOAD)
+
+    samples: dict[str, list[float]] = {"hop": [], "floor": [], "mp_pipe": [], "ray": []}
+    async with omniflow.Runtime(config(1)) as rt:
+        for _ in range(200):  # warm up every path
+            await rt.call(PAYLOAD)
+            req.send(header)
+            req.recv()
+        for _ in range(rounds):
+            for _ in range(per_round):
+                t = time.perf_counter()
+                await rt.call(PAYLOAD)
+                samples["hop"].append(time.perf_counter() - t)
+            for _ in range(per_round):
+                t = time.perf_counter()
+                req.send(header)
+                req.recv()
+                samples["floor"].append(time.perf_counter() - t)
+            for _ in range(per_round):
+                t = time.perf_counter()
+                parent.send(PAYLOAD)
+                parent.recv()
+                samples["mp_pipe"].append(time.perf_counter() - t)
+            if ray_actor is not None:
+                for _ in range(max(1, per_round // 5)):
+                    t = time.perf_counter()
+                    await ray_actor.call.remote(PAYLOAD)
+                    samples["ray"].append(time.perf_counter() - t)
+
+    async with omniflow.Runtime(config(2)) as rt:
+        await asyncio.gather(*(rt.call(PAYLOAD) for _ in range(clients)))
+        done = 0
+        stop_at = time.perf_counter() + 5.0
+        started = time.perf_counter()
+
+        async def client() -> None:
+            nonlocal done
+            while time.perf_counter() < stop_at:
+                await rt.call(PAYLOAD)
+                done += 1
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+        rps = done / (time.perf_counter() - started)
+
+    req.send(b"stop")
+    req.recv()
+    parent.send(None)
+    rep.join(5)
+    piper.join(5)
+    if ray_actor is not None:
+        import ray
+
+        ray.shutdown()
+
+    us = {k: [s * 1e6 for s in v] for k, v in samples.items()}
+    result = {
+        "calls": len(us["hop"]),
+        "hop_p50_us": round(pct(us["hop"], 50), 1),
+        "hop_p99_us": round(pct(us["hop"], 99), 1),
+        "pipeline_rps": round(rps, 1),
+        "floor_p50_us": round(pct(us["floor"], 50), 1),
+        "mp_pipe_p50_us": round(pct(us["mp_pipe"], 50), 1),
+        "ray_p50_us": round(pct(us["ray"], 50), 1) if us["ray"] else None,
+    }
+    result["hop_over_floor"] = round(result["hop_p50_us"] / result["floor_p50_us"], 2)
+    if result["ray_p50_us"]:
+        result["ray_over_hop"] = round(result["ray_p50_us"] / result["hop_p50_us"], 2)
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--clients", type=int, default=64)
+    args = parser.parse_args()
+    import uvloop
+
+    emit(uvloop.run(main(args.calls, args.rounds, args.clients)))

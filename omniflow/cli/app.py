@@ -1,0 +1,344 @@
+"""``omniflow up | status | send | down``.
+
+Exit codes: 0 ok; 1 the deployment failed to start or stop; 2 a bad config or
+argument; 3 no such deployment running; 4 the request failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from omniflow.config import ConfigError, load
+from omniflow.runtime import DeploymentNotFound, find_deployment
+from omniflow.supervisor import StartError, Supervisor, default_run_dir
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+err = Console(stderr=True)
+out = Console()
+
+EXIT_START, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_REQUEST = 1, 2, 3, 4
+
+NameOpt = typer.Option(
+    None, "--name", "-n", help="Deployment name (default: the only one running)."
+)
+RunDirOpt = typer.Option(None, "--run-dir", help="The deployment's run directory.")
+
+
+def _load(config: Path) -> Any:
+    try:
+        return load(config)
+    except ConfigError as e:
+        err.print(f"[red]config error:[/] {e}")
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def _state(name: str | None, run_dir: Path | None) -> dict[str, Any]:
+    try:
+        return find_deployment(name, run_dir)
+    except DeploymentNotFound as e:
+        err.print(f"[red]{e}[/]")
+        raise typer.Exit(EXIT_NOT_RUNNING) from None
+
+
+@app.command()
+def up(
+    config: Path = typer.Argument(..., help="Deployment config (TOML)."),
+    detach: bool = typer.Option(
+        False, "--detach", "-d", help="Return once ready; run in the background."
+    ),
+    run_dir: Path | None = RunDirOpt,
+    ready_fd: int = typer.Option(-1, hidden=True),
+) -> None:
+    """Start a deployment and wait until every actor is ready."""
+    cfg = _load(config)
+    run_dir = run_dir or Path(cfg.runtime.run_dir or default_run_dir(cfg.name))
+    if detach:
+        raise typer.Exit(_detach(config, run_dir))
+    import uvloop
+
+    raise typer.Exit(uvloop.run(_serve(cfg, run_dir, ready_fd)))
+
+
+async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
+    notify = os.fdopen(ready_fd, "w", buffering=1) if ready_fd >= 0 else None
+
+    def progress(actor_id: str, state: str) -> None:
+        if notify is not None:
+            notify.write(f"progress {actor_id} {state}\n")
+        else:
+            err.print(f"  {actor_id:<24} {state}")
+
+    sup = Supervisor(cfg, run_dir, progress)
+    if notify is None:
+        err.print(f"starting [bold]{cfg.name}[/] ({len(sup.replicas)} actors) in {run_dir}")
+    started = time.monotonic()
+    try:
+        await sup.start()
+    except (StartError, OSError) as e:
+        if notify is not None:
+            notify.write(f"error {e}\n")
+            notify.close()
+        else:
+            err.print(f"[red]failed to start:[/] {e}")
+        return EXIT_START
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, sup.request_stop)
+    where = sup.registry_address
+    message = (
+        f"ready {cfg.name}: {len(sup.replicas)} actors in {time.monotonic() - started:.1f}s; "
+        f"registry {where}; run dir {run_dir}"
+    )
+    if notify is not None:
+        notify.write(message + "\n")
+        notify.close()
+    else:
+        err.print(f"[green]{message}[/]\nstop with Ctrl-C or `omniflow down`")
+    await sup.wait()
+    return 0
+
+
+def _detach(config: Path, run_dir: Path) -> int:
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    read_end, write_end = os.pipe()
+    log_path = run_dir / "supervisor.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "omniflow.cli",
+                "up",
+                str(config),
+                "--run-dir",
+                str(run_dir),
+                "--ready-fd",
+                str(write_end),
+            ],
+            pass_fds=(write_end,),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    os.close(write_end)
+    with os.fdopen(read_end) as lines:
+        for line in lines:
+            kind, _, rest = line.rstrip("\n").partition(" ")
+            if kind == "progress":
+                err.print(f"  {rest}")
+            elif kind == "ready":
+                out.print(f"[green]ready[/] {rest} (supervisor pid {proc.pid})", soft_wrap=True)
+                return 0
+            elif kind == "error":
+                err.print(f"[red]failed to start:[/] {rest}")
+                return EXIT_START
+    err.print(f"[red]the supervisor exited before it was ready; see {log_path}[/]")
+    return EXIT_START
+
+
+@app.command()
+def status(
+    as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+    name: str | None = NameOpt,
+    run_dir: Path | None = RunDirOpt,
+) -> None:
+    """List every actor of a running deployment: role, replica, pid, endpoint, state, in-flight."""
+    state = _state(name, run_dir)
+    import uvloop
+
+    from omniflow.discovery import list_actors, open_registry
+
+    async def fetch() -> list[Any]:
+        registry = open_registry(state["registry"])
+        try:
+            return await list_actors(registry, state["name"])
+        finally:
+            await registry.close()
+
+    records = uvloop.run(fetch())
+    actors = [
+        {
+            "role": r.role,
+            "replica": r.replica,
+            "pid": r.pid,
+            "endpoint": r.endpoint,
+            "state": r.state,
+            "inflight": r.inflight,
+            "served": r.served,
+            "host": r.host,
+        }
+        for r in records
+    ]
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "name": state["name"],
+                    "supervisor_pid": state["pid"],
+                    "run_dir": state["run_dir"],
+                    "registry": state["registry"],
+                    "actors": actors,
+                }
+            )
+        )
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{state['name']} (supervisor pid {state['pid']})")
+    for col in ("role", "replica", "pid", "endpoint", "state", "inflight", "served"):
+        table.add_column(col)
+    for a in actors:
+        table.add_row(
+            *(
+                str(a[c])
+                for c in ("role", "replica", "pid", "endpoint", "state", "inflight", "served")
+            )
+        )
+    out.print(table)
+
+
+@app.command()
+def send(
+    text: str | None = typer.Option(None, "--text", "-t", help="Text input."),
+    param: list[str] = typer.Option(
+        [], "--param", "-p", help="Request parameter KEY=VALUE (repeatable)."
+    ),
+    session: str = typer.Option(
+        "", "--session", help="Session id: continue a multi-turn dialogue."
+    ),
+    timeout: float = typer.Option(60.0, "--timeout", help="Deadline in seconds."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object with outputs and timings."),
+    name: str | None = NameOpt,
+    run_dir: Path | None = RunDirOpt,
+) -> None:
+    """Send one request and stream its output."""
+    state = _state(name, run_dir)
+    inputs: dict[str, Any] = {}
+    if text is not None:
+        inputs["text"] = text
+    params: dict[str, Any] = {}
+    for item in param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            err.print(f"[red]--param {item!r}: expected KEY=VALUE[/]")
+            raise typer.Exit(EXIT_USAGE)
+        params[key] = _parse_value(value)
+    import uvloop
+
+    from omniflow.client import Output, RequestFailed
+    from omniflow.runtime import connect
+
+    async def run() -> int:
+        conn = await connect(run_dir=state["run_dir"])
+        outputs: list[dict[str, Any]] = []
+        try:
+            async for event in conn.stream(inputs, params=params, session=session, timeout=timeout):
+                if isinstance(event, Output):
+                    outputs.append(
+                        {
+                            "role": event.role,
+                            "seq": event.seq,
+                            "data": event.data,
+                            "tensors": {k: list(v.shape) for k, v in event.tensors.items()},
+                        }
+                    )
+                    if not as_json and isinstance(event.data.get("text"), str):
+                        sys.stdout.write(event.data["text"])
+                        sys.stdout.flush()
+                else:
+                    _report(event, outputs, as_json)
+        except RequestFailed as e:
+            if as_json:
+                print(
+                    json.dumps(
+                        {
+                            "error": {
+                                "code": e.code,
+                                "role": e.role,
+                                "message": e.detail,
+                                "request_id": e.request_id,
+                            }
+                        }
+                    )
+                )
+            else:
+                err.print(f"\n[red]request failed:[/] {e}")
+            return EXIT_REQUEST
+        finally:
+            await conn.close()
+        return 0
+
+    raise typer.Exit(uvloop.run(run()))
+
+
+def _report(result: Any, outputs: list[dict[str, Any]], as_json: bool) -> None:
+    timings: dict[str, float] = {}
+    for t in result.timings:
+        timings[t.role] = timings.get(t.role, 0.0) + t.compute_ms
+    if as_json:
+        text = "".join(
+            o["data"].get("text", "") for o in outputs if isinstance(o["data"].get("text"), str)
+        )
+        print(
+            json.dumps(
+                {
+                    "request_id": result.request_id,
+                    "text": text,
+                    "outputs": outputs,
+                    "timings_ms": timings,
+                    "latency_ms": result.latency_ms,
+                    "usage": result.usage,
+                }
+            )
+        )
+        return
+    sys.stdout.write("\n")
+    parts = ", ".join(f"{role} {ms:.2f} ms" for role, ms in timings.items())
+    err.print(f"[dim]{result.latency_ms:.1f} ms end to end; compute: {parts}[/]")
+
+
+def _parse_value(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+@app.command()
+def down(
+    name: str | None = NameOpt,
+    run_dir: Path | None = RunDirOpt,
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for a clean stop."),
+) -> None:
+    """Stop a running deployment: drain, stop every actor, remove its sockets."""
+    state = _state(name, run_dir)
+    pid = state["pid"]
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        err.print("[yellow]the supervisor is already gone[/]")
+        return
+    os.kill(pid, signal.SIGTERM)
+    ready, _, _ = select.select([pidfd], [], [], timeout)
+    os.close(pidfd)
+    if not ready:
+        err.print(f"[red]supervisor {pid} did not stop within {timeout:g}s[/]")
+        raise typer.Exit(EXIT_START)
+    leftovers = list(Path(state["run_dir"]).glob("*.sock"))
+    if leftovers:
+        err.print(f"[red]left behind: {', '.join(map(str, leftovers))}[/]")
+        raise typer.Exit(EXIT_START)
+    out.print(f"stopped {state['name']}")

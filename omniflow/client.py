@@ -1,0 +1,232 @@
+"""The client: the first producer of every request, and where its outputs arrive.
+
+It binds its own ROUTER for replies, holds a registry view, picks the entry
+replicas itself, and finishes a request when every share of its completion
+credit came back in a ``Done`` (or at the first ``Fail``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from omniflow.balance import make_policy
+from omniflow.config import Config
+from omniflow.discovery import open_registry
+from omniflow.discovery.view import RegistryView
+from omniflow.messages import Call, Cancel, Code, DataMessage, Done, Emit, Fail, Timing
+from omniflow.routing import FULL_CREDIT, Fanout, RouteError, Router
+from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
+from omniflow.transport.endpoint import Inbox, Outbox
+
+_decoder = decoder_for(DataMessage)
+_client_ids = itertools.count()
+
+
+class RequestFailed(RuntimeError):
+    """A request ended with ``Fail``: ``code``, ``role`` and ``request_id`` say where and why."""
+
+    def __init__(self, code: str, message: str, role: str, request_id: str) -> None:
+        super().__init__(f"[{code}] {role}: {message} (request {request_id})")
+        self.code = code
+        self.role = role
+        self.request_id = request_id
+        self.detail = message
+
+
+@dataclass
+class Output:
+    """One streamed chunk of output from ``role``."""
+
+    role: str
+    seq: int
+    data: dict[str, Any]
+    tensors: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    """The end of a request: usage counters and each role's compute time."""
+
+    request_id: str
+    usage: dict[str, int]
+    timings: list[Timing]
+    latency_ms: float
+
+
+class _Pending:
+    __slots__ = ("queue", "credit", "usage", "timings", "started")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.credit = 0
+        self.usage: dict[str, int] = {}
+        self.timings: list[Timing] = []
+        self.started = time.perf_counter()
+
+
+class Client:
+    def __init__(self, config: Config, registry_address: str, run_dir: Path) -> None:
+        self.config = config
+        self.registry_address = registry_address
+        self.run_dir = Path(run_dir)
+        self._pending: dict[str, _Pending] = {}
+        self.ctx: zmq.Context | None = None
+        self._id_prefix = uuid.uuid4().hex[:16]  # unique per client; a counter after it
+        self._ids = itertools.count()
+
+    async def start(self) -> None:
+        self.ctx = zmq.Context()
+        if self.config.runtime.transport == "tcp":
+            address = f"tcp://{self.config.runtime.bind_host}:*"
+        else:
+            address = f"ipc://{self.run_dir}/client-{os.getpid()}-{next(_client_ids)}.sock"
+        self.inbox = Inbox(self.ctx, address, self._on_message)
+        self.inbox.start()
+        self.registry = open_registry(self.registry_address)
+        self.view = RegistryView(self.registry, self.config.name)
+        await self.view.start()
+        self.outbox = Outbox(self.ctx)
+        policies = {
+            name: make_policy(rc.policy, role=name) for name, rc in self.config.roles.items()
+        }
+        idempotent = frozenset(n for n, rc in self.config.roles.items() if rc.idempotent)
+        self.router = Router(
+            self.config.plan(), self.view, self.outbox, policies, idempotent, socket.gethostname()
+        )
+
+    async def close(self) -> None:
+        for pending in self._pending.values():
+            pending.queue.put_nowait(RequestFailed("cancelled", "client closed", "client", ""))
+        self.inbox.close()
+        await self.view.close()
+        await self.registry.close()
+        self.outbox.close()
+        assert self.ctx is not None
+        self.ctx.term()
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        """Wait until every role has a live replica."""
+        for role in self.config.roles:
+            if not await self.view.wait_for(role, timeout):
+                raise RequestFailed(Code.UNAVAILABLE.value, "no live replica", role, "")
+
+    def _on_message(self, identity: bytes, parts: list[Any]) -> None:
+        try:
+            msg = decode(parts[0], _decoder)
+        except BadMessage:
+            return
+        pending = self._pending.get(getattr(msg, "request_id", ""))
+        if pending is None:
+            return  # a late message of a request that already ended
+        if isinstance(msg, Emit):
+            tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
+            pending.queue.put_nowait(Output(msg.role, msg.seq, msg.data, tensors))
+        elif isinstance(msg, Done):
+            if msg.seq >= 0:
+                tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
+                pending.queue.put_nowait(Output(msg.role, msg.seq, msg.data, tensors))
+            pending.credit += msg.credit
+            pending.timings += msg.timings
+            for k, v in msg.usage.items():
+                pending.usage[k] = pending.usage.get(k, 0) + v
+            if pending.credit >= FULL_CREDIT:
+                latency = (time.perf_counter() - pending.started) * 1e3
+                pending.queue.put_nowait(
+                    Result(msg.request_id, pending.usage, pending.timings, latency)
+                )
+        elif isinstance(msg, Fail):
+            pending.queue.put_nowait(RequestFailed(msg.code, msg.message, msg.role, msg.request_id))
+
+    async def stream(
+        self,
+        inputs: Mapping[str, Any] | None = None,
+        *,
+        params: Mapping[str, Any] | None = None,
+        session: str = "",
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Output | Result]:
+        """Send one request; yield its ``Output`` chunks, then one ``Result``.
+
+        Raises ``RequestFailed`` if any role fails it. Leaving the loop early
+        cancels the request everywhere it went.
+        """
+        request_id = request_id or f"{self._id_prefix}{next(self._ids):x}"
+        deadline = time.time() + timeout if timeout else 0.0
+        call = Call(
+            request_id,
+            "",
+            self.inbox.endpoint,
+            params=dict(params or {}),
+            deadline=deadline,
+            session=session,
+            origin="client",
+        )
+        pending = _Pending()
+        self._pending[request_id] = pending
+        fanout = Fanout(self.router, "input", call)
+        finished = False
+        try:
+            try:
+                await fanout.output(dict(inputs or {}))
+                if not fanout.branches:
+                    raise RequestFailed(
+                        Code.BAD_REQUEST.value, "no role accepts this input", "client", request_id
+                    )
+                await fanout.finish(FULL_CREDIT, [], {})
+            except RouteError as e:
+                raise RequestFailed(e.code, str(e), "client", request_id) from None
+            while True:
+                if deadline:
+                    # Roles enforce the deadline; this bounds a wait on a dead path.
+                    wait = max(0.0, deadline - time.time()) + 1.0
+                    try:
+                        item = await asyncio.wait_for(pending.queue.get(), wait)
+                    except TimeoutError:
+                        raise RequestFailed(
+                            Code.DEADLINE.value,
+                            "no answer before the deadline",
+                            "client",
+                            request_id,
+                        ) from None
+                else:
+                    item = await pending.queue.get()
+                if isinstance(item, RequestFailed):
+                    finished = True  # the failing role already cancelled downstream
+                    raise item
+                if isinstance(item, Result):
+                    finished = True  # before the yield: the caller may stop iterating here
+                    yield item
+                    return
+                yield item
+        finally:
+            self._pending.pop(request_id, None)
+            if not finished:
+                cancel = [encode(Cancel(request_id))]
+                for address in fanout.addresses:
+                    with contextlib.suppress(Exception):
+                        self.outbox.post(address, cancel)
+
+    async def call(
+        self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> tuple[list[Output], Result]:
+        """Run one request to its end; every output chunk and the result."""
+        outputs: list[Output] = []
+        async for item in self.stream(inputs, **kwargs):
+            if isinstance(item, Output):
+                outputs.append(item)
+            else:
+                return outputs, item
+        raise AssertionError("stream ended without a Result")

@@ -1,0 +1,147 @@
+"""An asyncio face for an EngineBackend: model steps run on a dedicated thread, so the
+event loop of the actor hosting the engine never waits on compute.
+
+    engine = AsyncEngine.from_path(model_path)
+    async for delta in engine.generate("req-1", prompt_ids, SamplingParams(max_tokens=32)):
+        ...  # TokenDelta per step; the last one has finish_reason set
+    await engine.close()
+
+Leaving the `async for` early (break, cancellation) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from omniflow.engine.llm_engine import EngineConfig, LLMEngine
+from omniflow.engine.protocol import EngineBackend, TokenDelta
+from omniflow.engine.sampling_params import SamplingParams
+from omniflow.engine.sequence import EmbeddingSpan
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; every open and later request gets this."""
+
+
+class _Add(NamedTuple):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams | None
+    embeddings: list[EmbeddingSpan] | None
+
+
+class _Abort(NamedTuple):
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, backend: EngineBackend):
+        self.backend = backend
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="omniflow-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_path(cls, model_path: str | Path, config: EngineConfig | None = None) -> AsyncEngine:
+        return cls(LLMEngine(model_path, config))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        embeddings: list[EmbeddingSpan] | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Yield this request's TokenDeltas as steps produce them; raises ValueError for a bad
+        request, EngineDeadError if the engine thread died."""
+        if self._dead is not None:
+            raise EngineDeadError("engine thread is not running") from self._dead
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request {request_id}: request_id is already in use")
+            self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, embeddings))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with a finish_reason "abort" delta."""
+        self._commands.put(_Abort(request_id))
+
+    async def close(self) -> None:
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+
+    def _deliver(self, request_id: str, item: TokenDelta | BaseException) -> None:
+        with self._streams_lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:
+                pass  # that loop is closed: nobody is listening any more
+
+    def _apply(self, command) -> bool:
+        if command is _STOP:
+            return False
+        if isinstance(command, _Add):
+            try:
+                self.backend.add_request(
+                    command.request_id, command.prompt_token_ids, command.params, command.embeddings
+                )
+            except ValueError as error:
+                self._deliver(command.request_id, error)
+        elif isinstance(command, _Abort):
+            self.backend.abort(command.request_id)
+        return True
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    # Block when idle, drain when busy.
+                    if not self.backend.has_unfinished_requests():
+                        if not self._apply(self._commands.get()):
+                            return
+                    while not self._commands.empty():
+                        if not self._apply(self._commands.get_nowait()):
+                            return
+                    for delta in self.backend.step():
+                        self._deliver(delta.request_id, delta)
+        except BaseException as error:  # noqa: BLE001 - every waiter must hear about it
+            self._dead = error
+            with self._streams_lock:
+                request_ids = list(self._streams)
+            for request_id in request_ids:
+                dead = EngineDeadError(f"engine thread died: {error!r}")
+                dead.__cause__ = error
+                self._deliver(request_id, dead)

@@ -1,0 +1,224 @@
+"""The torch backend: paged KV, continuous batching, sampling, prefix caching."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from omniflow.engine.model_runner import ModelRunner
+from omniflow.engine.paged_attention import KVCache
+from omniflow.engine.prefix_page_cache import HashPrefixPageCache
+from omniflow.engine.protocol import TokenDelta
+from omniflow.engine.sampler import Sampler
+from omniflow.engine.sampling_params import SamplingParams
+from omniflow.engine.scheduler import Scheduler
+from omniflow.engine.sequence import EmbeddingSpan, Sequence
+from omniflow.models import DecoderLM, TextTokenizer, load_decoder, load_tokenizer
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"
+    dtype: str = "auto"
+    page_size: int = 16
+    num_pages: int | None = None  # None: as many as kv_cache_bytes allows, capped (below)
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # None: the config's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int | None = None  # for requests without their own seed
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | Path | DecoderLM,
+        config: EngineConfig | None = None,
+        tokenizer: TextTokenizer | None = None,
+    ):
+        self.config = config = config or EngineConfig()
+        if isinstance(model, (str, Path)):
+            if tokenizer is None and (Path(model) / "tokenizer.json").is_file():
+                tokenizer = load_tokenizer(model)
+            model = load_decoder(model, config.device, config.dtype)
+        self.model = model
+        self.tokenizer = tokenizer
+        model_config = model.config
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        if tokenizer is not None:
+            self.eos_token_ids |= set(tokenizer.eos_token_ids)
+        parameter = next(model.parameters())
+        per_page = KVCache.bytes_per_page(
+            model_config.num_hidden_layers,
+            config.page_size,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            parameter.dtype,
+        )
+        pages_for_all = config.max_num_seqs * -(-self.max_model_len // config.page_size)
+        num_pages = config.num_pages or max(
+            1, min(config.kv_cache_bytes // per_page, pages_for_all)
+        )
+        self.cache = KVCache(
+            model_config.num_hidden_layers,
+            num_pages,
+            config.page_size,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            parameter.dtype,
+            parameter.device,
+        )
+        self.allocator = HashPrefixPageCache(num_pages, config.page_size)
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_prefix_caching,
+        )
+        self.runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler(config.seed)
+        self.sequences: dict[str, Sequence] = {}
+        self.pending_aborts: list[TokenDelta] = []
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.cache.num_pages * self.cache.page_size
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        params: SamplingParams | None = None,
+        embeddings: list[EmbeddingSpan] | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params, request_id)
+        if request_id in self.sequences:
+            raise ValueError(f"request {request_id}: request_id is already in use")
+        params.validate(request_id, self.vocab_size)
+        prompt = self._validated_prompt(request_id, prompt_token_ids, params)
+        spans = self._validated_spans(request_id, embeddings or [], len(prompt))
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {request_id}: sampling field stop needs a tokenizer")
+        sequence = Sequence(request_id, prompt, params, spans)
+        self.sequences[request_id] = sequence
+        self.scheduler.add(sequence)
+
+    def _validated_prompt(self, request_id, prompt_token_ids, params) -> list[int]:
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"request {request_id}: prompt_token_ids is empty")
+        for index, token in enumerate(prompt):
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"request {request_id}: prompt_token_ids[{index}]={token} is outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {request_id}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        if total > self.capacity_tokens:
+            raise ValueError(
+                f"request {request_id}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
+                f"exceeds the KV cache's {self.capacity_tokens} tokens"
+            )
+        return prompt
+
+    def _validated_spans(self, request_id, spans, prompt_len) -> list[EmbeddingSpan]:
+        hidden = self.model.config.hidden_size
+        for index, span in enumerate(spans):
+            shape = tuple(span.embeddings.shape)
+            if len(shape) != 2 or shape[1] != hidden:
+                raise ValueError(
+                    f"request {request_id}: embeddings[{index}] has shape {shape}, "
+                    f"expected [n, {hidden}]"
+                )
+            if span.start < 0 or span.start + shape[0] > prompt_len:
+                raise ValueError(
+                    f"request {request_id}: embeddings[{index}] covers positions "
+                    f"{span.start}..{span.start + shape[0] - 1}, outside the prompt"
+                )
+        return list(spans)
+
+    def abort(self, request_id: str) -> None:
+        sequence = self.sequences.pop(request_id, None)
+        if sequence is None:
+            return
+        self.scheduler.finish(sequence, "abort")
+        self.pending_aborts.append(self._delta(sequence, 0))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.pending_aborts)
+
+    def step(self) -> list[TokenDelta]:
+        deltas, self.pending_aborts = self.pending_aborts, []
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return deltas
+        step_logits = self.runner.execute(chunks)
+        self.scheduler.commit(chunks)
+        if not step_logits.sequences:
+            return deltas
+        sampled = self.sampler(step_logits.logits, step_logits.sequences)
+        for row, sequence in enumerate(step_logits.sequences):
+            sequence.append_token(
+                sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row]
+            )
+            self._check_stop(sequence)
+            if sequence.finish_reason is not None:
+                self.scheduler.finish(sequence, sequence.finish_reason)
+                del self.sequences[sequence.request_id]
+            deltas.append(self._delta(sequence, 1))
+        return deltas
+
+    def _check_stop(self, sequence: Sequence) -> None:
+        params, token = sequence.params, sequence.output_token_ids[-1]
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            sequence.finish_reason, sequence.stop_reason = "stop", token
+            return
+        if params.stop:
+            text = self.tokenizer.decode(sequence.output_token_ids)
+            for stop in params.stop:
+                if stop in text:
+                    sequence.finish_reason, sequence.stop_reason = "stop", stop
+                    return
+        if (
+            len(sequence.output_token_ids) >= params.max_tokens
+            or len(sequence) >= self.max_model_len
+        ):
+            sequence.finish_reason = "length"
+
+    @staticmethod
+    def _delta(sequence: Sequence, num_new: int) -> TokenDelta:
+        start = len(sequence.output_token_ids) - num_new
+        tops = None
+        if sequence.params.logprobs is not None:
+            tops = sequence.output_top_logprobs[start:]
+        return TokenDelta(
+            sequence.request_id,
+            sequence.output_token_ids[start:],
+            sequence.output_logprobs[start:],
+            tops,
+            sequence.finish_reason,
+            sequence.stop_reason,
+            sequence.num_cached_tokens or 0,
+        )
+
+    @torch.inference_mode()
+    def run_to_completion(self) -> list[TokenDelta]:
+        deltas: list[TokenDelta] = []
+        while self.has_unfinished_requests():
+            deltas += self.step()
+        return deltas

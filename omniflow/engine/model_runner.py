@@ -1,0 +1,69 @@
+"""Runs one scheduled step through the decoder: builds the flat token batch, the paged
+attention metadata and the multimodal embedding overrides; returns logits to sample."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
+from omniflow.engine.scheduler import ScheduledChunk
+from omniflow.engine.sequence import Sequence
+from omniflow.models import DecoderLM
+
+
+class StepLogits(NamedTuple):
+    sequences: list[Sequence]  # the sequences that sample after this step, in logits order
+    logits: torch.Tensor  # [len(sequences), vocab], float32
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, cache: KVCache):
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        self.scale = model.config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> StepLogits:
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        sampling: list[Sequence] = []
+        embed_rows: list[int] = []
+        embed_values: list[torch.Tensor] = []
+        for chunk in ordered:
+            sequence, start, end = chunk.sequence, chunk.start, chunk.start + chunk.num_tokens
+            row = len(input_ids)
+            input_ids += sequence.token_ids[start:end]
+            positions += range(start, end)
+            for span in sequence.embedding_spans:
+                lo, hi = max(start, span.start), min(end, span.start + len(span.embeddings))
+                if lo < hi:
+                    embed_rows += range(row + lo - start, row + hi - start)
+                    embed_values.append(span.embeddings[lo - span.start : hi - span.start])
+            if chunk.samples:
+                logits_rows.append(len(input_ids) - 1)
+                sampling.append(sequence)
+        batch = build_attention_batch(
+            self.cache,
+            [(c.sequence.page_ids, c.start + 1) for c in decodes],
+            [(c.sequence.page_ids, c.start, c.num_tokens) for c in prefills],
+            self.device,
+        )
+        device = self.device
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            PagedAttention(self.cache, batch, self.scale),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+            embed_rows=torch.tensor(embed_rows, dtype=torch.long, device=device)
+            if embed_rows
+            else None,
+            embed_values=torch.cat(embed_values).to(device) if embed_values else None,
+        )
+        return StepLogits(sampling, logits.float())

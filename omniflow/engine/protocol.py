@@ -1,0 +1,64 @@
+"""The protocol every omniflow LLM backend implements, and what a step reports.
+
+A backend takes requests (prompt token ids, plus precomputed embeddings for multimodal
+placeholder positions), advances all of them by one `step()` at a time, and reports new
+tokens per request as `TokenDelta`s; `abort` drops a request at the next step boundary.
+Each request ends with exactly one delta whose finish_reason is set.
+
+Mapping an SGLang backend onto this protocol (see sglang_backend.py):
+- add_request  -> omniflow's Scheduler and Sequence stay as they are; SGLang is used only
+  for the forward pass, not its own scheduler/tokenizer manager.
+- pages        -> omniflow owns the KV pool. SGLang's `ReqToTokenPool` row of a request is
+  filled from omniflow's page table (slot = page * page_size + offset), and its
+  `TokenToKVPool` K/V buffers are views over omniflow's `KVCache.keys/values`; the
+  PageAllocator (later the radix cache in omniflow/cache/) decides what is free or shared.
+- step         -> one `ForwardBatch` per scheduled step: `input_ids`, `positions`,
+  `out_cache_loc` (= our slot_mapping), `seq_lens`, `extend_prefix_lens` (= chunk start)
+  and `forward_mode` EXTEND for prefill chunks / DECODE for single tokens, run through
+  SGLang's `model.forward(input_ids, positions, forward_batch)` with its attention backend
+  (FlashInfer/Triton) reading the shared pages. Multimodal embeddings enter as
+  `input_embeds` rows, as here.
+- sampling     -> the logits SGLang returns (`LogitsProcessorOutput.next_token_logits`)
+  go through omniflow's Sampler, so penalties, seeds, stop rules and logprobs behave the
+  same on every backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from typing import NamedTuple, Protocol
+
+from omniflow.engine.sampling_params import SamplingParams
+from omniflow.engine.sequence import EmbeddingSpan
+
+
+class TokenDelta(NamedTuple):
+    request_id: str
+    token_ids: list[int]  # tokens produced by this step (empty on abort)
+    logprobs: list[float]  # log-probability of each of those tokens
+    top_logprobs: list[dict[int, float]] | None  # when SamplingParams.logprobs is set
+    finish_reason: str | None  # None while running; "stop", "length" or "abort" at the end
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class EngineBackend(Protocol):
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        params: SamplingParams | None = None,
+        embeddings: list[EmbeddingSpan] | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError naming the field and request if invalid."""
+        ...
+
+    def step(self) -> list[TokenDelta]:
+        """Run one scheduled model step; returns what each touched request produced."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request; its final delta (finish_reason "abort") comes with the next step."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...

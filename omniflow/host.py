@@ -1,0 +1,355 @@
+"""Runs one ``Actor`` inside a worker process: intake, ordering, limits, failures.
+
+Each Call is one chunk of one request's input. A request's chunks are handled
+in order by one task; a plain (single-chunk) request gets its task directly.
+Branches meeting at a join are buffered until every part arrived, then handled
+once. An exception, a missed deadline or a cancel ends that request alone with
+one ``Fail`` to the client and a ``Cancel`` to everything downstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Timing
+from omniflow.routing import Fanout, RouteError, Router
+from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
+from omniflow.transport.tensors import TensorError
+
+log = logging.getLogger(__name__)
+_decoder = decoder_for(DataMessage)
+_FINISHED_MEMORY = 4096  # finished requests whose downstream a late Cancel must still reach
+
+
+class _Stream:
+    """A request in flight at this actor."""
+
+    __slots__ = (
+        "call",
+        "queue",
+        "task",
+        "fanout",
+        "credit",
+        "ctx",
+        "compute",
+        "timings",
+        "usage",
+        "last_output",
+    )
+
+    def __init__(self, call: Call, fanout: Fanout, ctx: Context) -> None:
+        self.call = call
+        self.queue: asyncio.Queue | None = None
+        self.task: asyncio.Task | None = None
+        self.fanout = fanout
+        self.ctx = ctx
+        self.credit = 0
+        self.compute = 0.0
+        self.timings: list[Timing] = []
+        self.usage: dict[str, int] = {}
+        self.last_output: Any = None
+
+
+class ActorHost:
+    def __init__(
+        self,
+        actor: Actor,
+        router: Router,
+        max_concurrency: int = 64,
+        max_queue: int = 1024,
+    ) -> None:
+        self.actor = actor
+        self.role = actor.role
+        self.router = router
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._max_pending = max_concurrency + max_queue
+        self._streams: dict[tuple[str, int], _Stream] = {}  # (request id, hops)
+        self._joins: dict[str, list[Call]] = {}
+        self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
+        self._frames: dict[str, list[Any]] = {}
+        self._is_gen = inspect.isasyncgenfunction(actor.handle)
+        self.accepting = True
+        self.served = 0
+        self.bad_messages = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ intake
+
+    def on_message(self, identity: bytes, parts: list[Any]) -> None:
+        try:
+            msg = decode(parts[0], _decoder)
+        except BadMessage as e:
+            self.bad_messages += 1
+            log.warning("%s: dropped a malformed message: %s", self.role, e)
+            return
+        if isinstance(msg, Call):
+            self._on_call(msg, parts)
+        elif isinstance(msg, Cancel):
+            self._on_cancel(msg)
+        else:
+            self.bad_messages += 1
+            log.warning("%s: dropped an unexpected %s", self.role, type(msg).__name__)
+
+    def _on_call(self, call: Call, parts: list[Any]) -> None:
+        if call.role != self.role:
+            return self._reject(
+                call, Code.BAD_REQUEST, f"sent to {self.role}, meant for {call.role}"
+            )
+        if call.join is not None and call.join.role == self.role and call.join.parts > 1:
+            return self._join_part(call, parts)
+        key = (call.request_id, call.hops)  # a loop may bring a request back here
+        stream = self._streams.get(key)
+        if stream is None:
+            if key in self._finished:
+                return  # a late chunk of a request that already ended here
+            if not self.accepting:
+                return self._reject(call, Code.SHUTTING_DOWN, f"{self.role} is shutting down")
+            if len(self._streams) >= self._max_pending:
+                return self._reject(call, Code.OVERLOADED, f"{self.role} queue is full")
+            if call.deadline and call.deadline <= time.time():
+                return self._reject(call, Code.DEADLINE, "deadline passed before it started")
+            stream = self._open(call, key)
+            if call.seq == 0 and call.last:
+                stream.task = asyncio.create_task(self._run_single(stream, call, parts))
+                return
+            stream.queue = asyncio.Queue()
+            stream.task = asyncio.create_task(self._run_stream(stream))
+        assert stream.queue is not None, "a single-chunk request got a second chunk"
+        stream.queue.put_nowait((call, parts))
+
+    def _open(self, call: Call, key: tuple[str, int]) -> _Stream:
+        ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, None)
+        stream = _Stream(call, Fanout(self.router, self.role, call), ctx)
+        ctx._sink = stream.fanout.output
+        self._streams[key] = stream
+        self._idle.clear()
+        return stream
+
+    def _join_part(self, call: Call, parts: list[Any]) -> None:
+        buffered = self._joins.setdefault(call.request_id, [])
+        buffered.append(call)
+        self._frames[f"{call.request_id}/{call.join.part}/{call.seq}"] = parts
+        done_parts = {c.join.part for c in buffered if c.last}
+        if len(done_parts) < call.join.parts:
+            return
+        del self._joins[call.request_id]
+        merged, frames = self._merge_join(buffered)
+        self._on_call(merged, frames)
+
+    def _merge_join(self, calls: list[Call]) -> tuple[Call, list[Any]]:
+        calls.sort(key=lambda c: (c.join.part, c.seq))
+        frames: list[Any] = [b""]
+        data: dict[str, Any] = {}
+        refs: dict[str, Any] = {}
+        first = calls[0]
+        credit, timings, usage = 0, [], {}
+        for c in calls:
+            parts = self._frames.pop(f"{c.request_id}/{c.join.part}/{c.seq}")
+            data.update(c.data)
+            for name, ref in c.tensors.items():
+                if hasattr(ref, "index"):  # Frame refs point into this call's own frames
+                    frames.append(parts[ref.index])
+                    ref = type(ref)(len(frames) - 1, ref.dtype, ref.shape)
+                refs[name] = ref
+            credit += c.credit
+            timings += c.timings
+            for k, v in c.usage.items():
+                usage[k] = usage.get(k, 0) + v
+        merged = Call(
+            first.request_id,
+            self.role,
+            first.reply_to,
+            data,
+            refs,
+            first.params,
+            0,
+            True,
+            credit,
+            first.deadline,
+            first.session,
+            first.origin,
+            None,
+            timings,
+            usage,
+            first.hops,
+            first.loops,
+        )
+        return merged, frames
+
+    def _on_cancel(self, cancel: Cancel) -> None:
+        rid = cancel.request_id
+        self._joins.pop(rid, None)
+        for key, stream in list(self._streams.items()):
+            if key[0] == rid:
+                stream.ctx.cancelled.set()
+                if stream.task is not None:
+                    stream.task.cancel()  # its handler cancels what it sent downstream
+        for key, addresses in list(self._finished.items()):
+            if key[0] == rid:
+                for address in addresses:
+                    self._send_cancel(address, cancel)
+
+    # ------------------------------------------------------------------ running
+
+    async def _run_single(self, stream: _Stream, call: Call, parts: list[Any]) -> None:
+        try:
+            await self._with_limits(stream, lambda: self._handle_chunk(stream, call, parts))
+        finally:
+            self._close(stream)
+
+    async def _run_stream(self, stream: _Stream) -> None:
+        async def consume() -> None:
+            assert stream.queue is not None
+            while True:
+                call, parts = await stream.queue.get()
+                is_marker = call.last and call.seq > 0 and not call.data and not call.tensors
+                if not is_marker:
+                    await self._handle_chunk(stream, call, parts)
+                else:
+                    stream.credit += call.credit
+                    stream.timings += call.timings
+                if call.last:
+                    return
+
+        try:
+            await self._with_limits(stream, consume)
+        finally:
+            self._close(stream)
+
+    async def _with_limits(self, stream: _Stream, work: Any) -> None:
+        """Run ``work()`` under the concurrency slots and the deadline, then finish."""
+        call = stream.call
+        try:
+            async with self._slots:
+                if call.deadline:
+                    async with asyncio.timeout_at(_loop_deadline(call.deadline)):
+                        await work()
+                else:
+                    await work()
+            stream.timings.append(Timing(self.role, self.actor.replica, stream.compute * 1e3))
+            await stream.fanout.finish(
+                stream.credit, stream.timings, stream.usage, stream.last_output
+            )
+            self.served += 1
+        except TimeoutError:
+            await self._fail(stream, Code.DEADLINE, f"deadline exceeded in {self.role}")
+        except asyncio.CancelledError:
+            self._cancel_downstream(stream, "cancelled")
+        except BadRequest as e:
+            await self._fail(stream, Code.BAD_REQUEST, str(e))
+        except (TensorError, RouteError) as e:
+            await self._fail(stream, getattr(e, "code", Code.BAD_REQUEST), str(e))
+        except Exception as e:  # the handler's bug fails this request, not the actor
+            log.exception("%s: request %s failed", self.role, call.request_id)
+            await self._fail(stream, Code.ERROR, f"{type(e).__name__}: {e}")
+
+    async def _handle_chunk(self, stream: _Stream, call: Call, parts: list[Any]) -> None:
+        stream.credit += call.credit
+        stream.timings += call.timings
+        for k, v in call.usage.items():
+            stream.usage[k] = stream.usage.get(k, 0) + v
+        tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
+        request = Request(
+            call.request_id, call.data, tensors, call.params, call.session, call.seq, call.last
+        )
+        try:
+            if self._is_gen:
+                await self._drive_generator(stream, self.actor.handle(request, stream.ctx))
+            else:
+                started = time.perf_counter()
+                try:
+                    out = await self.actor.handle(request, stream.ctx)
+                finally:
+                    stream.compute += time.perf_counter() - started
+                if out is not None:
+                    if stream.queue is None:  # a single chunk: its output is the last one
+                        stream.last_output = out
+                    else:
+                        await stream.fanout.output(out)
+        finally:
+            for k, v in stream.ctx.usage.items():
+                stream.usage[k] = stream.usage.get(k, 0) + v
+            stream.ctx.usage = {}
+
+    async def _drive_generator(self, stream: _Stream, gen: Any) -> None:
+        """Forward each yield; time the handler's own work, not the sends."""
+        try:
+            while True:
+                started = time.perf_counter()
+                try:
+                    out = await gen.__anext__()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    stream.compute += time.perf_counter() - started
+                if out is not None:
+                    await stream.fanout.output(out)
+        finally:
+            await gen.aclose()
+
+    async def _fail(self, stream: _Stream, code: str, message: str) -> None:
+        call = stream.call
+        self._cancel_downstream(stream, code)
+        code = code.value if isinstance(code, Code) else str(code)
+        fail = Fail(code, message, self.role, call.request_id)
+        try:
+            await self.router.send(call.reply_to, fail, {})
+        except Exception:
+            log.warning("%s: could not deliver the failure of %s", self.role, call.request_id)
+
+    def _reject(self, call: Call, code: Code, message: str) -> None:
+        fail = Fail(code.value, message, self.role, call.request_id)
+        try:
+            self.router.outbox.post(call.reply_to, [encode(fail)])
+        except Exception:
+            log.warning("%s: could not reject %s", self.role, call.request_id)
+
+    def _cancel_downstream(self, stream: _Stream, reason: str) -> None:
+        cancel = Cancel(stream.call.request_id, str(reason))
+        for address in stream.fanout.addresses:
+            self._send_cancel(address, cancel)
+
+    def _send_cancel(self, address: str, cancel: Cancel) -> None:
+        try:
+            self.router.outbox.post(address, [encode(cancel)])
+        except Exception:
+            pass
+
+    def _close(self, stream: _Stream) -> None:
+        key = (stream.call.request_id, stream.call.hops)
+        self._streams.pop(key, None)
+        self._finished[key] = stream.fanout.addresses
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+        if not self._streams:
+            self._idle.set()
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop intake and wait for in-flight requests; True if all finished in time."""
+        self.accepting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            for stream in list(self._streams.values()):
+                if stream.task is not None:
+                    stream.task.cancel()
+            return False
+
+
+def _loop_deadline(deadline: float) -> float:
+    """A wall-clock deadline (time.time()) on the running loop's clock."""
+    return asyncio.get_running_loop().time() + (deadline - time.time())

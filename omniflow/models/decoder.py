@@ -1,0 +1,200 @@
+"""Decoder-only transformer of the Llama/Qwen2 family over a flat batch of tokens.
+
+The model knows nothing of pages or batching: every layer hands its q/k/v to an
+`AttentionFn` supplied by the caller (the engine's paged attention), so the same module
+serves prefill, chunked prefill and batched decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from omniflow.models.decoder_config import DecoderConfig
+from omniflow.models.rope import RotaryEmbedding, apply_rotary
+
+
+class AttentionFn(Protocol):
+    def __call__(
+        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> like q."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers (variance in float32) so greedy outputs match.
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(self, x, cos, sin, attention: AttentionFn) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        out = attention(self.layer_index, q, k, v)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, layer_index: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_index)
+        self.mlp = SwiGLU(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attention: AttentionFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# Hugging Face checkpoint names that land in a slice of one of our fused parameters.
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderBody(config)
+        self.rotary = RotaryEmbedding(config)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionFn,
+        logits_rows: torch.Tensor | None = None,
+        embed_rows: torch.Tensor | None = None,
+        embed_values: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Flat batch: input_ids, positions [tokens]. Returns logits [len(logits_rows), vocab].
+
+        embed_rows/embed_values replace the token embeddings of those rows (multimodal
+        placeholder positions) with precomputed embeddings.
+        """
+        x = self.embed(input_ids)
+        if embed_rows is not None and embed_rows.numel():
+            x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attention)
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows)
+        x = self.model.norm(x)
+        return nn.functional.linear(x, self.output_weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face-named tensors into this module; returns the names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the duplicate anyway
+            target, shard = self._resolve(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+            param = params[target]
+            with torch.no_grad():
+                self._shard_view(param, target, shard).copy_(tensor.to(param.dtype))
+            loaded.add(name)
+        return loaded
+
+    def _resolve(self, name: str) -> tuple[str, int | None]:
+        for hf_name, (fused, shard) in _FUSED_SHARDS.items():
+            if f".{hf_name}." in name:
+                return name.replace(hf_name, fused), shard
+        return name, None
+
+    def _shard_view(self, param: torch.Tensor, target: str, shard: int | None) -> torch.Tensor:
+        if shard is None:
+            return param
+        config = self.config
+        if "qkv_proj" in target:
+            q = config.num_attention_heads * config.head_dim
+            kv = config.num_key_value_heads * config.head_dim
+            bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        else:
+            size = config.intermediate_size
+            bounds = (shard * size, (shard + 1) * size)
+        return param[bounds[0] : bounds[1]]
+
+    def expected_checkpoint_names(self) -> set[str]:
+        names = set()
+        for name, _ in self.named_parameters():
+            if "qkv_proj" in name:
+                names |= {name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")}
+            elif "gate_up_proj" in name:
+                names |= {name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")}
+            else:
+                names.add(name)
+        return names

@@ -1,0 +1,51 @@
+"""A thin wrapper over a `tokenizers.Tokenizer` loaded from tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...] = ()):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> TextTokenizer:
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in model folder {folder}")
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        return cls(tokenizer, _eos_token_ids(folder, tokenizer))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _eos_token_ids(folder: Path, tokenizer: Tokenizer) -> tuple[int, ...]:
+    for name in ("generation_config.json", "config.json"):
+        file = folder / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file():
+        eos_token = json.loads(config_file.read_text()).get("eos_token")
+        if isinstance(eos_token, dict):
+            eos_token = eos_token.get("content")
+        token_id = tokenizer.token_to_id(eos_token) if eos_token else None
+        if token_id is not None:
+            return (token_id,)
+    return ()

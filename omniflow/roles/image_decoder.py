@@ -1,0 +1,115 @@
+"""``image_decoder`` role: vision codes → PNG, through the flow-matching refiner with CFG.
+
+Input:
+    tensors["image_codes"]: int64 (or int32) [h*w, 8]   RVQ ids, row-major over the grid
+    data["image_grid"]: [h, w]
+    params: "cfg_scale" (float, default option ``cfg_scale``), "seed" (int noise seed, default 0)
+Output:
+    image:  bytes    PNG, RGB, height = h * pixels_per_token, width = w * pixels_per_token
+    width:  int
+    height: int
+    mime:   "image/png"
+
+Options: ``model_path`` (built tiny there if empty), ``device``, ``seed`` (only for that
+build), ``steps`` (Euler steps, default 4), ``cfg_scale`` (default 2.0), ``max_tokens``
+(largest h*w accepted, default 1024), ``threads`` (torch threads of the process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from PIL import Image
+
+from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.models.omni import ImageDecoder, ensure_model, load_image_decoder
+
+_MAX_CFG_SCALE = 30.0
+
+
+class ImageDecoderRole(Actor):
+    async def setup(self) -> None:
+        opts = self.options
+        self.steps = int(opts.get("steps", 4))
+        self.cfg_scale = float(opts.get("cfg_scale", 2.0))
+        self.max_tokens = int(opts.get("max_tokens", 1024))
+        if self.steps < 1:
+            raise ValueError(f"option steps must be at least 1, got {self.steps}")
+        if "threads" in self.options:  # process-wide, and each replica is its own process
+            torch.set_num_threads(int(self.options["threads"]))
+        # One thread: the model runs off the event loop, one request at a time.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-{self.replica}")
+        self.model: ImageDecoder = await self._run(self._load)
+        # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
+        warm = torch.zeros(1, len(self.model.config.codebook_sizes), dtype=torch.int64)
+        await self._run(self._decode, warm, (1, 1), self.cfg_scale, 0)
+
+    def _load(self) -> ImageDecoder:
+        path = self.options.get("model_path", "models/longcat-tiny/image_decoder")
+        ensure_model("image_decoder", path, int(self.options.get("seed", 0)))
+        return load_image_decoder(path, self.options.get("device", "cpu"))
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
+        grid = self._grid(request.data.get("image_grid"))
+        codes = self._codes(request.tensors.get("image_codes"), grid)
+        cfg_scale = request.params.get("cfg_scale", self.cfg_scale)
+        if not isinstance(cfg_scale, (int, float)) or not 0.0 <= cfg_scale <= _MAX_CFG_SCALE:
+            raise BadRequest(
+                "cfg_scale", f"expected a number in [0, {_MAX_CFG_SCALE}], got {cfg_scale!r}"
+            )
+        seed = request.params.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise BadRequest("seed", f"expected an integer, got {seed!r}")
+        png, (height, width) = await self._run(self._decode, codes, grid, float(cfg_scale), seed)
+        return {"image": png, "width": width, "height": height, "mime": "image/png"}
+
+    def _grid(self, grid: Any) -> tuple[int, int]:
+        if (
+            not isinstance(grid, (list, tuple))
+            or len(grid) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in grid)
+        ):
+            raise BadRequest("image_grid", f"expected [h, w] of positive integers, got {grid!r}")
+        if grid[0] * grid[1] > self.max_tokens:
+            raise BadRequest(
+                "image_grid",
+                f"{grid[0]}x{grid[1]} tokens exceeds the limit of {self.max_tokens} "
+                "(option max_tokens)",
+            )
+        return int(grid[0]), int(grid[1])
+
+    def _codes(self, codes: Any, grid: tuple[int, int]) -> torch.Tensor:
+        levels = len(self.model.config.codebook_sizes)
+        if not torch.is_tensor(codes) or codes.dtype not in (torch.int64, torch.int32):
+            got = "nothing" if codes is None else getattr(codes, "dtype", type(codes).__name__)
+            raise BadRequest("image_codes", f"expected an int64 tensor [h*w, {levels}], got {got}")
+        if list(codes.shape) != [grid[0] * grid[1], levels]:
+            raise BadRequest(
+                "image_codes",
+                f"expected shape [{grid[0] * grid[1]}, {levels}] for grid {list(grid)}, "
+                f"got {list(codes.shape)}",
+            )
+        for level, size in enumerate(self.model.config.codebook_sizes):
+            column = codes[:, level]
+            if int(column.min()) < 0 or int(column.max()) >= size:
+                raise BadRequest("image_codes", f"level {level} ids must lie in [0, {size})")
+        return codes.to(torch.int64)
+
+    def _decode(
+        self, codes: torch.Tensor, grid: tuple[int, int], cfg_scale: float, seed: int
+    ) -> tuple[bytes, tuple[int, int]]:
+        pixels = self.model.decode(codes, grid, steps=self.steps, cfg_scale=cfg_scale, seed=seed)
+        buffer = io.BytesIO()
+        # compress_level 1: a tiny model's image is noise-like; higher levels only cost time.
+        Image.fromarray(pixels.numpy()).save(buffer, format="PNG", compress_level=1)
+        return buffer.getvalue(), (pixels.shape[0], pixels.shape[1])

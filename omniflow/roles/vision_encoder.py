@@ -1,0 +1,206 @@
+"""``vision_encoder`` role: image → LongCat-style vision codes and LLM input embeddings.
+
+Input (one of):
+    data["image"]: bytes          an encoded image (PNG, JPEG, anything Pillow reads)
+    tensors["image"]: uint8 [H, W, 3]
+Output:
+    image_embeds: float32 [N, hidden_size]   one LLM input vector per token
+    image_codes:  int64 [N, 8]               RVQ ids, row-major over the token grid
+    image_grid:   [h, w]                     token grid, N = h * w
+    image_hash:   str                        blake2b-128 hex of the input (cache / prefix key)
+
+The image is resized to a multiple of the model's pixels per token (aspect kept) with at most
+``max_pixels`` pixels. An image whose header claims more than ``max_image_pixels`` is rejected
+before its pixels are decoded. Options: ``model_path`` (built tiny there if empty), ``device``,
+``seed`` and ``hidden_size`` (only for that build), ``max_pixels``, ``max_image_pixels``,
+``max_bytes``, ``cache_entries``, ``cache_mb``, ``threads`` (torch threads of the process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import math
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.models.omni import VisionTokenizer, ensure_model, load_vision
+
+DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
+
+
+def content_hash(data: bytes | memoryview) -> str:
+    """blake2b-128 hex digest: the encoder-output cache key and the LLM's prefix-key span."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class EncoderOutputCache:
+    """Bounded LRU of encoder outputs by content hash, bounded by entries and by tensor bytes."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        self._entries.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: str, output: dict[str, Any]) -> None:
+        size = sum(v.numel() * v.element_size() for v in output.values() if torch.is_tensor(v))
+        if self.max_entries <= 0 or size > self.max_bytes or key in self._entries:
+            return
+        self._entries[key] = (output, size)
+        self.nbytes += size
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            _, (_, evicted) = self._entries.popitem(last=False)
+            self.nbytes -= evicted
+
+
+def fit_to_grid(width: int, height: int, step: int, max_pixels: int) -> tuple[int, int]:
+    """(width, height) near the original aspect, multiples of ``step``, at most ``max_pixels``."""
+    scale = min(1.0, math.sqrt(max_pixels / (width * height)))
+    new_w = max(step, round(width * scale / step) * step)
+    new_h = max(step, round(height * scale / step) * step)
+    while new_w * new_h > max_pixels and max(new_w, new_h) > step:
+        if new_w >= new_h:
+            new_w -= step
+        else:
+            new_h -= step
+    return new_w, new_h
+
+
+class VisionEncoderRole(Actor):
+    async def setup(self) -> None:
+        opts = self.options
+        self.max_pixels = int(opts.get("max_pixels", 448 * 448))
+        self.max_image_pixels = int(opts.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
+        self.max_bytes = int(opts.get("max_bytes", 64 << 20))
+        self.cache = EncoderOutputCache(
+            int(opts.get("cache_entries", 256)), int(opts.get("cache_mb", 256)) << 20
+        )
+        if "threads" in self.options:  # process-wide, and each replica is its own process
+            torch.set_num_threads(int(self.options["threads"]))
+        # One thread: the model runs off the event loop, one request at a time.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-{self.replica}")
+        self.model: VisionTokenizer = await self._run(self._load)
+        step = self.model.config.pixels_per_token
+        if self.max_pixels < step * step:
+            raise ValueError(f"max_pixels {self.max_pixels} is below one token ({step}x{step})")
+        # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
+        await self._run(self.model.encode, torch.zeros(step, step, 3, dtype=torch.uint8))
+
+    def _load(self) -> VisionTokenizer:
+        path = self.options.get("model_path", "models/longcat-tiny/vision_encoder")
+        seed = int(self.options.get("seed", 0))
+        ensure_model("vision", path, seed, hidden_size=int(self.options.get("hidden_size", 64)))
+        return load_vision(path, self.options.get("device", "cpu"))
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
+        raw = request.data.get("image")
+        if raw is None and "image" in request.tensors:
+            pixels = request.tensors["image"]
+            self._check_pixels(pixels)
+            blob = repr(tuple(pixels.shape)).encode() + pixels.contiguous().numpy().tobytes()
+            key = await _hash(blob)
+            source: bytes | torch.Tensor = pixels
+        elif isinstance(raw, (bytes, bytearray, memoryview)):
+            if len(raw) > self.max_bytes:
+                raise BadRequest("image", f"{len(raw)} bytes exceeds the limit of {self.max_bytes}")
+            source = bytes(raw)
+            key = await _hash(source)
+        else:
+            got = "nothing" if raw is None else type(raw).__name__
+            raise BadRequest("image", f"expected encoded image bytes or a uint8 tensor, got {got}")
+        cached = self.cache.get(key)
+        if cached is not None:
+            ctx.add_usage(encoder_cache_hits=1)
+            return dict(cached)
+        output = await self._run(self._encode, source)
+        output["image_hash"] = key
+        self.cache.put(key, output)
+        return dict(output)
+
+    def _encode(self, source: bytes | torch.Tensor) -> dict[str, Any]:
+        image = self._decode(source) if isinstance(source, bytes) else _to_pil(source)
+        step = self.model.config.pixels_per_token
+        size = fit_to_grid(image.width, image.height, step, self.max_pixels)
+        if size != image.size:
+            image = image.resize(size, Image.Resampling.BICUBIC)
+        pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy())
+        codes, grid = self.model.encode(pixels)
+        embeds = self.model.embed(codes)
+        return {
+            "image_embeds": embeds.float().cpu(),
+            "image_codes": codes.cpu(),
+            "image_grid": [int(grid[0]), int(grid[1])],
+        }
+
+    def _decode(self, data: bytes) -> Image.Image:
+        try:
+            image = Image.open(io.BytesIO(data))  # reads the header only
+        except Image.DecompressionBombError as e:
+            raise BadRequest("image", f"too large: {e}") from None
+        except UnidentifiedImageError:
+            raise BadRequest("image", "unreadable image: not a format Pillow recognizes") from None
+        except (OSError, ValueError) as e:
+            raise BadRequest("image", f"unreadable image: {e}") from None
+        width, height = image.size
+        if width <= 0 or height <= 0:
+            raise BadRequest("image", f"empty image {width}x{height}")
+        if width * height > self.max_image_pixels:
+            raise BadRequest(
+                "image",
+                f"{width}x{height} = {width * height} pixels exceeds the limit of "
+                f"{self.max_image_pixels} (option max_image_pixels)",
+            )
+        try:
+            return image.convert("RGB")  # decodes the pixels; truncated data fails here
+        except (OSError, ValueError, SyntaxError) as e:
+            raise BadRequest("image", f"unreadable image data: {e}") from None
+
+    def _check_pixels(self, pixels: Any) -> None:
+        if not torch.is_tensor(pixels) or pixels.dtype != torch.uint8 or pixels.dim() != 3:
+            raise BadRequest("image", "a tensor image must be uint8 [H, W, 3]")
+        height, width, channels = pixels.shape
+        if channels != 3 or height == 0 or width == 0:
+            raise BadRequest(
+                "image", f"a tensor image must be uint8 [H, W, 3], got {[height, width, channels]}"
+            )
+        if height * width > self.max_image_pixels:
+            raise BadRequest(
+                "image",
+                f"{width}x{height} pixels exceeds the limit of {self.max_image_pixels} "
+                "(option max_image_pixels)",
+            )
+
+
+async def _hash(data: bytes) -> str:
+    # hashlib drops the GIL on large inputs: hash big ones in a thread so the loop keeps serving.
+    if len(data) < (1 << 20):
+        return content_hash(data)
+    return await asyncio.to_thread(content_hash, data)
+
+
+def _to_pil(pixels: torch.Tensor) -> Image.Image:
+    return Image.fromarray(pixels.contiguous().cpu().numpy())

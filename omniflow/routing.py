@@ -1,0 +1,279 @@
+"""The producer's side of a hop: pick the next replica, send, split completion credit.
+
+Every producer (the client for a request's first hop, each actor after that)
+routes its own outputs: there is no central router. A ``Fanout`` holds the
+branches one request opened from one producer; outputs on streaming edges go
+out at once as numbered chunks, outputs on plain edges are merged and sent
+when the producer finishes. Completion is tracked by credit: the producer's
+share is split over the branches it opened, or returned to the client in a
+``Done`` when it opened none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omniflow.actor import split_output
+from omniflow.balance import NoReplicaError, PickKey
+from omniflow.discovery.view import RegistryView
+from omniflow.graph import Plan
+from omniflow.messages import ActorRecord, Call, Done, Emit, Join, Timing
+from omniflow.transport.codec import encode, export_tensors
+from omniflow.transport.endpoint import Outbox, PeerUnavailable
+from omniflow.transport.tensors import Link
+
+FULL_CREDIT = 1 << 62
+
+
+class RouteError(RuntimeError):
+    """No replica could take a branch; ``code`` is the Fail code to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Router:
+    """What every producer in one process shares: the plan, the view, the sockets."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        view: RegistryView,
+        outbox: Outbox,
+        policies: Mapping[str, Any],
+        idempotent: frozenset[str] = frozenset(),
+        host: str = "",
+    ) -> None:
+        self.plan = plan
+        self.view = view
+        self.outbox = outbox
+        self.policies = policies
+        self.idempotent = idempotent
+        self.host = host
+
+    def pick(self, role: str, key: PickKey, exclude: frozenset[str] = frozenset()) -> ActorRecord:
+        replicas = [r for r in self.view.replicas(role) if r.actor_id not in exclude]
+        if not replicas:
+            raise NoReplicaError(role)
+        return self.policies[role].pick(replicas, key)
+
+    def link(self, record: ActorRecord | None) -> Link:
+        if record is None:
+            return Link()
+        return Link(same_host=record.host == self.host, gpus=tuple(record.gpus))
+
+    async def send(
+        self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = Link()
+    ) -> None:
+        frames: list[Any] = [b""]
+        if tensors:
+            msg.tensors = export_tensors(dict(tensors), frames, link)
+        frames[0] = encode(msg)
+        await self.outbox.send(address, frames)
+
+
+class _Branch:
+    __slots__ = ("role", "record", "stream", "join", "seq", "data", "tensors", "loops")
+
+    def __init__(
+        self,
+        role: str,
+        record: ActorRecord,
+        stream: bool,
+        join: Join | None,
+        loops: dict[str, int],
+    ) -> None:
+        self.role = role
+        self.loops = loops
+        self.record = record
+        self.stream = stream
+        self.join = join
+        self.seq = 0
+        self.data: dict[str, Any] = {}
+        self.tensors: dict[str, Any] = {}
+
+
+class Fanout:
+    """The branches one request opened from one producer."""
+
+    def __init__(self, router: Router, src: str, call: Call) -> None:
+        self.router = router
+        self.src = src
+        self.call = call  # the request's identity: id, reply_to, params, deadline, join
+        self.branches: dict[str, _Branch] = {}
+        self.emitted = 0
+        self.addresses: set[str] = set()
+
+    async def output(self, output: Mapping[str, Any]) -> None:
+        data, tensors = split_output(output)
+        routes = self.router.plan.route(self.src, self.call.params, output, self.call.loops)
+        if not routes and self.src == "input":
+            return  # the client checks that some role took the request
+        if not routes:
+            emit = Emit(self.call.request_id, self.src, self.emitted, data)
+            self.emitted += 1
+            await self.router.send(self.call.reply_to, emit, tensors)
+            return
+        joins = self._joins_for(routes)
+        for route in routes:
+            branch = self.branches.get(route.edge.dst)
+            if branch is None:
+                branch = self._open(route.edge, joins.get(route))
+            if branch.stream:
+                await self._send_chunk(branch, data, tensors, last=False, credit=0)
+            else:
+                _merge(branch.data, data)
+                branch.tensors.update(tensors)
+
+    def _joins_for(self, routes: list) -> dict:
+        """Join tags for routes whose branches meet again downstream."""
+        passthrough = self.call.join
+        by_join: dict[str, list] = {}
+        for route in routes:
+            if route.join is not None:
+                by_join.setdefault(route.join, []).append(route)
+        tags: dict = {}
+        for join_role, members in by_join.items():
+            if passthrough is not None and passthrough.role == join_role:
+                for route in members:
+                    tags[route] = passthrough
+                continue
+            if len(members) < 2:
+                continue
+            key = PickKey(self.call.request_id, self.call.session)
+            target = self.router.pick(join_role, key)
+            for i, route in enumerate(members):
+                tags[route] = Join(join_role, target.actor_id, len(members), i)
+        return tags
+
+    def _open(self, edge: Any, join: Join | None) -> _Branch:
+        role = edge.dst
+        loops = self.call.loops
+        if edge.max_iters:
+            loops = {**loops, edge.key: loops.get(edge.key, 0) + 1}
+        if join is None and self.call.join is not None and self.call.join.role == role:
+            join = self.call.join
+        if join is not None and join.role == role:  # the join's replica was chosen at the split
+            record = self.router.view.find(join.replica)
+            if record is None:
+                raise RouteError("unavailable", f"the {role} replica {join.replica} is gone")
+        else:
+            record = self._pick(role)
+        branch = _Branch(role, record, edge.stream, join, loops)
+        self.branches[role] = branch
+        return branch
+
+    def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> ActorRecord:
+        try:
+            record = self.router.pick(
+                role, PickKey(self.call.request_id, self.call.session), exclude
+            )
+        except NoReplicaError:
+            raise RouteError("unavailable", f"no live replica of role {role!r}") from None
+        self.router.policies[role].on_send(record.actor_id)
+        return record
+
+    async def _send_chunk(
+        self,
+        branch: _Branch,
+        data: dict,
+        tensors: dict,
+        last: bool,
+        credit: int,
+        timings: list[Timing] | None = None,
+        usage: dict[str, int] | None = None,
+    ) -> None:
+        c = self.call
+        msg = Call(
+            c.request_id,
+            branch.role,
+            c.reply_to,
+            data,
+            {},
+            c.params,
+            branch.seq,
+            last,
+            credit,
+            c.deadline,
+            c.session,
+            self.src,
+            branch.join,
+            timings or [],
+            usage or {},
+            c.hops + 1,
+            branch.loops,
+        )
+        while True:
+            try:
+                await self.router.send(
+                    branch.record.endpoint, msg, tensors, self.router.link(branch.record)
+                )
+                break
+            except PeerUnavailable:
+                # A dead replica: retry elsewhere only where nothing of this branch went
+                # out yet and the stage may run twice.
+                retry = branch.seq == 0 and branch.join is None
+                if not retry or branch.role not in self.router.idempotent:
+                    raise RouteError(
+                        "unavailable", f"replica {branch.record.actor_id} did not take the request"
+                    ) from None
+                branch.record = self._pick(branch.role, frozenset({branch.record.actor_id}))
+        self.addresses.add(branch.record.endpoint)
+        branch.seq += 1
+
+    async def finish(
+        self,
+        credit: int,
+        timings: list[Timing],
+        usage: dict[str, int],
+        last_output: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Close every branch, splitting ``credit``; with none open, return it to the client.
+
+        ``last_output`` is a final output not yet routed: when it goes to the
+        client and no branch is open, it rides inside the Done.
+        """
+        if last_output is not None:
+            plan = self.router.plan
+            if self.branches or plan.route(
+                self.src, self.call.params, last_output, self.call.loops
+            ):
+                await self.output(last_output)
+            else:
+                data, tensors = split_output(last_output)
+                done = Done(
+                    self.call.request_id, self.src, credit, timings, usage, self.emitted, data
+                )
+                self.emitted += 1
+                await self.router.send(self.call.reply_to, done, tensors)
+                return
+        if not self.branches:
+            done = Done(self.call.request_id, self.src, credit, timings, usage)
+            await self.router.send(self.call.reply_to, done, {})
+            return
+        n = len(self.branches)
+        share, extra = divmod(credit, n)
+        for i, branch in enumerate(self.branches.values()):
+            part = share + (extra if i == 0 else 0)
+            if branch.stream:
+                await self._send_chunk(branch, {}, {}, True, part, timings, usage)
+            else:
+                await self._send_chunk(
+                    branch, branch.data, branch.tensors, True, part, timings, usage
+                )
+            self.router.policies[branch.role].on_done(branch.record.actor_id)
+            timings, usage = [], {}  # carried once, on the first branch
+
+
+def _merge(into: dict[str, Any], data: Mapping[str, Any]) -> None:
+    """Outputs merged for a plain edge: text concatenates, lists extend, the rest replaces."""
+    for key, value in data.items():
+        prev = into.get(key)
+        if isinstance(prev, str) and isinstance(value, str):
+            into[key] = prev + value
+        elif isinstance(prev, list) and isinstance(value, list):
+            into[key] = prev + value
+        else:
+            into[key] = value

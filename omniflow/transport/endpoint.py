@@ -1,0 +1,208 @@
+"""ZeroMQ sockets on the asyncio loop, without zmq.asyncio's per-call futures.
+
+``Inbox`` binds one ROUTER and hands every complete message to a callback from
+the loop's reader on the socket's FD. ``Outbox`` keeps one DEALER per peer
+address and sends without blocking; only a full queue (or a peer that is not
+connected) makes a send wait, on the DEALER's FD, with a timeout.
+
+ZeroMQ's FD is edge-triggered: a reader callback must drain until EAGAIN, and
+any send or recv on a socket can consume the edge, so every wait re-checks
+``EVENTS`` before sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+_DRAIN_BATCH = 256  # messages per reader callback before yielding to other callbacks
+_ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
+
+
+class PeerUnavailable(ConnectionError):
+    """A peer did not accept a message within the send timeout."""
+
+
+def ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+
+
+class Inbox:
+    """A bound ROUTER; ``on_message(identity, parts)`` gets ``[header, *frames]``.
+
+    The header is ``bytes``; later frames are ``zmq.Frame``s viewing ZeroMQ's own
+    buffers (no copy).
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        on_message: Callable[[bytes, list[Any]], None],
+        mandatory: bool = False,
+    ) -> None:
+        self._sock = ctx.socket(zmq.ROUTER)
+        if mandatory:  # replies to a vanished peer raise instead of vanishing silently
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        path = ipc_path(endpoint)
+        if path and os.path.exists(path):
+            os.unlink(path)  # a stale file from a killed process of the same name
+        self._sock.bind(endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._path = ipc_path(self.endpoint)
+        if self._path:
+            os.chmod(self._path, 0o600)
+        self._on_message = on_message
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+        self._loop.call_soon(self._drain)  # messages that arrived before the reader
+
+    def _drain(self) -> None:
+        sock = self._sock
+        for _ in range(_DRAIN_BATCH):
+            # Checking EVENTS is far cheaper than letting recv raise EAGAIN.
+            if self._closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            identity = sock.recv(zmq.NOBLOCK)
+            header = sock.recv(zmq.NOBLOCK)
+            parts: list[Any] = [header]
+            while sock.getsockopt(zmq.RCVMORE):
+                parts.append(sock.recv(zmq.NOBLOCK, copy=False))  # tensor bytes: no copy
+            self._on_message(identity, parts)
+        # More may be queued and the edge is consumed: come back after others ran.
+        assert self._loop is not None
+        self._loop.call_soon(self._drain)
+
+    def reply(self, identity: bytes, parts: list[Any]) -> bool:
+        """Send back to the DEALER that sent ``identity``; False if it is gone or full."""
+        try:
+            self._sock.send_multipart([identity, *parts], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:  # EAGAIN (full) or EHOSTUNREACH (gone, with mandatory)
+            return False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+            except (ValueError, OSError, zmq.ZMQError):
+                pass
+        self._sock.close(0)
+        if self._path and os.path.exists(self._path):
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+
+
+class Outbox:
+    """One DEALER per peer address, created on first use and kept."""
+
+    def __init__(self, ctx: zmq.Context, send_timeout: float = 5.0) -> None:
+        self._ctx = ctx
+        self._socks: dict[str, zmq.Socket] = {}
+        self._posts: set[asyncio.Task] = set()
+        self.send_timeout = send_timeout
+
+    def _socket(self, address: str) -> zmq.Socket:
+        sock = self._socks.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            # Queue only to a connected peer: a send to a dead replica fails fast
+            # instead of piling up behind a reconnect that never comes.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.connect(address)
+            self._socks[address] = sock
+        return sock
+
+    def try_send(self, address: str, parts: list[Any]) -> bool:
+        """Send now if the peer's queue takes it; False if it would block."""
+        sock = self._socks.get(address) or self._socket(address)
+        copy = len(parts) == 1 or not any(_is_large(p) for p in parts[1:])
+        try:
+            # copy=False: pyzmq holds a reference to each buffer object until libzmq
+            # released the frame, so the tensor behind it stays alive meanwhile.
+            sock.send_multipart(parts, zmq.NOBLOCK, copy=copy)
+            return True
+        except zmq.Again:
+            return False
+
+    async def send(self, address: str, parts: list[Any], timeout: float | None = None) -> None:
+        if self.try_send(address, parts):
+            return
+        sock = self._socks[address]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.send_timeout if timeout is None else timeout)
+        fd = sock.getsockopt(zmq.FD)
+        while True:
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT and self.try_send(address, parts):
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise PeerUnavailable(f"no connected peer took the message at {address}")
+            ready = loop.create_future()
+            loop.add_reader(fd, _set_ready, ready)
+            try:
+                await asyncio.wait_for(ready, min(remaining, 0.05))
+            except TimeoutError:
+                pass  # re-check: the connection may complete without an FD edge
+            finally:
+                loop.remove_reader(fd)
+
+    def post(self, address: str, parts: list[Any]) -> None:
+        """Send from synchronous code: now if possible, else from a task this outbox owns.
+
+        A new DEALER takes nothing until its connection completes (IMMEDIATE), so a
+        first message to a peer usually goes the slow way.
+        """
+        if self.try_send(address, parts):
+            return
+        task = asyncio.get_running_loop().create_task(self._post_later(address, parts))
+        self._posts.add(task)
+        task.add_done_callback(self._posts.discard)
+
+    async def _post_later(self, address: str, parts: list[Any]) -> None:
+        try:
+            await self.send(address, parts)
+        except PeerUnavailable:
+            pass  # best effort: the peer is gone (a client that left, a dead replica)
+
+    def forget(self, address: str) -> None:
+        sock = self._socks.pop(address, None)
+        if sock is not None:
+            sock.close(0)
+
+    def close(self) -> None:
+        for task in self._posts:
+            task.cancel()
+        for sock in self._socks.values():
+            sock.close(0)
+        self._socks.clear()
+
+
+def _set_ready(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _is_large(part: Any) -> bool:
+    try:
+        return len(part) >= _ZERO_COPY_MIN if isinstance(part, (bytes, memoryview)) else True
+    except TypeError:
+        return True

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up omniflow on a fresh Debian/Ubuntu machine: Python deps (CPU torch unless a GPU
+# is present), `just`, and the etcd server that the registry tests start.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+EXTRAS=${OMNIFLOW_EXTRAS:-dev,etcd}
+
+if ! command -v etcd >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq etcd-server >/dev/null
+  else
+    echo "setup: no etcd and no apt-get; the etcd registry tests will fail under CI=true" >&2
+  fi
+fi
+
+# An unpinned torch resolves to a multi-GB CUDA build; without a GPU take the CPU one.
+CONSTRAINTS=()
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  CONSTRAINTS=(-c constraints-cpu.txt)
+fi
+$PY -m pip install -q --disable-pip-version-check "${CONSTRAINTS[@]}" -e ".[${EXTRAS}]" rust-just
+echo "setup: done ($($PY -c 'import torch; print("torch", torch.__version__)'), $(etcd --version 2>/dev/null | head -1))"

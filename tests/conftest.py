@@ -1,0 +1,59 @@
+"""Shared fixtures: short run directories (ipc:// paths are limited to 107 bytes)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.etcd_server import etcd_server  # noqa: F401  (a session fixture)
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # pragma: no cover - torch is a hard dependency
+    _HAS_CUDA = False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def run_root(monkeypatch) -> Path:
+    """A fresh, short run root; deployments started by the test live under it."""
+    root = Path(tempfile.mkdtemp(prefix="of-", dir="/tmp"))
+    monkeypatch.setenv("OMNIFLOW_RUN_ROOT", str(root))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def leftover_sockets(root: Path) -> list[str]:
+    return [str(p) for p in root.rglob("*.sock")]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def etcd_url(etcd_server) -> str:  # noqa: F811
+    return etcd_server.url

@@ -1,0 +1,70 @@
+"""Small roles for graph tests; workers import them as tests.graph_roles:NAME."""
+
+from __future__ import annotations
+
+import torch
+
+from omniflow.actor import Actor
+
+
+class Encoder(Actor):
+    """Turns input ``key`` into ``<key>_embeds`` (a string and a tensor)."""
+
+    async def handle(self, request, ctx):
+        key = self.options["key"]
+        value = request.get(key)
+        return {f"{key}_embeds": f"E({value})", f"{key}_vec": torch.full((2,), float(self.replica))}
+
+
+class Joiner(Actor):
+    """Reports what reached it; asks for an image when the request wants one."""
+
+    async def handle(self, request, ctx):
+        out = {
+            "keys": sorted(set(request.data) | set(request.tensors)),
+            "text": request.data.get("text", ""),
+        }
+        if "image" in str(request.params.get("want", "")):
+            out["image_codes"] = [1, 2, 3]
+        return out
+
+
+class Decoder(Actor):
+    async def handle(self, request, ctx):
+        return {"decoded": request.data["image_codes"], "from": self.role}
+
+
+class Counter(Actor):
+    """Adds one to ``n`` each visit: for bounded loops."""
+
+    async def handle(self, request, ctx):
+        return {"n": int(request.data.get("n", 0)) + 1}
+
+
+class Colocated(Actor):
+    """Loads 'weights' slowly in setup, then records when it measured free memory."""
+
+    async def setup(self):
+        import asyncio
+        import time
+
+        await asyncio.sleep(float(self.options.get("load_s", 0)))
+        self._weights = bytearray(int(self.options.get("weights_mb", 0)) * 2**20)
+        self.setup_done = time.time()
+
+    async def reserve(self, budget):
+        import time
+
+        self.measured = time.time()
+        self.budget = budget
+
+    def meta(self):
+        return {
+            "setup_done": self.setup_done,
+            "measured": self.measured,
+            "fraction": self.budget.fraction,
+            "budget_bytes": self.budget.bytes,
+        }
+
+    async def handle(self, request, ctx):
+        return {"ok": True}

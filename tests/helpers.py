@@ -1,0 +1,45 @@
+"""Config builders for tests: real configs, built in code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omniflow.config import Config, parse
+
+ECHO = "omniflow.roles.echo"
+
+
+def echo_config(
+    name: str = "t",
+    upper: dict[str, Any] | None = None,
+    reverse: dict[str, Any] | None = None,
+    runtime: dict[str, Any] | None = None,
+    stream: bool = True,
+) -> Config:
+    raw = {
+        "name": name,
+        "roles": {
+            "upper": {"actor": f"{ECHO}:Upper", **(upper or {})},
+            "reverse": {"actor": f"{ECHO}:Reverse", **(reverse or {})},
+        },
+        "graph": {
+            "edges": [
+                {"from": "input", "to": "upper"},
+                {"from": "upper", "to": "reverse", "stream": stream},
+            ]
+        },
+        "runtime": {
+            "heartbeat_s": 0.2,
+            "ttl_s": 1.0,
+            "drain_timeout_s": 3.0,
+            "restart_backoff_s": 0.1,
+            **(runtime or {}),
+        },
+    }
+    return parse(raw, "<test>")
+
+
+def expected_echo(text: str) -> list[str]:
+    import re
+
+    return [w.upper()[::-1] for w in re.findall(r"\S+\s*", text)]

@@ -1,0 +1,110 @@
+"""audio_decoder role driven in-process: a stream of code chunks in, PCM16 chunks out."""
+
+from __future__ import annotations
+
+import io
+import wave
+
+import pytest
+import torch
+
+from omniflow.actor import BadRequest
+from omniflow.roles.audio_decoder import AudioDecoderRole
+from tests.roles.media import drive, make_ctx, make_request, run
+
+SIZES = [8192, 4096, 2048] + [1024] * 5
+
+
+def _codes(n, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randint(0, s, (n,), generator=generator) for s in SIZES], dim=1)
+
+
+def _actor(models_root, **options):
+    options.setdefault("model_path", str(models_root / "audio_decoder"))
+    return AudioDecoderRole("audio_decoder", 0, options)
+
+
+def _stream(models_root, chunks, closing_marker=True):
+    """Feed ``chunks`` as one streamed request through one Context; outputs per chunk."""
+
+    async def main():
+        actor = _actor(models_root)
+        await actor.setup()
+        try:
+            ctx = make_ctx("audio_decoder", "stream-1")
+            per_chunk = []
+            for seq, codes in enumerate(chunks):
+                last = seq == len(chunks) - 1 and not closing_marker
+                request = make_request(
+                    tensors={"audio_codes": codes}, request_id="stream-1", seq=seq, last=last
+                )
+                per_chunk.append(await drive(actor, request, ctx))
+            if closing_marker:
+                marker = make_request(request_id="stream-1", seq=len(chunks), last=True)
+                assert await drive(actor, marker, ctx) == []
+            return per_chunk
+        finally:
+            await actor.close()
+
+    return run(main())
+
+
+def test_each_chunk_yields_pcm_as_it_arrives(models_root):
+    sizes = [3, 5, 2]
+    per_chunk = _stream(models_root, [_codes(n, seed=n) for n in sizes])
+    assert [len(outputs) for outputs in per_chunk] == [1, 1, 1]
+    outputs = [outputs[0] for outputs in per_chunk]
+    assert [out["index"] for out in outputs] == [0, 1, 2]
+    assert all(out["sample_rate"] == 24000 for out in outputs)
+    assert [len(out["audio_chunk"]) for out in outputs] == [n * 1920 * 2 for n in sizes]
+
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as writer:  # the assembly the module docstring documents
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(24000)
+        writer.writeframes(b"".join(out["audio_chunk"] for out in outputs))
+    with wave.open(io.BytesIO(buffer.getvalue()), "rb") as reader:
+        assert reader.getframerate() == 24000
+        assert reader.getnframes() == sum(sizes) * 1920
+
+
+def test_chunks_decode_the_same_as_a_fresh_request_of_that_chunk(models_root):
+    first = _stream(models_root, [_codes(4)], closing_marker=False)
+    again = _stream(models_root, [_codes(4)], closing_marker=False)
+    assert first[0][0]["audio_chunk"] == again[0][0]["audio_chunk"]
+
+
+def test_empty_chunk_yields_nothing(models_root):
+    per_chunk = _stream(models_root, [_codes(2), torch.zeros(0, 8, dtype=torch.int64)])
+    assert len(per_chunk[0]) == 1 and per_chunk[1] == []
+
+
+@pytest.mark.parametrize(
+    "codes",
+    [
+        None,
+        _codes(2).float(),
+        torch.zeros(2, 7, dtype=torch.int64),
+        torch.full((1, 8), 9000, dtype=torch.int64),
+        _codes(600),
+    ],
+    ids=["missing", "dtype", "levels", "range", "too-long"],
+)
+def test_bad_chunks_name_the_field(models_root, codes):
+    async def main():
+        actor = _actor(models_root)
+        await actor.setup()
+        try:
+            tensors = {} if codes is None else {"audio_codes": codes}
+            with pytest.raises(BadRequest) as error:
+                await drive(actor, make_request(tensors=tensors), make_ctx("audio_decoder"))
+            assert error.value.field == "audio_codes"
+            ok = make_request(tensors={"audio_codes": _codes(1)})
+            return await drive(actor, ok, make_ctx("audio_decoder", "r2"))
+        finally:
+            await actor.close()
+
+    (out,) = run(main())
+    assert out["index"] == 0 and len(out["audio_chunk"]) == 1920 * 2
