@@ -1,22 +1,50 @@
 """TensorRef <-> tensor: how a tensor leaves one process and arrives in another.
 
-``export`` turns a tensor into a ``TensorRef`` for one link, appending any bytes
-that must travel to ``frames``; ``materialize`` turns a received ref (and the
-message's frames) back into a tensor without copying.
+``export`` turns a tensor into a ``TensorRef`` for one link, appending any bytes that
+must travel to ``frames``; ``materialize`` turns a received ref (and the message's
+frames) back into a tensor without copying; ``release`` is the receiver's ack.
 
-This version knows ``Frame`` refs only; the data plane adds ``Shm`` and
-``CudaIpc`` refs from the host page pool.
+Which ref, per link:
+
+- other host, no pool attached, or fewer than ``frame_threshold`` bytes: ``Frame``
+  (the bytes ride as a zero-copy ZeroMQ frame);
+- same host, receiver on a GPU, CUDA tensor, a ``DevicePool`` attached: ``CudaIpc``;
+- same host otherwise: ``Shm``. A contiguous tensor already in the pool (from
+  ``pool.empty``) goes with no copy; any other is copied into the pool once.
+
+A process opts in once, at startup, after mapping the deployment's pool::
+
+    pool = PagePool.attach(name)
+    attach_pool(pool)
+
+Each ``Shm``/``CudaIpc`` ref holds one ref on its block for the receiver, attributed to
+``Link.pid`` (the receiver's pid from the registry) so that a receiver that dies is
+reclaimed; the receiver calls ``release(ref)`` when done with the tensor, and also for
+refs of a message it drops unread (bad header, overload, cancelled), or the block stays
+allocated until the receiver exits and is reclaimed. A full pool makes ``export`` raise
+``PoolExhausted`` (a ``MemoryError``) at once; the caller may resend with ``Link()``.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from omniflow.messages import Frame, TensorRef
+from omniflow.cache import PagePool, PoolError
+from omniflow.cache.dtypes import dtype_name as _dtype_name
+from omniflow.cache.dtypes import nbytes_of
+from omniflow.cache.dtypes import torch_dtype as _torch_dtype
+from omniflow.messages import CudaIpc, Frame, Shm, TensorRef
+
+FRAME_THRESHOLD = 64 << 10
+
+# Received frames are read-only; the views handed to roles are documented as such.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 class Link(NamedTuple):
@@ -24,42 +52,59 @@ class Link(NamedTuple):
 
     same_host: bool = False
     gpus: tuple[int, ...] = ()
+    pid: int = 0  # the receiver's pid: its refs are reclaimed if it dies (0: anonymous)
 
 
 class TensorError(ValueError):
     """A tensor ref that cannot be honoured (forged, stale, or inconsistent)."""
 
 
-# Received frames are read-only; the views handed to roles are documented as such.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+class _Attached:
+    pool: PagePool | None = None
+    frame_threshold: int = FRAME_THRESHOLD
+    device_pools: dict[int, Any] = {}  # cuda ordinal -> cache.cuda_ipc.DevicePool
+    opener: Any = None  # cache.cuda_ipc.IpcOpener, made on the first CudaIpc ref
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+
+_attached = _Attached()
+
+
+def attach_pool(pool: PagePool, frame_threshold: int = FRAME_THRESHOLD) -> None:
+    """Use ``pool`` for same-host tensors of at least ``frame_threshold`` bytes."""
+    if frame_threshold < 0:
+        raise ValueError(f"frame_threshold: must be >= 0, got {frame_threshold}")
+    _attached.pool = pool
+    _attached.frame_threshold = frame_threshold
+
+
+def detach_pool() -> PagePool | None:
+    """Stop using the attached pool (and device pools); returns it, for the caller to close."""
+    pool, _attached.pool = _attached.pool, None
+    _attached.device_pools = {}
+    if _attached.opener is not None:
+        _attached.opener.close()
+        _attached.opener = None
+    return pool
+
+
+def attached_pool() -> PagePool | None:
+    return _attached.pool
+
+
+def attach_device_pool(device_pool: Any) -> None:
+    """Send CUDA tensors on ``device_pool.device`` to GPU receivers on this host by CUDA IPC."""
+    _attached.device_pools = {**_attached.device_pools, device_pool.device: device_pool}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise TypeError(f"unsupported tensor dtype {dtype}") from None
+    return _dtype_name(dtype)
 
 
 def torch_dtype(name: str) -> torch.dtype:
     try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise TensorError(f"unknown dtype {name!r}") from None
+        return _torch_dtype(name)
+    except ValueError as e:
+        raise TensorError(str(e)) from None
 
 
 def as_tensor(value: Any) -> torch.Tensor:
@@ -73,49 +118,109 @@ def as_tensor(value: Any) -> torch.Tensor:
 def export(value: Any, frames: list[Any], link: Link = Link()) -> TensorRef:
     """A ref for ``value``; bytes that must travel are appended to ``frames``.
 
-    ``frames`` is the whole multipart message so far (the header's slot is 0).
-
-    The frame is a memoryview over the tensor's own storage (contiguous tensors
-    are not copied); the caller keeps the tensor alive until ZeroMQ released it.
+    ``frames`` is the whole multipart message so far (the header's slot is 0). For a
+    ``Frame`` ref the frame is a memoryview over the tensor's own storage (contiguous
+    tensors are not copied); the caller keeps the tensor alive until ZeroMQ released it.
     """
     t = as_tensor(value).detach()
+    pool = _attached.pool
+    if link.same_host and pool is not None:
+        if t.is_cuda and link.gpus and t.device.index in _attached.device_pools:
+            return _attached.device_pools[t.device.index].share(t, link.pid)
+        if t.numel() * t.element_size() >= _attached.frame_threshold:
+            return _export_shm(pool, t, link.pid)
+    return _export_frame(t, frames)
+
+
+def _export_shm(pool: PagePool, t: torch.Tensor, pid: int) -> Shm:
+    if t.is_contiguous() and pool.contains(t):
+        return pool.share(t, pid)  # already in the pool: no copy
+    staged = pool.copy_in(t)  # the one copy (device -> pinned host by DMA when registered)
+    try:
+        return pool.share(staged.tensor, pid)
+    finally:
+        staged.lease.release()  # the receiver's ref keeps the block
+
+
+def _export_frame(t: torch.Tensor, frames: list[Any]) -> Frame:
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
     name = dtype_name(t.dtype)
-    shape = tuple(t.shape)
     # bf16 has no numpy dtype: view the bytes as uint8 (zero-copy).
     raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-    frames.append(memoryview(raw))
-    return Frame(index=len(frames) - 1, dtype=name, shape=shape)
+    frames.append(memoryview(raw))  # type: ignore[arg-type]  # numpy arrays are buffers
+    return Frame(index=len(frames) - 1, dtype=name, shape=tuple(t.shape))
 
 
 def materialize(ref: TensorRef, frames: list[Any]) -> torch.Tensor:
-    """A tensor viewing the bytes ``ref`` names; no copy."""
+    """A tensor viewing the bytes ``ref`` names; no copy. Refs are checked before any read."""
     if isinstance(ref, Frame):
-        if not 1 <= ref.index < len(frames):
-            raise TensorError(f"frame ref {ref.index} outside the message's {len(frames)} frames")
-        dtype = torch_dtype(ref.dtype)
-        buf = frames[ref.index]
-        buf = buf.buffer if hasattr(buf, "buffer") else buf  # zmq.Frame -> memoryview
-        nbytes = _nbytes(dtype, ref.shape)
-        if len(buf) != nbytes:
-            raise TensorError(
-                f"frame {ref.index} holds {len(buf)} bytes, dtype {ref.dtype} shape "
-                f"{list(ref.shape)} needs {nbytes}"
-            )
-        if nbytes == 0:
-            return torch.empty(ref.shape, dtype=dtype)
-        flat = torch.frombuffer(buf, dtype=torch.uint8)
-        return flat.view(dtype).reshape(ref.shape)
+        return _materialize_frame(ref, frames)
+    if isinstance(ref, Shm):
+        pool = _require_pool(ref)
+        try:
+            return pool.open(ref)
+        except (PoolError, ValueError) as e:
+            raise TensorError(f"rejected Shm ref: {e}") from None
+    if isinstance(ref, CudaIpc):
+        if _attached.opener is None:
+            from omniflow.cache.cuda_ipc import IpcOpener  # imports cupy: only when needed
+
+            _attached.opener = IpcOpener(_require_pool(ref))
+        try:
+            return _attached.opener.open(ref)
+        except (PoolError, ValueError) as e:
+            raise TensorError(f"rejected CudaIpc ref: {e}") from None
     raise TensorError(f"{type(ref).__name__} refs are not supported by this process")
 
 
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        if d < 0:
-            raise TensorError(f"negative dimension in shape {list(shape)}")
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+def _materialize_frame(ref: Frame, frames: list[Any]) -> torch.Tensor:
+    if not 1 <= ref.index < len(frames):
+        raise TensorError(f"frame ref {ref.index} outside the message's {len(frames)} frames")
+    dtype = torch_dtype(ref.dtype)
+    buf = frames[ref.index]
+    buf = buf.buffer if hasattr(buf, "buffer") else buf  # zmq.Frame -> memoryview
+    try:
+        nbytes = nbytes_of(ref.dtype, tuple(ref.shape))
+    except ValueError as e:
+        raise TensorError(f"frame ref {ref.index}: {e}") from None
+    if len(buf) != nbytes:
+        raise TensorError(
+            f"frame {ref.index} holds {len(buf)} bytes, dtype {ref.dtype} shape "
+            f"{list(ref.shape)} needs {nbytes}"
+        )
+    if nbytes == 0:
+        return torch.empty(ref.shape, dtype=dtype)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(dtype).reshape(ref.shape)
+
+
+def _require_pool(ref: Shm | CudaIpc) -> PagePool:
+    if _attached.pool is None:
+        raise TensorError(
+            f"a {type(ref).__name__} ref arrived but this process has no page pool attached "
+            "(omniflow.transport.tensors.attach_pool)"
+        )
+    return _attached.pool
+
+
+def release(ref: TensorRef) -> None:
+    """The receiver's ack: drop its ref on the block behind ``ref`` (no-op for frames).
+
+    Call once per received ``Shm``/``CudaIpc`` ref, when the tensor is no longer used.
+    """
+    if isinstance(ref, Frame):
+        return
+    pool = _require_pool(ref)
+    try:
+        pool.release(ref.lease, os.getpid())
+    except PoolError as e:
+        raise TensorError(f"cannot release {type(ref).__name__} ref: {e}") from None
+
+
+def release_all(refs: Iterable[TensorRef]) -> None:
+    """``release`` every ref of a message (``msg.tensors.values()``)."""
+    for ref in refs:
+        release(ref)

@@ -1,0 +1,72 @@
+"""CUDA page-locking of the host pool, when a GPU is present.
+
+Each process registers its own mapping of the pool (pinning is per virtual address
+range), so device<->host copies from and to pool pages run at DMA speed. cupy is the
+first choice (``cupy.cuda.runtime.hostRegister``); torch's bundled cudart is the
+fallback. Without CUDA every function here is a no-op that says so by returning False.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+try:  # cupy is optional (the "gpu" extra)
+    import cupy as _cupy
+except Exception:  # noqa: BLE001 - a broken CUDA install must not break CPU-only use
+    _cupy = None
+
+
+def cuda_available() -> bool:
+    if _cupy is not None:
+        try:
+            return bool(_cupy.cuda.is_available())
+        except Exception:  # noqa: BLE001
+            return False
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def register_host(ptr: int, nbytes: int) -> bool:
+    """Page-lock ``[ptr, ptr + nbytes)`` for CUDA; False (and nothing done) without CUDA."""
+    if nbytes == 0 or not cuda_available():
+        return False
+    if _cupy is not None:
+        _cupy.cuda.runtime.hostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE)
+        return True
+    import torch
+
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")
+    return True
+
+
+def unregister_host(ptr: int) -> None:
+    try:
+        if _cupy is not None:
+            _cupy.cuda.runtime.hostUnregister(ptr)
+        else:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception as e:  # noqa: BLE001 - teardown: report, keep closing
+        log.warning("cudaHostUnregister failed: %s", e)
+
+
+def staging_buffer(nbytes: int) -> Any:
+    """A pinned host buffer from cupy's pinned-memory pool (a memoryview-able object).
+
+    For device<->host copies of bytes that do not live in the page pool.
+    """
+    if _cupy is None or not cuda_available():
+        raise NotImplementedError("pinned staging buffers need cupy and a CUDA device")
+    return _cupy.cuda.alloc_pinned_memory(nbytes)
