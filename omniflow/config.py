@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from omniflow.cache.config import CacheConfig
 from omniflow.graph import GraphError, Plan, graph_from_edges
 
 _STRICT = {"forbid_unknown_fields": True, "omit_defaults": True}
@@ -83,6 +84,7 @@ class Config(msgspec.Struct, **_STRICT):
     registry: str = "embedded"  # or "etcd://host:port"
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
     resources: ResourcesConfig = msgspec.field(default_factory=ResourcesConfig)
+    cache: CacheConfig = msgspec.field(default_factory=lambda: CacheConfig(host_pool="256MiB"))
     source: str = ""  # the file this came from (filled by load)
 
     def plan(self) -> Plan:

@@ -22,7 +22,7 @@ from omniflow.actor import Actor, BadRequest, Context, Request
 from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing
 from omniflow.routing import Fanout, RouteError, Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
-from omniflow.transport.tensors import TensorError
+from omniflow.transport.tensors import TensorError, release_all
 
 log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
@@ -58,6 +58,7 @@ class _Stream:
         self.usage: dict[str, int] = {}
         self.last_output: Any = None
         self.arrived = time.time()
+        self.refs: list[Any] = []  # pool handles of its inputs, released when it ends
 
 
 class ActorHost:
@@ -115,6 +116,7 @@ class ActorHost:
         stream = self._streams.get(key)
         if stream is None:
             if key in self._finished:
+                release_all(call.tensors.values())
                 return  # a late chunk of a request that already ended here
             if not self.accepting:
                 return self._reject(call, Code.SHUTTING_DOWN, f"{self.role} is shutting down")
@@ -186,7 +188,8 @@ class ActorHost:
 
     def _on_cancel(self, cancel: Cancel) -> None:
         rid = cancel.request_id
-        self._joins.pop(rid, None)
+        for call, _ in self._joins.pop(rid, ()):
+            release_all(call.tensors.values())
         for key, stream in list(self._streams.items()):
             if key[0] == rid:
                 stream.ctx.cancelled.set()
@@ -259,6 +262,7 @@ class ActorHost:
         """What a chunk brings besides its input: credit, upstream timings and usage."""
         stream.credit += call.credit
         stream.timings += call.timings
+        stream.refs += [ref for ref in call.tensors.values() if not isinstance(ref, Frame)]
         for k, v in call.usage.items():
             stream.usage[k] = stream.usage.get(k, 0) + v
 
@@ -314,6 +318,7 @@ class ActorHost:
             log.warning("%s: could not deliver the failure of %s", self.role, call.request_id)
 
     def _reject(self, call: Call, code: Code, message: str) -> None:
+        release_all(call.tensors.values())
         fail = Fail(code.value, message, self.role, call.request_id)
         try:
             self.router.outbox.post(call.reply_to, [encode(fail)])
@@ -332,6 +337,9 @@ class ActorHost:
             pass
 
     def _close(self, stream: _Stream) -> None:
+        # Outputs that reuse an input's block were shared onward before this release.
+        release_all(stream.refs)
+        stream.refs = []
         key = (stream.call.request_id, stream.call.hops)
         self._streams.pop(key, None)
         self._finished[key] = stream.fanout.addresses

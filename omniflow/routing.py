@@ -62,7 +62,7 @@ class Router:
     def link(self, record: ActorRecord | None) -> Link:
         if record is None:
             return Link()
-        return Link(same_host=record.host == self.host, gpus=tuple(record.gpus))
+        return Link(same_host=record.host == self.host, gpus=tuple(record.gpus), pid=record.pid)
 
     async def send(
         self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = Link()

@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 import omniflow
+from omniflow.cache import PagePool, unlink_pool
 from omniflow.config import Config, to_json
 from omniflow.discovery import EmbeddedRegistryServer, Registry, actor_key, open_registry
 from omniflow.messages import Hello, Ready, SetupFailed, Shutdown
@@ -82,6 +83,7 @@ class Supervisor:
         self._stopping = False
         self._tasks: set[asyncio.Task] = set()
         self._registry: Registry | None = None
+        self.pool: PagePool | None = None
         self.generation = f"{os.getpid()}-{int(time.time() * 1000)}"  # names one start's barriers
 
     @property
@@ -90,8 +92,16 @@ class Supervisor:
 
     # ------------------------------------------------------------------ start
 
+    @property
+    def pool_name(self) -> str:
+        return f"omniflow-{os.getuid()}-{self.config.name}"
+
     async def start(self) -> None:
         self._prepare_run_dir()
+        # One host page pool per deployment, mapped by every local process; a segment
+        # left by a supervisor that was killed is replaced, not reused.
+        unlink_pool(self.pool_name)
+        self.pool = PagePool.from_config(self.pool_name, self.config.cache, create=True)
         if self.config.registry == "embedded":
             self.registry_server = EmbeddedRegistryServer(
                 f"ipc://{self.run_dir}/registry.sock", self.ctx
@@ -132,6 +142,7 @@ class Supervisor:
         env["OMNIFLOW_CONTROL"] = self.control.endpoint
         env["OMNIFLOW_REGISTRY"] = self.registry_address
         env["OMNIFLOW_GENERATION"] = self.generation
+        env["OMNIFLOW_POOL"] = self.pool_name
         log_path = self.run_dir / "logs" / f"{replica.role}-{replica.index}.log"
         with open(log_path, "ab") as log_file:
             replica.proc = subprocess.Popen(
@@ -206,6 +217,9 @@ class Supervisor:
         loop.remove_reader(replica.pidfd)
         os.close(replica.pidfd)
         replica.pidfd = None
+        # Take back what the dead process held in the pool before its pid can be reused.
+        if self.pool is not None:
+            self.pool.reclaim({replica.proc.pid})
         code = replica.proc.wait()
         if replica.exited is not None and not replica.exited.done():
             replica.exited.set_result(code)
@@ -296,6 +310,10 @@ class Supervisor:
         if self.registry_server is not None:
             await self.registry_server.close()
         self.ctx.term()
+        if self.pool is not None:
+            self.pool.unlink()
+            self.pool.close()
+            self.pool = None
         self._clean_run_dir()
         self.stopped.set()
 
@@ -314,6 +332,7 @@ class Supervisor:
             "registry": self.registry_address,
             "control": self.control.endpoint if self.control else "",
             "config": self.config.source,
+            "pool": self.pool_name,
             "started": time.time(),
         }
         tmp = self.state_path.with_suffix(".tmp")

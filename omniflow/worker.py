@@ -32,9 +32,11 @@ from omniflow.discovery.view import RegistryView
 from omniflow.host import ActorHost
 from omniflow.messages import ActorRecord, Hello, Ready, SetupFailed, Shutdown
 from omniflow.resources import budget_after_barrier
+from omniflow.cache import PagePool
 from omniflow.routing import Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, fd_of
+from omniflow.transport.tensors import attach_pool
 
 log = logging.getLogger("omniflow.worker")
 _control_decoder = decoder_for(Shutdown)
@@ -81,6 +83,8 @@ class Worker:
         loop.add_reader(fd_of(control), self._on_control, control)
         pid = os.getpid()
         control.send(encode(Hello(self.role, self.replica, pid)))
+        pool = PagePool.attach(os.environ["OMNIFLOW_POOL"], populate=self.config.cache.populate)
+        attach_pool(pool, self.config.cache.frame_threshold_bytes)
         registry = open_registry(registry_address)
         try:
             cls = load_actor_class(self.role_config.actor)
