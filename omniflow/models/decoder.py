@@ -70,7 +70,9 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -94,7 +96,9 @@ class DecoderBody(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -162,7 +166,9 @@ class DecoderLM(nn.Module):
                 continue  # tied: some checkpoints store the duplicate anyway
             target, shard = self._resolve(name)
             if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {self.config.architecture}"
+                )
             param = params[target]
             with torch.no_grad():
                 self._shard_view(param, target, shard).copy_(tensor.to(param.dtype))

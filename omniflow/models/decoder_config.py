@@ -100,7 +100,10 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
         rope["rope_type"] = rope.pop("type")
     rope.setdefault("rope_type", "default")
     rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    if raw.get("partial_rotary_factor", 1.0) != 1.0 or rope.get("partial_rotary_factor", 1.0) != 1.0:
+    if (
+        raw.get("partial_rotary_factor", 1.0) != 1.0
+        or rope.get("partial_rotary_factor", 1.0) != 1.0
+    ):
         raise NotImplementedError("partial_rotary_factor != 1: partial rotary embeddings")
     if rope["rope_type"] in ("llama3", "yarn"):
         rope.setdefault(

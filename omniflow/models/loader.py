@@ -43,7 +43,9 @@ def iter_checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tenso
                 yield name, shard.get_tensor(name)
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: DecoderConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype, config: DecoderConfig, device: torch.device
+) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":

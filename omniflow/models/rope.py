@@ -72,7 +72,9 @@ def _yarn_inv_freq(config: DecoderConfig, dim: int) -> tuple[torch.Tensor, float
     return inv_freq, float(attention_factor)
 
 
-def compute_inv_freq(config: DecoderConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(
+    config: DecoderConfig, seq_len: int | None = None
+) -> tuple[torch.Tensor, float]:
     """Return (inverse frequencies [head_dim/2], attention scaling applied to cos/sin)."""
     rope_type, dim, rope = config.rope_type, config.head_dim, config.rope
     if rope_type == "default":
@@ -87,7 +89,9 @@ def compute_inv_freq(config: DecoderConfig, seq_len: int | None = None) -> tuple
         max_len = config.max_position_embeddings
         seq_len = max(seq_len or max_len, max_len)
         factor = rope["factor"]
-        base = config.rope_theta * ((factor * seq_len / max_len) - (factor - 1)) ** (dim / (dim - 2))
+        base = config.rope_theta * ((factor * seq_len / max_len) - (factor - 1)) ** (
+            dim / (dim - 2)
+        )
         return _base_inv_freq(base, dim), 1.0
     raise NotImplementedError(
         f"rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -101,7 +105,9 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, self.attention_scaling = compute_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [tokens, head_dim] for integer positions [tokens]."""
         inv_freq = self.inv_freq
         if self.config.rope_type == "dynamic":

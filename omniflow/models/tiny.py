@@ -45,8 +45,13 @@ PRESETS: dict[str, TinySpec] = {
         hidden_size=96,
         num_attention_heads=6,
         num_key_value_heads=2,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "qwen2-tied-odd-heads": TinySpec(
         architecture="Qwen2ForCausalLM",
