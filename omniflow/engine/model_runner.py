@@ -54,6 +54,7 @@ class ModelRunner:
             [(c.sequence.page_ids, c.start + 1) for c in decodes],
             [(c.sequence.page_ids, c.start, c.num_tokens) for c in prefills],
             self.device,
+            self.cache.keys.dtype,
         )
         device = self.device
         logits = self.model(
