@@ -40,36 +40,54 @@ HOPS = 4
 def role_specs(models: Path) -> dict[str, dict]:
     r = "omniflow.roles"
     return {
-        "vision_encoder": {"actor": f"{r}.vision_encoder:VisionEncoderRole",
-                           "options": {"model_path": str(models / "vision"), "threads": 1,
-                                       "cache_entries": 0}},
-        "audio_encoder": {"actor": f"{r}.audio_encoder:AudioEncoderRole",
-                          "options": {"model_path": str(models / "audio"), "threads": 1}},
-        "llm": {"actor": f"{r}.llm:LLMRole", "max_concurrency": 64,
-                "options": {"model_path": str(models / "llm"), "threads": 1}},
-        "image_decoder": {"actor": f"{r}.image_decoder:ImageDecoderRole",
-                          "options": {"model_path": str(models / "image_decoder"), "steps": 1,
-                                      "threads": 1}},
-        "audio_decoder": {"actor": f"{r}.audio_decoder:AudioDecoderRole",
-                          "options": {"model_path": str(models / "audio_decoder"), "threads": 1}},
+        "vision_encoder": {
+            "actor": f"{r}.vision_encoder:VisionEncoderRole",
+            "options": {"model_path": str(models / "vision"), "threads": 1, "cache_entries": 0},
+        },
+        "audio_encoder": {
+            "actor": f"{r}.audio_encoder:AudioEncoderRole",
+            "options": {"model_path": str(models / "audio"), "threads": 1},
+        },
+        "llm": {
+            "actor": f"{r}.llm:LLMRole",
+            "max_concurrency": 64,
+            "options": {"model_path": str(models / "llm"), "threads": 1},
+        },
+        "image_decoder": {
+            "actor": f"{r}.image_decoder:ImageDecoderRole",
+            "options": {"model_path": str(models / "image_decoder"), "steps": 1, "threads": 1},
+        },
+        "audio_decoder": {
+            "actor": f"{r}.audio_decoder:AudioDecoderRole",
+            "options": {"model_path": str(models / "audio_decoder"), "threads": 1},
+        },
     }
 
 
 def longcat_config(models: Path):
-    return parse({
-        "name": "pipebench",
-        "roles": role_specs(models),
-        "graph": {"edges": [
-            {"from": "input", "to": "vision_encoder", "when": "has_image"},
-            {"from": "input", "to": "audio_encoder", "when": "has_audio"},
-            {"from": "input", "to": "llm"},
-            {"from": "vision_encoder", "to": "llm"},
-            {"from": "audio_encoder", "to": "llm"},
-            {"from": "llm", "to": "image_decoder", "when": "has:image_codes"},
-            {"from": "llm", "to": "audio_decoder", "when": "has:audio_codes", "stream": True},
-        ]},
-        "runtime": {"start_timeout_s": 180},
-    })
+    return parse(
+        {
+            "name": "pipebench",
+            "roles": role_specs(models),
+            "graph": {
+                "edges": [
+                    {"from": "input", "to": "vision_encoder", "when": "has_image"},
+                    {"from": "input", "to": "audio_encoder", "when": "has_audio"},
+                    {"from": "input", "to": "llm"},
+                    {"from": "vision_encoder", "to": "llm"},
+                    {"from": "audio_encoder", "to": "llm"},
+                    {"from": "llm", "to": "image_decoder", "when": "has:image_codes"},
+                    {
+                        "from": "llm",
+                        "to": "audio_decoder",
+                        "when": "has:audio_codes",
+                        "stream": True,
+                    },
+                ]
+            },
+            "runtime": {"start_timeout_s": 180},
+        }
+    )
 
 
 # Inputs are made before any timing starts: PNG encoding is not orchestration.
@@ -132,13 +150,17 @@ class RayChain:
         inputs = request(i)
         t = time.perf_counter()
         (vision,), vt = await self.actors["vision_encoder"].call.remote(
-            {"image": inputs["image"]}, {}, PARAMS)
+            {"image": inputs["image"]}, {}, PARAMS
+        )
         data = {k: v for k, v in vision.items() if not hasattr(v, "shape")}
         tensors = {k: v for k, v in vision.items() if hasattr(v, "shape")}
-        outs, lt = await self.actors["llm"].call.remote({"text": inputs["text"], **data}, tensors, PARAMS)
+        outs, lt = await self.actors["llm"].call.remote(
+            {"text": inputs["text"], **data}, tensors, PARAMS
+        )
         codes = outs[-1]
         (image,), dt = await self.actors["image_decoder"].call.remote(
-            {"image_grid": codes["image_grid"]}, {"image_codes": codes["image_codes"]}, PARAMS)
+            {"image_grid": codes["image_grid"]}, {"image_codes": codes["image_codes"]}, PARAMS
+        )
         assert image["image"][:4] == b"\x89PNG"
         return time.perf_counter() - t, vt + lt + dt
 

@@ -75,6 +75,7 @@ class Context:
         self._sink = sink
         self._cancelled: asyncio.Event | None = None
         self.usage: dict[str, int] = {}
+        self.held: list[Any] = []
 
     @property
     def cancelled(self) -> asyncio.Event:
@@ -90,6 +91,15 @@ class Context:
     async def emit(self, output: Mapping[str, Any]) -> None:
         """Send one output onward now, as a yield from an async-generator handler would."""
         await self._sink(output)
+
+    def hold(self, lease: Any) -> None:
+        """Keep a page-pool lease (from ``pool.empty``) until this request's outputs are sent.
+
+        A tensor written into the pool travels onward by handle with no copy; the
+        receiver takes its own reference, and this one is released when the request
+        ends here.
+        """
+        self.held.append(lease)
 
     def add_usage(self, **counts: int) -> None:
         for key, n in counts.items():

@@ -44,6 +44,7 @@ class _Stream:
         "usage",
         "last_output",
         "arrived",
+        "refs",
     )
 
     def __init__(self, call: Call, fanout: Fanout, ctx: Context) -> None:
@@ -98,6 +99,7 @@ class ActorHost:
             log.warning("%s: dropped a malformed message: %s", self.role, e)
             return
         if isinstance(msg, Call):
+            log.debug("%s got %s seq %d from %s", self.role, msg.request_id, msg.seq, msg.origin)
             self._on_call(msg, parts)
         elif isinstance(msg, Cancel):
             self._on_cancel(msg)
@@ -340,6 +342,9 @@ class ActorHost:
         # Outputs that reuse an input's block were shared onward before this release.
         release_all(stream.refs)
         stream.refs = []
+        for lease in stream.ctx.held:
+            lease.release()
+        stream.ctx.held = []
         key = (stream.call.request_id, stream.call.hops)
         self._streams.pop(key, None)
         self._finished[key] = stream.fanout.addresses

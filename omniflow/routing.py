@@ -11,6 +11,7 @@ share is split over the branches it opened, or returned to the client in a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,8 @@ from omniflow.messages import ActorRecord, Call, Done, Emit, Join, Timing
 from omniflow.transport.codec import encode, export_tensors
 from omniflow.transport.endpoint import Outbox, PeerUnavailable
 from omniflow.transport.tensors import Link
+
+log = logging.getLogger(__name__)
 
 FULL_CREDIT = 1 << 62
 
@@ -221,6 +224,14 @@ class Fanout:
                     ) from None
                 branch.record = self._pick(branch.role, frozenset({branch.record.actor_id}))
         self.addresses.add(branch.record.endpoint)
+        log.debug(
+            "%s -> %s (pid %d) %s seq %d",
+            self.src,
+            branch.record.actor_id,
+            branch.record.pid,
+            c.request_id,
+            branch.seq,
+        )
         branch.seq += 1
 
     async def finish(

@@ -26,13 +26,13 @@ import zmq
 
 from omniflow.actor import Actor
 from omniflow.balance import make_policy
+from omniflow.cache import PagePool
 from omniflow.config import Config, from_json
 from omniflow.discovery import Registry, actor_key, encode_record, open_registry
 from omniflow.discovery.view import RegistryView
 from omniflow.host import ActorHost
 from omniflow.messages import ActorRecord, Hello, Ready, SetupFailed, Shutdown
 from omniflow.resources import budget_after_barrier
-from omniflow.cache import PagePool
 from omniflow.routing import Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, fd_of

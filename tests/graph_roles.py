@@ -68,3 +68,33 @@ class Colocated(Actor):
 
     async def handle(self, request, ctx):
         return {"ok": True}
+
+
+class MakeTensor(Actor):
+    """Makes a large tensor; in_pool=True writes it straight into the shared page pool."""
+
+    async def handle(self, request, ctx):
+        from omniflow.transport.tensors import attached_pool
+
+        n = int(request.data.get("n", 1 << 18))
+        seed = int(request.data.get("seed", 0))
+        values = torch.Generator().manual_seed(seed)
+        if request.data.get("in_pool"):
+            out = attached_pool().empty((n,), torch.float32)
+            out.tensor.copy_(torch.rand(n, generator=values))
+            ctx.hold(out.lease)  # released once the output has been shared onward
+            return {"x": out.tensor, "seed": seed, "n": n}
+        return {"x": torch.rand(n, generator=values), "seed": seed, "n": n}
+
+
+class CheckTensor(Actor):
+    """Reports what arrived: a checksum, and whether it is a view into the page pool."""
+
+    async def handle(self, request, ctx):
+        from omniflow.transport.tensors import attached_pool
+
+        x = request.tensors["x"]
+        pool = attached_pool()
+        ptr = x.data_ptr()
+        in_pool = pool is not None and pool.base <= ptr < pool.base + pool.size
+        return {"sum": float(x.double().sum()), "in_pool": in_pool, "n": int(x.numel())}

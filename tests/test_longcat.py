@@ -24,10 +24,17 @@ pytestmark = pytest.mark.slow
 
 
 def cli(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "omniflow.cli", *args], capture_output=True,
-                          text=True, timeout=180, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, "-m", "omniflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=cwd,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"omniflow {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"omniflow {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -90,7 +97,9 @@ def test_media_in(longcat, kind):
 
 
 def test_image_out_is_a_png_of_the_expected_size(longcat):
-    outs, result = call(longcat[0], {"text": "draw"}, params={"want": "text,image", "image_grid": [2, 3]})
+    outs, result = call(
+        longcat[0], {"text": "draw"}, params={"want": "text,image", "image_grid": [2, 3]}
+    )
     images = [o for o in outs if o.role == "image_decoder"]
     assert len(images) == 1
     png = Image.open(io.BytesIO(images[0].data["image"]))
@@ -99,8 +108,11 @@ def test_image_out_is_a_png_of_the_expected_size(longcat):
 
 
 def test_audio_out_streams_in_chunks(longcat):
-    outs, result = call(longcat[0], {"text": "say"}, params={"want": "audio", "audio_chunks": 3,
-                                                              "audio_chunk_tokens": 2})
+    outs, result = call(
+        longcat[0],
+        {"text": "say"},
+        params={"want": "audio", "audio_chunks": 3, "audio_chunk_tokens": 2},
+    )
     chunks = [o for o in outs if o.role == "audio_decoder"]
     assert len(chunks) >= 2  # arrived as separate outputs before the request ended
     assert [c.data["index"] for c in chunks] == list(range(len(chunks)))
@@ -111,8 +123,23 @@ def test_audio_out_streams_in_chunks(longcat):
 
 def test_everything_at_once_through_the_cli(longcat):
     state, work = longcat
-    proc = cli("send", "--name", "longcat", "--text", "all of it", "--image", "cat.png",
-               "--audio", "hi.wav", "--want", "text,image,audio", "--out", "out", "--json", cwd=work)
+    proc = cli(
+        "send",
+        "--name",
+        "longcat",
+        "--text",
+        "all of it",
+        "--image",
+        "cat.png",
+        "--audio",
+        "hi.wav",
+        "--want",
+        "text,image,audio",
+        "--out",
+        "out",
+        "--json",
+        cwd=work,
+    )
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["text"]
     pngs = [f for f in report["files"] if f.endswith(".png")]
@@ -122,17 +149,46 @@ def test_everything_at_once_through_the_cli(longcat):
     with wave.open(str(work / wavs[0])) as w:
         assert w.getframerate() == 24000
         assert w.getnframes() == 3 * 4 * 1920  # default: 3 chunks of 4 tokens
-    assert set(report["timings_ms"]) == {"vision_encoder", "audio_encoder", "llm",
-                                         "image_decoder", "audio_decoder"}
+    assert set(report["timings_ms"]) == {
+        "vision_encoder",
+        "audio_encoder",
+        "llm",
+        "image_decoder",
+        "audio_decoder",
+    }
     assert "cached_tokens" in report["usage"]
 
 
 def test_second_turn_of_a_session_reuses_the_cache(longcat):
     state, work = longcat
-    first = json.loads(cli("send", "--name", "longcat", "--text", "turn one", "--image", "cat.png",
-                           "--session", "s-42", "--json", cwd=work).stdout)
-    second = json.loads(cli("send", "--name", "longcat", "--text", "turn two", "--session", "s-42",
-                            "--json", cwd=work).stdout)
+    first = json.loads(
+        cli(
+            "send",
+            "--name",
+            "longcat",
+            "--text",
+            "turn one",
+            "--image",
+            "cat.png",
+            "--session",
+            "s-42",
+            "--json",
+            cwd=work,
+        ).stdout
+    )
+    second = json.loads(
+        cli(
+            "send",
+            "--name",
+            "longcat",
+            "--text",
+            "turn two",
+            "--session",
+            "s-42",
+            "--json",
+            cwd=work,
+        ).stdout
+    )
     assert first["usage"]["cached_tokens"] == 0
     assert second["usage"]["cached_tokens"] > 0
 
@@ -156,7 +212,9 @@ def test_same_image_later_is_a_hit_a_different_one_is_not(longcat):
         ({"text": "x", "audio": wav_bytes(0.5, rate=11025)}, "audio", "11025"),
     ],
 )
-def test_bad_inputs_get_clear_errors_and_the_deployment_keeps_serving(longcat, inputs, field, words):
+def test_bad_inputs_get_clear_errors_and_the_deployment_keeps_serving(
+    longcat, inputs, field, words
+):
     state = longcat[0]
     with pytest.raises(omniflow.RequestFailed) as info:
         call(state, inputs)

@@ -32,6 +32,7 @@ class RegistryView:
     async def _follow(self, events) -> None:
         try:
             async for event in events:
+                log.debug("registry %s %s", event.kind, event.key)
                 if event.kind == "put":
                     self._set(event.key, event.value)
                 else:

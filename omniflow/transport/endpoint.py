@@ -13,11 +13,14 @@ any send or recv on a socket can consume the edge, so every wait re-checks
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 import zmq
+
+log = logging.getLogger(__name__)
 
 _DRAIN_BATCH = 256  # messages per reader callback before yielding to other callbacks
 _ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
@@ -79,7 +82,10 @@ class Inbox:
             parts: list[Any] = [header]
             while sock.getsockopt(zmq.RCVMORE):
                 parts.append(sock.recv(zmq.NOBLOCK, copy=False))  # tensor bytes: no copy
-            self._on_message(identity, parts)
+            try:
+                self._on_message(identity, parts)
+            except Exception:  # one bad message must not stop the drain (the edge is gone)
+                log.exception("dropped a message that its handler could not take")
         # More may be queued and the edge is consumed: come back after others ran.
         assert self._loop is not None
         self._loop.call_soon(self._drain)
