@@ -212,6 +212,17 @@ def main(argv: list[str] | None = None) -> int:
 
     worker = Worker(args.run_dir, args.role, args.replica)
     control = os.environ["OMNIFLOW_CONTROL"]
+    profile = os.environ.get("OMNIFLOW_PROFILE")  # a folder: write a cProfile of this worker
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            return uvloop.run(worker.run(control, os.environ["OMNIFLOW_REGISTRY"]))
+        finally:
+            profiler.disable()
+            profiler.dump_stats(f"{profile}/{args.role}-{args.replica}-{os.getpid()}.prof")
     return uvloop.run(worker.run(control, os.environ["OMNIFLOW_REGISTRY"]))
 
 
