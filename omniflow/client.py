@@ -97,7 +97,7 @@ class Client:
         self.registry = open_registry(self.registry_address)
         self.view = RegistryView(self.registry, self.config.name)
         await self.view.start()
-        self.outbox = Outbox(self.ctx)
+        self.outbox = Outbox(self.ctx, self.config.runtime.send_timeout_s)
         policies = {
             name: make_policy(rc.policy, role=name) for name, rc in self.config.roles.items()
         }

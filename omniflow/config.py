@@ -52,6 +52,7 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
     ttl_s: float = 3.0
     start_timeout_s: float = 60.0
     drain_timeout_s: float = 10.0
+    send_timeout_s: float = 2.0  # a peer that takes nothing this long counts as dead
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 10.0
 

@@ -84,6 +84,8 @@ class Supervisor:
         self._tasks: set[asyncio.Task] = set()
         self._registry: Registry | None = None
         self.pool: PagePool | None = None
+        # Delete a dead replica's registry key at once instead of waiting out its lease.
+        self.forget_dead = True
         self.generation = f"{os.getpid()}-{int(time.time() * 1000)}"  # names one start's barriers
 
     @property
@@ -246,7 +248,7 @@ class Supervisor:
 
     async def _restart(self, replica: Replica) -> None:
         rt = self.config.runtime
-        if self._registry is not None:  # faster than waiting out the dead one's lease
+        if self._registry is not None and self.forget_dead:
             with contextlib.suppress(Exception):
                 await self._registry.delete(
                     actor_key(self.config.name, replica.role, replica.index)

@@ -118,7 +118,7 @@ class Worker:
         await view.start()
         policies = {name: make_policy(rc.policy, role=name) for name, rc in cfg.roles.items()}
         idempotent = frozenset(n for n, rc in cfg.roles.items() if rc.idempotent)
-        outbox = Outbox(self.ctx)
+        outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s)
         router = Router(cfg.plan(), view, outbox, policies, idempotent, socket.gethostname())
         host = ActorHost(
             actor, router, self.role_config.max_concurrency, self.role_config.max_queue
