@@ -8,7 +8,7 @@ setup:
     bash scripts/setup.sh
 
 # Start a deployment in the foreground (Ctrl-C stops it).
-up config="configs/echo.toml":
+up config="configs/longcat.toml":
     omniflow up {{config}}
 
 # The test suite (GPU tests skip without CUDA).
@@ -19,6 +19,9 @@ test *args:
 bench:
     python3 benchmarks/hop.py
     python3 benchmarks/routing.py
+    python3 benchmarks/transport.py
+    python3 benchmarks/engine.py
+    python3 benchmarks/pipeline.py
 
 lint:
     ruff check omniflow tests benchmarks

@@ -75,18 +75,25 @@ def up(
 async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     notify = os.fdopen(ready_fd, "w", buffering=1) if ready_fd >= 0 else None
 
+    total = sum(rc.replicas for rc in cfg.roles.values())
+    bar = StartProgress(total) if notify is None else None
+
     def progress(actor_id: str, state: str) -> None:
         if notify is not None:
             notify.write(f"progress {actor_id} {state}\n")
-        else:
-            err.print(f"  {actor_id:<24} {state}")
+        elif bar is not None:
+            bar.update(actor_id, state)
 
     sup = Supervisor(cfg, run_dir, progress)
     if notify is None:
-        err.print(f"starting [bold]{cfg.name}[/] ({len(sup.replicas)} actors) in {run_dir}")
+        err.print(f"starting [bold]{cfg.name}[/] ({total} actors) in {run_dir}")
     started = time.monotonic()
     try:
-        await sup.start()
+        if bar is not None:
+            with bar:
+                await sup.start()
+        else:
+            await sup.start()
     except (StartError, OSError) as e:
         if notify is not None:
             notify.write(f"error {e}\n")
@@ -135,12 +142,17 @@ def _detach(config: Path, run_dir: Path) -> int:
             start_new_session=True,
         )
     os.close(write_end)
-    with os.fdopen(read_end) as lines:
+    cfg = load(config)
+    bar = StartProgress(sum(rc.replicas for rc in cfg.roles.values()))
+    with os.fdopen(read_end) as lines, bar:
         for line in lines:
             kind, _, rest = line.rstrip("\n").partition(" ")
             if kind == "progress":
-                err.print(f"  {rest}")
-            elif kind == "ready":
+                actor_id, _, state = rest.partition(" ")
+                bar.update(actor_id, state)
+                continue
+            bar.stop()
+            if kind == "ready":
                 out.print(f"[green]ready[/] {rest} (supervisor pid {proc.pid})", soft_wrap=True)
                 return 0
             elif kind == "error":
@@ -148,6 +160,41 @@ def _detach(config: Path, run_dir: Path) -> int:
                 return EXIT_START
     err.print(f"[red]the supervisor exited before it was ready; see {log_path}[/]")
     return EXIT_START
+
+
+class StartProgress:
+    """A progress bar of actors ready; setup (weights, tiny-model builds) shows per actor."""
+
+    def __init__(self, total: int) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=err,
+            transient=False,
+        )
+        self._task = self._progress.add_task("starting", total=total)
+        self._states: dict[str, str] = {}
+
+    def update(self, actor_id: str, state: str) -> None:
+        self._states[actor_id] = state
+        ready = sum(1 for s in self._states.values() if s == "ready")
+        busy = [a for a, s in self._states.items() if s in ("spawned", "setup")]
+        what = f"loading {', '.join(busy[:3])}" if busy else "actors ready"
+        self._progress.update(self._task, completed=ready, description=what)
+
+    def stop(self) -> None:
+        self._progress.stop()
+
+    def __enter__(self) -> StartProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
 
 
 @app.command()
