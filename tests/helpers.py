@@ -43,3 +43,22 @@ def expected_echo(text: str) -> list[str]:
     import re
 
     return [w.upper()[::-1] for w in re.findall(r"\S+\s*", text)]
+
+
+def cli(*args: str, check: bool = True, cwd=None, timeout: float = 180):
+    """Run ``python -m omniflow.cli ARGS`` as a user would; raise with its output on failure."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "omniflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"omniflow {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
+    return proc

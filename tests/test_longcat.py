@@ -6,8 +6,6 @@ import asyncio
 import io
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import wave
 from pathlib import Path
@@ -17,25 +15,11 @@ from PIL import Image
 
 import omniflow
 from tests.conftest import pid_alive
+from tests.helpers import cli
 from tests.roles.media import image_bytes, png_claiming_size, wav_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
-
-
-def cli(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "omniflow.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=cwd,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"omniflow {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-        )
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import msgspec
@@ -16,7 +14,7 @@ import zmq
 import omniflow
 from omniflow.discovery import list_actors, open_registry
 from tests.conftest import leftover_sockets, pid_alive
-from tests.helpers import expected_echo
+from tests.helpers import cli, expected_echo
 
 CONFIG = """
 name = "rt"
@@ -39,17 +37,6 @@ ttl_s = 1.0
 drain_timeout_s = 3.0
 restart_backoff_s = 0.1
 """
-
-
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "omniflow.cli", *args], capture_output=True, text=True, timeout=90
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"omniflow {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-        )
-    return proc
 
 
 @pytest.fixture(scope="module")

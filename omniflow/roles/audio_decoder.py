@@ -18,15 +18,14 @@ build), ``max_chunk_tokens`` (largest n accepted in one chunk, default 512), ``t
 
 from __future__ import annotations
 
-import asyncio
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.actor import BadRequest, Context, Request
 from omniflow.models.omni import AudioDecoder, ensure_model, load_audio_decoder, to_pcm16
+from omniflow.roles.base import ModelActor
 
 
 class _StreamState:
@@ -39,7 +38,7 @@ class _StreamState:
         self.tokens = 0
 
 
-class AudioDecoderRole(Actor):
+class AudioDecoderRole(ModelActor):
     async def setup(self) -> None:
         self.max_chunk_tokens = int(self.options.get("max_chunk_tokens", 512))
         # Keyed by the request's Context, which lives exactly as long as the request's stream:
@@ -47,10 +46,7 @@ class AudioDecoderRole(Actor):
         self._streams: weakref.WeakKeyDictionary[Context, _StreamState] = (
             weakref.WeakKeyDictionary()
         )
-        if "threads" in self.options:  # process-wide, and each replica is its own process
-            torch.set_num_threads(int(self.options["threads"]))
-        # One thread: the model runs off the event loop, one chunk at a time.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-{self.replica}")
+        self.start_model_thread()
         self.model: AudioDecoder = await self._run(self._load)
         self.sample_rate = self.model.config.sample_rate
         # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
@@ -61,12 +57,6 @@ class AudioDecoderRole(Actor):
         path = self.options.get("model_path", "models/longcat-tiny/audio_decoder")
         ensure_model("audio_decoder", path, int(self.options.get("seed", 0)))
         return load_audio_decoder(path, self.options.get("device", "cpu"))
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def handle(self, request: Request, ctx: Context):
         codes = request.tensors.get("audio_codes")

@@ -19,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import io
 import wave
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.actor import BadRequest, Context, Request
 from omniflow.models.omni import AudioTokenizer, ensure_model, load_audio
+from omniflow.roles.base import ModelActor
 from omniflow.roles.vision_encoder import EncoderOutputCache, content_hash
 
 ACCEPTED_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
@@ -81,7 +81,7 @@ def resample(samples: torch.Tensor, rate: int, target: int) -> torch.Tensor:
     return (torch.fft.irfft(spectrum, n=length) * (length / samples.numel())).float()
 
 
-class AudioEncoderRole(Actor):
+class AudioEncoderRole(ModelActor):
     async def setup(self) -> None:
         opts = self.options
         self.sample_rates = tuple(int(r) for r in opts.get("sample_rates", ACCEPTED_RATES))
@@ -90,10 +90,7 @@ class AudioEncoderRole(Actor):
         self.cache = EncoderOutputCache(
             int(opts.get("cache_entries", 256)), int(opts.get("cache_mb", 256)) << 20
         )
-        if "threads" in self.options:  # process-wide, and each replica is its own process
-            torch.set_num_threads(int(self.options["threads"]))
-        # One thread: the model runs off the event loop, one request at a time.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-{self.replica}")
+        self.start_model_thread()
         self.model: AudioTokenizer = await self._run(self._load)
         # Warm-up: the first forward pays for allocator and FFT setup; do it before serving.
         await self._run(self.model.encode, torch.zeros(self.model.config.samples_per_token))
@@ -103,12 +100,6 @@ class AudioEncoderRole(Actor):
         seed = int(self.options.get("seed", 0))
         ensure_model("audio", path, seed, hidden_size=int(self.options.get("hidden_size", 64)))
         return load_audio(path, self.options.get("device", "cpu"))
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
         raw = request.data.get("audio")

@@ -17,21 +17,20 @@ build), ``steps`` (Euler steps, default 4), ``cfg_scale`` (default 2.0), ``max_t
 
 from __future__ import annotations
 
-import asyncio
 import io
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from PIL import Image
 
-from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.actor import BadRequest, Context, Request
 from omniflow.models.omni import ImageDecoder, ensure_model, load_image_decoder
+from omniflow.roles.base import ModelActor
 
 _MAX_CFG_SCALE = 30.0
 
 
-class ImageDecoderRole(Actor):
+class ImageDecoderRole(ModelActor):
     async def setup(self) -> None:
         opts = self.options
         self.steps = int(opts.get("steps", 4))
@@ -39,10 +38,7 @@ class ImageDecoderRole(Actor):
         self.max_tokens = int(opts.get("max_tokens", 1024))
         if self.steps < 1:
             raise ValueError(f"option steps must be at least 1, got {self.steps}")
-        if "threads" in self.options:  # process-wide, and each replica is its own process
-            torch.set_num_threads(int(self.options["threads"]))
-        # One thread: the model runs off the event loop, one request at a time.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-{self.replica}")
+        self.start_model_thread()
         self.model: ImageDecoder = await self._run(self._load)
         # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
         warm = torch.zeros(1, len(self.model.config.codebook_sizes), dtype=torch.int64)
@@ -52,12 +48,6 @@ class ImageDecoderRole(Actor):
         path = self.options.get("model_path", "models/longcat-tiny/image_decoder")
         ensure_model("image_decoder", path, int(self.options.get("seed", 0)))
         return load_image_decoder(path, self.options.get("device", "cpu"))
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
         grid = self._grid(request.data.get("image_grid"))

@@ -27,21 +27,20 @@ Options: ``model_path`` (tiny model built there if empty), ``device``, ``seed``,
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.actor import BadRequest, Context, Request
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, SamplingParams
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
 from omniflow.models.tiny import build_tiny_model
+from omniflow.roles.base import ModelActor
 
 AUDIO_CODEBOOKS = [8192, 4096, 2048] + [1024] * 5
 IMAGE_CODEBOOKS = [1024] * 8
@@ -67,16 +66,14 @@ class _Session:
         self.spans: list[EmbeddingSpan] = []
 
 
-class LLMRole(Actor):
+class LLMRole(ModelActor):
     async def setup(self) -> None:
-        torch.set_num_threads(int(self.options.get("threads", 1)))
+        self.options.setdefault("threads", 1)
         self.path = Path(self.options.get("model_path", "models/longcat-tiny/llm"))
         hidden = int(self.options.get("hidden_size", 64))
         seed = int(self.options.get("seed", 0))
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-heads")
-        await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._build_if_missing, hidden, seed
-        )
+        self.start_model_thread(f"{self.role}-heads")
+        await self._run(self._build_if_missing, hidden, seed)
         device = self.options.get("device", "cpu")
         config = EngineConfig(
             device=device, kv_cache_bytes=int(self.options.get("kv_cache_mb", 64)) << 20
@@ -132,7 +129,7 @@ class LLMRole(Actor):
 
     async def close(self) -> None:
         await self.engine.close()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        await super().close()
 
     # ------------------------------------------------------------------ requests
 
@@ -254,8 +251,7 @@ class LLMRole(Actor):
             )
         scale = float(request.params.get("cfg_scale", 2.0))
         seed = int(request.params.get("seed", 0))
-        codes = await asyncio.get_running_loop().run_in_executor(
-            self._executor,
+        codes = await self._run(
             self._generate_codes,
             context,
             uncond,
@@ -273,10 +269,8 @@ class LLMRole(Actor):
         if not (1 <= chunks <= 64 and 1 <= per_chunk <= 256):
             raise BadRequest("params.audio_chunks", "expected 1..64 chunks of 1..256 tokens")
         seed = int(request.params.get("seed", 0))
-        loop = asyncio.get_running_loop()
         for index in range(chunks):
-            codes = await loop.run_in_executor(
-                self._executor,
+            codes = await self._run(
                 self._generate_codes,
                 context,
                 None,

@@ -24,15 +24,15 @@ import hashlib
 import io
 import math
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.actor import BadRequest, Context, Request
 from omniflow.models.omni import VisionTokenizer, ensure_model, load_vision
+from omniflow.roles.base import ModelActor
 
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
 
@@ -85,7 +85,7 @@ def fit_to_grid(width: int, height: int, step: int, max_pixels: int) -> tuple[in
     return new_w, new_h
 
 
-class VisionEncoderRole(Actor):
+class VisionEncoderRole(ModelActor):
     async def setup(self) -> None:
         opts = self.options
         self.max_pixels = int(opts.get("max_pixels", 448 * 448))
@@ -94,10 +94,7 @@ class VisionEncoderRole(Actor):
         self.cache = EncoderOutputCache(
             int(opts.get("cache_entries", 256)), int(opts.get("cache_mb", 256)) << 20
         )
-        if "threads" in self.options:  # process-wide, and each replica is its own process
-            torch.set_num_threads(int(self.options["threads"]))
-        # One thread: the model runs off the event loop, one request at a time.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-{self.replica}")
+        self.start_model_thread()
         self.model: VisionTokenizer = await self._run(self._load)
         step = self.model.config.pixels_per_token
         if self.max_pixels < step * step:
@@ -110,12 +107,6 @@ class VisionEncoderRole(Actor):
         seed = int(self.options.get("seed", 0))
         ensure_model("vision", path, seed, hidden_size=int(self.options.get("hidden_size", 64)))
         return load_vision(path, self.options.get("device", "cpu"))
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
         images = request.data.get("images")

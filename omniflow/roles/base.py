@@ -1,0 +1,42 @@
+"""What every model-serving role shares: one model thread off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from omniflow.actor import Actor
+
+T = TypeVar("T")
+
+
+class ModelActor(Actor):
+    """A role whose model runs on one dedicated thread, so the actor keeps serving.
+
+    Requests reach the model one at a time, in arrival order. The ``threads``
+    option sets torch's intra-op threads for the process (each replica is its own
+    process, so this is per replica).
+    """
+
+    _executor: ThreadPoolExecutor | None = None
+
+    def start_model_thread(self, name: str = "") -> None:
+        if "threads" in self.options:
+            torch.set_num_threads(int(self.options["threads"]))
+        label = name or f"{self.role}-{self.replica}"
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=label)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._executor is None:
+            self.start_model_thread()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)
+
+    async def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
