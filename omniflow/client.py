@@ -66,10 +66,12 @@ class Result:
 
 
 class _Pending:
-    __slots__ = ("queue", "credit", "usage", "timings", "started")
+    """A request in flight: where its events go, and the credit that came back."""
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
+    __slots__ = ("push", "credit", "usage", "timings", "started")
+
+    def __init__(self, push: Any) -> None:
+        self.push = push  # called with each Output, then a Result or a RequestFailed
         self.credit = 0
         self.usage: dict[str, int] = {}
         self.timings: list[Timing] = []
@@ -107,8 +109,8 @@ class Client:
         )
 
     async def close(self) -> None:
-        for pending in self._pending.values():
-            pending.queue.put_nowait(RequestFailed("cancelled", "client closed", "client", ""))
+        for pending in list(self._pending.values()):
+            pending.push(RequestFailed("cancelled", "client closed", "client", ""))
         self.inbox.close()
         await self.view.close()
         await self.registry.close()
@@ -132,22 +134,20 @@ class Client:
             return  # a late message of a request that already ended
         if isinstance(msg, Emit):
             tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
-            pending.queue.put_nowait(Output(msg.role, msg.seq, msg.data, tensors))
+            pending.push(Output(msg.role, msg.seq, msg.data, tensors))
         elif isinstance(msg, Done):
             if msg.seq >= 0:
                 tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
-                pending.queue.put_nowait(Output(msg.role, msg.seq, msg.data, tensors))
+                pending.push(Output(msg.role, msg.seq, msg.data, tensors))
             pending.credit += msg.credit
             pending.timings += msg.timings
             for k, v in msg.usage.items():
                 pending.usage[k] = pending.usage.get(k, 0) + v
             if pending.credit >= FULL_CREDIT:
                 latency = (time.perf_counter() - pending.started) * 1e3
-                pending.queue.put_nowait(
-                    Result(msg.request_id, pending.usage, pending.timings, latency)
-                )
+                pending.push(Result(msg.request_id, pending.usage, pending.timings, latency))
         elif isinstance(msg, Fail):
-            pending.queue.put_nowait(RequestFailed(msg.code, msg.message, msg.role, msg.request_id))
+            pending.push(RequestFailed(msg.code, msg.message, msg.role, msg.request_id))
 
     async def stream(
         self,
@@ -163,6 +163,41 @@ class Client:
         Raises ``RequestFailed`` if any role fails it. Leaving the loop early
         cancels the request everywhere it went.
         """
+        queue: asyncio.Queue = asyncio.Queue()
+        request_id, deadline, fanout = await self._send(
+            inputs, params, session, timeout, request_id, queue.put_nowait
+        )
+        finished = False
+        try:
+            while True:
+                if deadline:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), _patience(deadline))
+                    except TimeoutError:
+                        raise _no_answer(request_id) from None
+                else:
+                    item = await queue.get()
+                if isinstance(item, RequestFailed):
+                    finished = True  # the failing role already cancelled downstream
+                    raise item
+                if isinstance(item, Result):
+                    finished = True  # before the yield: the caller may stop iterating here
+                    yield item
+                    return
+                yield item
+        finally:
+            self._end(request_id, fanout, finished)
+
+    async def _send(
+        self,
+        inputs: Mapping[str, Any] | None,
+        params: Mapping[str, Any] | None,
+        session: str,
+        timeout: float | None,
+        request_id: str | None,
+        push: Any,
+    ) -> tuple[str, float, Fanout]:
+        """Route a new request's first hop; its events go to ``push``."""
         request_id = request_id or f"{self._id_prefix}{next(self._ids):x}"
         deadline = time.time() + timeout if timeout else 0.0
         call = Call(
@@ -174,59 +209,83 @@ class Client:
             session=session,
             origin="client",
         )
-        pending = _Pending()
-        self._pending[request_id] = pending
+        self._pending[request_id] = _Pending(push)
         fanout = Fanout(self.router, "input", call)
-        finished = False
         try:
-            try:
-                await fanout.output(dict(inputs or {}))
-                if not fanout.branches:
-                    raise RequestFailed(
-                        Code.BAD_REQUEST.value, "no role accepts this input", "client", request_id
-                    )
-                await fanout.finish(FULL_CREDIT, [], {})
-            except RouteError as e:
-                raise RequestFailed(e.code, str(e), "client", request_id) from None
-            while True:
-                if deadline:
-                    # Roles enforce the deadline; this bounds a wait on a dead path.
-                    wait = max(0.0, deadline - time.time()) + 1.0
-                    try:
-                        item = await asyncio.wait_for(pending.queue.get(), wait)
-                    except TimeoutError:
-                        raise RequestFailed(
-                            Code.DEADLINE.value,
-                            "no answer before the deadline",
-                            "client",
-                            request_id,
-                        ) from None
-                else:
-                    item = await pending.queue.get()
-                if isinstance(item, RequestFailed):
-                    finished = True  # the failing role already cancelled downstream
-                    raise item
-                if isinstance(item, Result):
-                    finished = True  # before the yield: the caller may stop iterating here
-                    yield item
-                    return
-                yield item
-        finally:
-            self._pending.pop(request_id, None)
-            if not finished:
-                cancel = [encode(Cancel(request_id))]
-                for address in fanout.addresses:
-                    with contextlib.suppress(Exception):
-                        self.outbox.post(address, cancel)
+            await fanout.output(dict(inputs or {}))
+            if not fanout.branches:
+                raise RequestFailed(
+                    Code.BAD_REQUEST.value, "no role accepts this input", "client", request_id
+                )
+            await fanout.finish(FULL_CREDIT, [], {})
+        except RouteError as e:
+            self._end(request_id, fanout, False)
+            raise RequestFailed(e.code, str(e), "client", request_id) from None
+        except BaseException:
+            self._end(request_id, fanout, False)
+            raise
+        return request_id, deadline, fanout
+
+    def _end(self, request_id: str, fanout: Fanout, finished: bool) -> None:
+        """Forget a request; one left unfinished is cancelled everywhere it went."""
+        self._pending.pop(request_id, None)
+        if not finished:
+            cancel = [encode(Cancel(request_id))]
+            for address in fanout.addresses:
+                with contextlib.suppress(Exception):
+                    self.outbox.post(address, cancel)
 
     async def call(
-        self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
+        self,
+        inputs: Mapping[str, Any] | None = None,
+        *,
+        params: Mapping[str, Any] | None = None,
+        session: str = "",
+        timeout: float | None = None,
+        request_id: str | None = None,
     ) -> tuple[list[Output], Result]:
-        """Run one request to its end; every output chunk and the result."""
+        """Run one request to its end; every output chunk and the result.
+
+        The same as collecting ``stream``, without a generator and a queue in the
+        way: outputs are appended as they arrive and one future ends the wait.
+        """
         outputs: list[Output] = []
-        async for item in self.stream(inputs, **kwargs):
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def push(item: Any) -> None:
             if isinstance(item, Output):
                 outputs.append(item)
+            elif not done.done():
+                if isinstance(item, RequestFailed):
+                    done.set_exception(item)
+                else:
+                    done.set_result(item)
+
+        request_id, deadline, fanout = await self._send(
+            inputs, params, session, timeout, request_id, push
+        )
+        finished = False
+        try:
+            if deadline:
+                try:
+                    result = await asyncio.wait_for(done, _patience(deadline))
+                except TimeoutError:
+                    raise _no_answer(request_id) from None
             else:
-                return outputs, item
-        raise AssertionError("stream ended without a Result")
+                result = await done
+            finished = True
+            return outputs, result
+        except RequestFailed:
+            finished = True  # the failing role already cancelled downstream
+            raise
+        finally:
+            self._end(request_id, fanout, finished)
+
+
+def _patience(deadline: float) -> float:
+    """How long the client waits: roles enforce the deadline, this bounds a dead path."""
+    return max(0.0, deadline - time.time()) + 1.0
+
+
+def _no_answer(request_id: str) -> RequestFailed:
+    return RequestFailed(Code.DEADLINE.value, "no answer before the deadline", "client", request_id)

@@ -22,6 +22,10 @@ import zmq
 
 log = logging.getLogger(__name__)
 
+# Plain ints: pyzmq's enum members cost an object construction per use, per message.
+_EVENTS, _RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
+_POLLIN, _POLLOUT, _NOBLOCK = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
+
 _DRAIN_BATCH = 256  # messages per reader callback before yielding to other callbacks
 _ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
 
@@ -75,13 +79,13 @@ class Inbox:
         sock = self._sock
         for _ in range(_DRAIN_BATCH):
             # Checking EVENTS is far cheaper than letting recv raise EAGAIN.
-            if self._closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self._closed or not sock.getsockopt(_EVENTS) & _POLLIN:
                 return
-            identity = sock.recv(zmq.NOBLOCK)
-            header = sock.recv(zmq.NOBLOCK)
+            identity = sock.recv(_NOBLOCK)
+            header = sock.recv(_NOBLOCK)
             parts: list[Any] = [header]
-            while sock.getsockopt(zmq.RCVMORE):
-                parts.append(sock.recv(zmq.NOBLOCK, copy=False))  # tensor bytes: no copy
+            while sock.getsockopt(_RCVMORE):
+                parts.append(sock.recv(_NOBLOCK, copy=False))  # tensor bytes: no copy
             try:
                 self._on_message(identity, parts)
             except Exception:  # one bad message must not stop the drain (the edge is gone)
@@ -93,7 +97,7 @@ class Inbox:
     def reply(self, identity: bytes, parts: list[Any]) -> bool:
         """Send back to the DEALER that sent ``identity``; False if it is gone or full."""
         try:
-            self._sock.send_multipart([identity, *parts], zmq.NOBLOCK)
+            self._sock.send_multipart([identity, *parts], _NOBLOCK)
             return True
         except zmq.ZMQError:  # EAGAIN (full) or EHOSTUNREACH (gone, with mandatory)
             return False
@@ -140,11 +144,14 @@ class Outbox:
     def try_send(self, address: str, parts: list[Any]) -> bool:
         """Send now if the peer's queue takes it; False if it would block."""
         sock = self._socks.get(address) or self._socket(address)
-        copy = len(parts) == 1 or not any(_is_large(p) for p in parts[1:])
         try:
+            if len(parts) == 1:  # the common case: a header alone
+                sock.send(parts[0], _NOBLOCK)
+                return True
             # copy=False: pyzmq holds a reference to each buffer object until libzmq
             # released the frame, so the tensor behind it stays alive meanwhile.
-            sock.send_multipart(parts, zmq.NOBLOCK, copy=copy)
+            copy = not any(_is_large(p) for p in parts[1:])
+            sock.send_multipart(parts, _NOBLOCK, copy=copy)
             return True
         except zmq.Again:
             return False
@@ -157,7 +164,7 @@ class Outbox:
         deadline = loop.time() + (self.send_timeout if timeout is None else timeout)
         fd = fd_of(sock)
         while True:
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT and self.try_send(address, parts):
+            if sock.getsockopt(_EVENTS) & _POLLOUT and self.try_send(address, parts):
                 return
             remaining = deadline - loop.time()
             if remaining <= 0:
