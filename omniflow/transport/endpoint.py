@@ -79,7 +79,7 @@ class Inbox:
         sock = self._sock
         for _ in range(_DRAIN_BATCH):
             # Checking EVENTS is far cheaper than letting recv raise EAGAIN.
-            if self._closed or not sock.getsockopt(_EVENTS) & _POLLIN:
+            if self._closed or not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             identity = sock.recv(_NOBLOCK)
             header = sock.recv(_NOBLOCK)
@@ -164,7 +164,7 @@ class Outbox:
         deadline = loop.time() + (self.send_timeout if timeout is None else timeout)
         fd = fd_of(sock)
         while True:
-            if sock.getsockopt(_EVENTS) & _POLLOUT and self.try_send(address, parts):
+            if int(sock.getsockopt(_EVENTS)) & _POLLOUT and self.try_send(address, parts):
                 return
             remaining = deadline - loop.time()
             if remaining <= 0:
