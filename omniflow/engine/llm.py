@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omniflow.engine.llm_engine import EngineConfig, LLMEngine
 from omniflow.engine.sampling_params import SamplingParams
@@ -41,15 +41,19 @@ class LLM:
         prompts: Prompt | list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
+        # One prompt (text or token ids) or a list of them; a list's first item tells which.
+        prompt_list: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+            prompt_list = [cast(Prompt, prompts)]
+        else:
+            prompt_list = cast(list[Prompt], prompts)
         params_list = (
-            params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+            params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_list)
         )
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} SamplingParams")
         request_ids = []
-        for prompt, request_params in zip(prompts, params_list, strict=True):
+        for prompt, request_params in zip(prompt_list, params_list, strict=True):
             request_id = f"offline-{self._next_id}"
             self._next_id += 1
             self.engine.add_request(request_id, self._token_ids(prompt, request_id), request_params)
@@ -69,6 +73,8 @@ class LLM:
         for request_id, request_params in zip(request_ids, params_list, strict=True):
             token_ids, logprobs, tops = outputs[request_id]
             final = finished[request_id]
+            if final.finish_reason is None:
+                raise RuntimeError(f"request {request_id}: finished without a finish_reason")
             results.append(
                 GenerationOutput(
                     request_id,

@@ -189,6 +189,8 @@ class LLMEngine:
             sequence.finish_reason, sequence.stop_reason = "stop", token
             return
         if params.stop:
+            if self.tokenizer is None:
+                raise RuntimeError("sampling field stop needs a tokenizer")
             text = self.tokenizer.decode(sequence.output_token_ids)
             for stop in params.stop:
                 if stop in text:

@@ -146,7 +146,10 @@ class PagedAttention:
         values = values.view(keys.shape)
         grouped_q = (q * self.scale).view(decodes, kv_heads, -1, head_dim).transpose(0, 1)
         grouped_q = grouped_q.reshape(kv_heads * decodes, -1, head_dim)
-        scores = torch.baddbmm(self.batch.decode_bias, grouped_q, keys.transpose(1, 2))
+        decode_bias = self.batch.decode_bias
+        if decode_bias is None:
+            raise RuntimeError("decode rows in an attention batch built without decode_bias")
+        scores = torch.baddbmm(decode_bias, grouped_q, keys.transpose(1, 2))
         probs = scores.float().softmax(-1).to(values.dtype)
         out = torch.bmm(probs, values).view(kv_heads, decodes, -1, head_dim)
         return out.transpose(0, 1).reshape(decodes, heads, head_dim)

@@ -146,6 +146,8 @@ class DecoderLM(nn.Module):
         """
         x = self.embed(input_ids)
         if embed_rows is not None and embed_rows.numel():
+            if embed_values is None:
+                raise ValueError("embed_rows needs embed_values")
             x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.model.layers:

@@ -99,6 +99,8 @@ def compute_inv_freq(
 
 
 class RotaryEmbedding(torch.nn.Module):
+    inv_freq: torch.Tensor  # registered buffer
+
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = config

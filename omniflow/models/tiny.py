@@ -173,8 +173,8 @@ def save_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_b
         save_file(shard, str(folder / file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file_name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
 
 
 def build_tiny_model(
@@ -194,7 +194,12 @@ def build_tiny_model(
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(spec.vocab_size)
     save_tiny_tokenizer(tokenizer, folder)
-    ids = {token: tokenizer.token_to_id(token) for token in (BOS, EOS, PAD)}
+    ids: dict[str, int] = {}
+    for token in (BOS, EOS, PAD):
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise RuntimeError(f"tiny tokenizer has no id for special token {token!r}")
+        ids[token] = token_id
     config = hf_config(spec, eos_id=ids[EOS], bos_id=ids[BOS], pad_id=ids[PAD])
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_safetensors(random_state_dict(spec, seed), folder, max_shard_bytes)

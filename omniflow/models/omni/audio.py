@@ -82,4 +82,4 @@ class AudioTokenizer(nn.Module):
     @torch.no_grad()
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
         """LLM input vectors [N, hidden_size] of code ids [N, L]."""
-        return self.embedder(codes.to(self.embedder.tables[0].weight.device))
+        return self.embedder(codes.to(self.embedder.table(0).weight.device))

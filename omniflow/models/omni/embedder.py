@@ -6,6 +6,8 @@ passed through a small MLP into the LLM's hidden size, one vector per token.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -20,6 +22,10 @@ class CodeEmbedder(nn.Module):
         self.mlp = nn.Sequential(
             nn.Linear(code_dim, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size)
         )
+
+    def table(self, level: int) -> nn.Embedding:
+        """Level ``level``'s embedding table."""
+        return cast(nn.Embedding, self.tables[level])
 
     def summed(self, ids: torch.Tensor) -> torch.Tensor:
         """Sum of the L level embeddings [N, code_dim] of ids [N, L]."""

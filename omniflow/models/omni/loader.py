@@ -86,7 +86,10 @@ def save_model(model: nn.Module, kind: str, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        config = {"kind": kind, **dataclasses.asdict(model.config)}
+        model_config = model.config
+        if not dataclasses.is_dataclass(model_config) or isinstance(model_config, type):
+            raise TypeError(f"{kind} model config is not a dataclass instance: {model_config!r}")
+        config = {"kind": kind, **dataclasses.asdict(model_config)}
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
         save_file(state, str(staging / WEIGHTS_FILE), metadata={"kind": kind})

@@ -29,6 +29,9 @@ def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> torch.Tensor:
 class LogMel(nn.Module):
     """Waveform [T] float in [-1, 1] → log-mel [n_mels, frames], frames = T // hop."""
 
+    window: torch.Tensor  # registered buffer
+    filters: torch.Tensor  # registered buffer
+
     def __init__(self, sample_rate: int, n_fft: int, hop: int, n_mels: int) -> None:
         super().__init__()
         self.n_fft = n_fft

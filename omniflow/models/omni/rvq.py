@@ -7,6 +7,8 @@ one vector per level. Encoded ids are int64 ``[N, L]``; level l's ids lie in
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -20,12 +22,16 @@ class ResidualVQ(nn.Module):
         # Shrink later levels so residuals have something left to match: a random init with
         # equal scales would let level 0 overshoot and every later level pick at random.
         with torch.no_grad():
-            for level, book in enumerate(self.codebooks):
-                book.weight.mul_(0.5**level)
+            for level in range(self.levels):
+                self.codebook(level).weight.mul_(0.5**level)
 
     @property
     def levels(self) -> int:
         return len(self.codebooks)
+
+    def codebook(self, level: int) -> nn.Embedding:
+        """Level ``level``'s codebook."""
+        return cast(nn.Embedding, self.codebooks[level])
 
     @torch.no_grad()
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,8 +40,8 @@ class ResidualVQ(nn.Module):
             raise ValueError(f"expected vectors [N, {self.dim}], got {list(x.shape)}")
         residual = x.float()
         ids = []
-        for book in self.codebooks:
-            weight = book.weight.float()
+        for level in range(self.levels):
+            weight = self.codebook(level).weight.float()
             # ||r - c||^2 = ||r||^2 - 2 r.c + ||c||^2; the first term does not change the argmin.
             distance = weight.pow(2).sum(-1)[None, :] - 2.0 * residual @ weight.t()
             level_ids = distance.argmin(dim=-1)

@@ -44,6 +44,9 @@ class VisionCodes(NamedTuple):
 
 
 class VisionTokenizer(nn.Module):
+    mean: torch.Tensor  # registered buffer
+    std: torch.Tensor  # registered buffer
+
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.config = config
@@ -110,4 +113,4 @@ class VisionTokenizer(nn.Module):
     @torch.no_grad()
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
         """LLM input vectors [N, hidden_size] of code ids [N, L]."""
-        return self.embedder(codes.to(self.embedder.tables[0].weight.device))
+        return self.embedder(codes.to(self.embedder.table(0).weight.device))
