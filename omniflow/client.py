@@ -199,6 +199,9 @@ class Client:
     ) -> tuple[str, float, Fanout]:
         """Route a new request's first hop; its events go to ``push``."""
         request_id = request_id or f"{self._id_prefix}{next(self._ids):x}"
+        # Every request gets a deadline: a branch lost with a dead replica ends in
+        # `deadline` instead of a wait without end.
+        timeout = timeout or self.config.runtime.request_timeout_s
         deadline = time.time() + timeout if timeout else 0.0
         call = Call(
             request_id,
@@ -265,20 +268,22 @@ class Client:
             inputs, params, session, timeout, request_id, push
         )
         finished = False
+        # A timer, not wait_for: wait_for would add a task to every call.
+        timer = (
+            asyncio.get_running_loop().call_later(_patience(deadline), push, _no_answer(request_id))
+            if deadline
+            else None
+        )
         try:
-            if deadline:
-                try:
-                    result = await asyncio.wait_for(done, _patience(deadline))
-                except TimeoutError:
-                    raise _no_answer(request_id) from None
-            else:
-                result = await done
+            result = await done
             finished = True
             return outputs, result
-        except RequestFailed:
-            finished = True  # the failing role already cancelled downstream
+        except RequestFailed as e:
+            finished = e.role != "client"  # a role that failed it already cancelled downstream
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             self._end(request_id, fanout, finished)
 
 

@@ -53,6 +53,7 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
     start_timeout_s: float = 60.0
     drain_timeout_s: float = 10.0
     send_timeout_s: float = 2.0  # a peer that takes nothing this long counts as dead
+    request_timeout_s: float = 300.0  # the deadline of a request that names none (0: none)
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 10.0
 
