@@ -26,7 +26,8 @@ from omniflow.transport.tensors import TensorError, release_all
 
 log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
-_FINISHED_MEMORY = 4096  # finished requests whose downstream a late Cancel must still reach
+_FINISHED_MEMORY = 4096
+_DEADLINE_TICK = 0.02  # seconds: how late past its deadline a request may be failed  # finished requests whose downstream a late Cancel must still reach
 
 
 class _Stream:
@@ -45,6 +46,8 @@ class _Stream:
         "last_output",
         "arrived",
         "refs",
+        "expired",
+        "finishing",
     )
 
     def __init__(self, call: Call, fanout: Fanout, ctx: Context) -> None:
@@ -60,6 +63,8 @@ class _Stream:
         self.last_output: Any = None
         self.arrived = time.time()
         self.refs: list[Any] = []  # pool handles of its inputs, released when it ends
+        self.expired = False  # cancelled by the deadline sweep
+        self.finishing = False
 
 
 class ActorHost:
@@ -82,6 +87,7 @@ class ActorHost:
         self.accepting = True
         self.served = 0
         self.bad_messages = 0
+        self._sweeper: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -232,12 +238,11 @@ class ActorHost:
         """Run ``work()`` under the concurrency slots and the deadline, then finish."""
         call = stream.call
         try:
+            if call.deadline:
+                self._watch_deadlines()
             async with self._slots:
-                if call.deadline:
-                    async with asyncio.timeout_at(_loop_deadline(call.deadline)):
-                        await work()
-                else:
-                    await work()
+                await work()
+            stream.finishing = True  # past the deadline sweep: its outputs go out whole
             stream.timings.append(
                 Timing(
                     self.role, self.actor.replica, stream.compute * 1e3, stream.arrived, time.time()
@@ -247,9 +252,10 @@ class ActorHost:
                 stream.credit, stream.timings, stream.usage, stream.last_output
             )
             self.served += 1
-        except TimeoutError:
-            await self._fail(stream, Code.DEADLINE, f"deadline exceeded in {self.role}")
         except asyncio.CancelledError:
+            if stream.expired:
+                await self._fail(stream, Code.DEADLINE, f"deadline exceeded in {self.role}")
+                return
             self._cancel_downstream(stream, "cancelled")
         except BadRequest as e:
             await self._fail(stream, Code.BAD_REQUEST, str(e))
@@ -353,6 +359,28 @@ class ActorHost:
         if not self._streams:
             self._idle.set()
 
+    def _watch_deadlines(self) -> None:
+        """One timer for every deadline in flight: cheaper than a timeout per request."""
+        if self._sweeper is None:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(_DEADLINE_TICK, self._sweep_deadlines)
+
+    def _sweep_deadlines(self) -> None:
+        self._sweeper = None
+        now = time.time()
+        pending = False
+        for stream in self._streams.values():
+            deadline = stream.call.deadline
+            if not deadline or stream.finishing or stream.expired:
+                continue
+            if deadline <= now and stream.task is not None:
+                stream.expired = True
+                stream.task.cancel()
+            else:
+                pending = True
+        if pending:
+            self._watch_deadlines()
+
     # ------------------------------------------------------------------ shutdown
 
     async def drain(self, timeout: float) -> bool:
@@ -366,8 +394,3 @@ class ActorHost:
                 if stream.task is not None:
                     stream.task.cancel()
             return False
-
-
-def _loop_deadline(deadline: float) -> float:
-    """A wall-clock deadline (time.time()) on the running loop's clock."""
-    return asyncio.get_running_loop().time() + (deadline - time.time())
