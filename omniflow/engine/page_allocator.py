@@ -1,32 +1,18 @@
 """The page allocation interface the engine uses for its paged KV cache.
 
-Kept small on purpose: a later multimodal radix tree (omniflow/cache/) replaces the
-hash-chained implementation behind this protocol without touching the scheduler.
+Kept small on purpose: the hash-chained cache (prefix_page_cache.py) and the radix tree
+(omniflow/cache/prefix.py) both sit behind it without the scheduler knowing which. The result
+types live in omniflow/cache/pages.py so the cache layer need not import the engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
-# One optional key per token, mixed into the prefix hash: the content hash of the image or
-# audio span the position belongs to, so equal placeholder ids of different media never match.
-ExtraKeys = Sequence[Hashable | None]
+from omniflow.cache.pages import ExtraKeys, OutOfPages, PageUsage, PrefixMatch
 
-
-class PrefixMatch(NamedTuple):
-    page_ids: list[int]  # acquired (ref-counted) pages holding the matched prefix, in order
-    num_tokens: int  # tokens covered: len(page_ids) * page_size
-
-
-class PageUsage(NamedTuple):
-    total_pages: int
-    free_pages: int  # allocatable now, counting cached pages nobody references
-    cached_pages: int  # pages reachable through the prefix index
-
-
-class OutOfPages(RuntimeError):
-    pass
+__all__ = ["ExtraKeys", "OutOfPages", "PageAllocator", "PageUsage", "PrefixMatch"]
 
 
 class PageAllocator(Protocol):
