@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
+from omniflow.cache.prefix import RadixPrefixCache
 from omniflow.engine.model_runner import ModelRunner
+from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.paged_attention import KVCache
 from omniflow.engine.prefix_page_cache import HashPrefixPageCache
 from omniflow.engine.protocol import TokenDelta
@@ -30,7 +32,17 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the config's max_position_embeddings
     enable_prefix_caching: bool = True
+    prefix_cache: str = "hash"  # "hash" (chained page hashes) or "radix" (omniflow.cache.prefix)
     seed: int | None = None  # for requests without their own seed
+
+
+PREFIX_CACHES = ("hash", "radix")
+
+
+def _page_allocator(kind: str, num_pages: int, page_size: int) -> PageAllocator:
+    if kind == "radix":
+        return RadixPrefixCache(num_pages, page_size)
+    return HashPrefixPageCache(num_pages, page_size)
 
 
 class LLMEngine:
@@ -41,6 +53,11 @@ class LLMEngine:
         tokenizer: TextTokenizer | None = None,
     ):
         self.config = config = config or EngineConfig()
+        if config.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(
+                f"engine config field prefix_cache must be one of {PREFIX_CACHES}, "
+                f"not {config.prefix_cache!r}"
+            )
         if isinstance(model, (str, Path)):
             if tokenizer is None and (Path(model) / "tokenizer.json").is_file():
                 tokenizer = load_tokenizer(model)
@@ -74,7 +91,7 @@ class LLMEngine:
             parameter.dtype,
             parameter.device,
         )
-        self.allocator = HashPrefixPageCache(num_pages, config.page_size)
+        self.allocator = _page_allocator(config.prefix_cache, num_pages, config.page_size)
         self.scheduler = Scheduler(
             self.allocator,
             config.max_num_seqs,

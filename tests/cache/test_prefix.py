@@ -5,6 +5,8 @@ import random
 import pytest
 
 from omniflow.cache import OutOfPages, PrefixMatch, RadixPrefixCache, Residency
+from omniflow.engine import LLMEngine
+from omniflow.engine.llm_engine import EngineConfig
 
 
 def test_match_insert_free_keep_pages_matchable():
@@ -159,3 +161,8 @@ def test_random_workload_keeps_the_books_balanced():
     for pages in held:
         cache.free(pages)
     assert cache.usage().free_pages == 12
+
+
+def test_engine_names_the_field_for_an_unknown_prefix_cache():
+    with pytest.raises(ValueError, match="prefix_cache.*'lru'"):
+        LLMEngine("never-loaded", EngineConfig(prefix_cache="lru"))

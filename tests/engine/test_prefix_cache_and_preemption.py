@@ -1,20 +1,23 @@
 """Cached-prefix, uncached and preempted runs produce identical greedy tokens."""
 
+import pytest
 from conftest import hf_greedy, random_prompts
 
 from omniflow.engine import LLM, LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+PREFIX_CACHES = pytest.mark.parametrize("prefix_cache", ["hash", "radix"])
 
 
-def test_cached_prefix_gives_identical_tokens(tiny_models):
+@PREFIX_CACHES
+def test_cached_prefix_gives_identical_tokens(tiny_models, prefix_cache):
     path = tiny_models["llama-gqa"]
     [shared] = random_prompts((48,), seed=11)
     suffixes = random_prompts((5, 9, 3), seed=12)
     prompts = [shared + suffix for suffix in suffixes]
     uncached = LLM(path, device="cpu", page_size=8, enable_prefix_caching=False)
-    cached = LLM(path, device="cpu", page_size=8)
+    cached = LLM(path, device="cpu", page_size=8, prefix_cache=prefix_cache)
     cached.generate([shared], SamplingParams(temperature=0.0, max_tokens=1))
     expected = uncached.generate(prompts, GREEDY)
     got = cached.generate(prompts, GREEDY)
@@ -33,10 +36,11 @@ def test_full_prompt_hit_still_computes_last_token(tiny_models):
     assert again.cached_tokens == 24  # the last page holds the token whose logits are needed
 
 
-def test_generated_pages_are_reused_by_a_follow_up_turn(tiny_models):
+@PREFIX_CACHES
+def test_generated_pages_are_reused_by_a_follow_up_turn(tiny_models, prefix_cache):
     path = tiny_models["llama-mha"]
     [prompt] = random_prompts((20,), seed=6)
-    llm = LLM(path, device="cpu", page_size=4)
+    llm = LLM(path, device="cpu", page_size=4, prefix_cache=prefix_cache)
     first = llm.generate([prompt], GREEDY)[0]
     follow_up = prompt + first.token_ids + [5, 6, 7]
     [second] = llm.generate([follow_up], GREEDY)
@@ -44,7 +48,8 @@ def test_generated_pages_are_reused_by_a_follow_up_turn(tiny_models):
     assert second.cached_tokens == 32
 
 
-def test_preemption_under_small_page_budget_gives_identical_tokens(tiny_models):
+@PREFIX_CACHES
+def test_preemption_under_small_page_budget_gives_identical_tokens(tiny_models, prefix_cache):
     path = tiny_models["qwen2-tied-odd-heads"]
     prompts = random_prompts((30, 12, 25, 7, 18, 22), seed=21)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -52,7 +57,11 @@ def test_preemption_under_small_page_budget_gives_identical_tokens(tiny_models):
     # 14 pages of 4 tokens: every request fits alone (<= 54 tokens) but not all together.
     for prefix_caching in (True, False):
         config = EngineConfig(
-            device="cpu", page_size=4, num_pages=14, enable_prefix_caching=prefix_caching
+            device="cpu",
+            page_size=4,
+            num_pages=14,
+            enable_prefix_caching=prefix_caching,
+            prefix_cache=prefix_cache,
         )
         engine = LLMEngine(path, config)
         for index, prompt in enumerate(prompts):

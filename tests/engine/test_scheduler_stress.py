@@ -3,13 +3,15 @@ and every surviving request gets the tokens it would get alone."""
 
 import random
 
+import pytest
 from conftest import random_prompts
 
 from omniflow.engine import LLM, LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
 
 
-def test_random_arrivals_and_aborts_under_pressure(tiny_models):
+@pytest.mark.parametrize("prefix_cache", ["hash", "radix"])
+def test_random_arrivals_and_aborts_under_pressure(tiny_models, prefix_cache):
     path = tiny_models["llama-gqa"]
     rng = random.Random(0)
     prompts = random_prompts([rng.randint(1, 40) for _ in range(14)], seed=51)
@@ -20,7 +22,12 @@ def test_random_arrivals_and_aborts_under_pressure(tiny_models):
     expected = LLM(path, device="cpu").generate(prompts, params)
 
     config = EngineConfig(
-        device="cpu", page_size=4, num_pages=16, max_num_seqs=5, max_num_batched_tokens=24
+        device="cpu",
+        page_size=4,
+        num_pages=16,
+        max_num_seqs=5,
+        max_num_batched_tokens=24,
+        prefix_cache=prefix_cache,
     )
     engine = LLMEngine(path, config)
     pending = list(range(len(prompts)))
