@@ -58,8 +58,11 @@ def test_image_hash_decides_a_match_not_the_placeholder_id():
     assert cache.match_prefix([7, 7, 7, 7], extra_keys=["img-b"] * 4).num_tokens == 0
     assert cache.match_prefix([7, 7, 7, 7]).num_tokens == 0
     assert cache.match_prefix([7, 7, 7, 7], extra_keys=["img-a"] * 4).page_ids == pages
-    # A text page before the image matches without keys; None keys equal no keys.
+    # None keys mean text: they equal no keys at all, and never match an image.
     assert cache.match_prefix([7, 7, 7, 7], extra_keys=[None] * 4).num_tokens == 0
+    text = cache.allocate(1)
+    cache.insert([1, 2], text)
+    assert cache.match_prefix([1, 2], extra_keys=[None, None]).page_ids == text
 
 
 def test_namespaces_do_not_mix():
