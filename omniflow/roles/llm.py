@@ -22,6 +22,7 @@ the user's turn) in the same process. Random weights cannot choose a modality, s
 
 Options: ``model_path`` (tiny model built there if empty), ``device``, ``seed``,
 ``hidden_size`` (for that build; must match the encoders'), ``kv_cache_mb``,
+``prefix_cache`` ("radix", the default, or "hash"),
 ``max_tokens`` (default cap 64), ``max_sessions``.
 """
 
@@ -76,7 +77,10 @@ class LLMRole(ModelActor):
         await self._run(self._build_if_missing, hidden, seed)
         device = self.options.get("device", "cpu")
         config = EngineConfig(
-            device=device, kv_cache_bytes=int(self.options.get("kv_cache_mb", 64)) << 20
+            device=device,
+            kv_cache_bytes=int(self.options.get("kv_cache_mb", 64)) << 20,
+            # The radix tree keys media positions by content hash, per turn and session.
+            prefix_cache=str(self.options.get("prefix_cache", "radix")),
         )
         self.tokenizer = load_tokenizer(self.path)
         self.engine = AsyncEngine.from_path(self.path, config)
