@@ -16,9 +16,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-import msgspec
-
 from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.join import JoinBuffer
 from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing
 from omniflow.routing import Fanout, RouteError, Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
@@ -81,7 +80,7 @@ class ActorHost:
         self._slots = asyncio.Semaphore(max_concurrency)
         self._max_pending = max_concurrency + max_queue
         self._streams: dict[tuple[str, int], _Stream] = {}  # (request id, hops)
-        self._joins: dict[str, list[tuple[Call, list[Any]]]] = {}
+        self._joins = JoinBuffer(self.role)
         self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
         self._is_gen = inspect.isasyncgenfunction(actor.handle)
         self.accepting = True
@@ -150,53 +149,13 @@ class ActorHost:
         return stream
 
     def _join_part(self, call: Call, parts: list[Any]) -> None:
-        join = call.join
-        assert join is not None
-        buffered = self._joins.setdefault(call.request_id, [])
-        buffered.append((call, parts))
-        done_parts = {c.join.part for c, _ in buffered if c.last and c.join is not None}
-        if len(done_parts) < join.parts:
-            return
-        del self._joins[call.request_id]
-        merged, frames = self._merge_join(buffered)
-        self._on_call(merged, frames)
-
-    def _merge_join(self, buffered: list[tuple[Call, list[Any]]]) -> tuple[Call, list[Any]]:
-        """One Call holding every part's inputs, in part order; Frame refs renumbered."""
-        buffered.sort(key=lambda item: (item[0].join.part if item[0].join else 0, item[0].seq))
-        frames: list[Any] = [b""]
-        data: dict[str, Any] = {}
-        refs: dict[str, Any] = {}
-        credit, timings, usage = 0, [], {}  # type: ignore[var-annotated]
-        for c, parts in buffered:
-            data.update(c.data)
-            for name, ref in c.tensors.items():
-                if isinstance(ref, Frame):  # it points into this part's own frames
-                    frames.append(parts[ref.index])
-                    ref = msgspec.structs.replace(ref, index=len(frames) - 1)
-                refs[name] = ref
-            credit += c.credit
-            timings += c.timings
-            for k, v in c.usage.items():
-                usage[k] = usage.get(k, 0) + v
-        first = buffered[0][0]
-        merged = msgspec.structs.replace(
-            first,
-            role=self.role,
-            data=data,
-            tensors=refs,
-            seq=0,
-            last=True,
-            credit=credit,
-            join=None,
-            timings=timings,
-            usage=usage,
-        )
-        return merged, frames
+        ready = self._joins.add(call, parts)
+        if ready is not None:
+            self._on_call(*ready)
 
     def _on_cancel(self, cancel: Cancel) -> None:
         rid = cancel.request_id
-        for call, _ in self._joins.pop(rid, ()):
+        for call in self._joins.drop(rid):
             release_all(call.tensors.values())
         for key, stream in list(self._streams.items()):
             if key[0] == rid:

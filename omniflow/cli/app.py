@@ -21,6 +21,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from omniflow.cli.progress import StartProgress
 from omniflow.config import ConfigError, load
 from omniflow.runtime import DeploymentNotFound, find_deployment
 from omniflow.supervisor import StartError, Supervisor, default_run_dir
@@ -160,41 +161,6 @@ def _detach(config: Path, run_dir: Path) -> int:
                 return EXIT_START
     err.print(f"[red]the supervisor exited before it was ready; see {log_path}[/]")
     return EXIT_START
-
-
-class StartProgress:
-    """A progress bar of actors ready; setup (weights, tiny-model builds) shows per actor."""
-
-    def __init__(self, total: int) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=err,
-            transient=False,
-        )
-        self._task = self._progress.add_task("starting", total=total)
-        self._states: dict[str, str] = {}
-
-    def update(self, actor_id: str, state: str) -> None:
-        self._states[actor_id] = state
-        ready = sum(1 for s in self._states.values() if s == "ready")
-        busy = [a for a, s in self._states.items() if s in ("spawned", "setup")]
-        what = f"loading {', '.join(busy[:3])}" if busy else "actors ready"
-        self._progress.update(self._task, completed=ready, description=what)
-
-    def stop(self) -> None:
-        self._progress.stop()
-
-    def __enter__(self) -> StartProgress:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
 
 
 @app.command()

@@ -1,0 +1,70 @@
+"""Fan-in: a join role buffers the branches of one request until every part arrived.
+
+The producer that split a request tagged each branch ``Join(role, replica, parts,
+part)``; the join's replica keeps each part's chunks (and their frames) until every
+part sent its last chunk, then hands one merged Call to its handler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from omniflow.messages import Call, Frame, Timing
+
+
+class JoinBuffer:
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self._parts: dict[str, list[tuple[Call, list[Any]]]] = {}
+
+    def add(self, call: Call, parts: list[Any]) -> tuple[Call, list[Any]] | None:
+        """Keep one chunk; once the request's last part is complete, its merged Call."""
+        join = call.join
+        assert join is not None
+        buffered = self._parts.setdefault(call.request_id, [])
+        buffered.append((call, parts))
+        done = {c.join.part for c, _ in buffered if c.last and c.join is not None}
+        if len(done) < join.parts:
+            return None
+        del self._parts[call.request_id]
+        return self._merge(buffered)
+
+    def drop(self, request_id: str) -> list[Call]:
+        """Forget a request's buffered chunks (cancelled); the caller releases their refs."""
+        return [call for call, _ in self._parts.pop(request_id, ())]
+
+    def _merge(self, buffered: list[tuple[Call, list[Any]]]) -> tuple[Call, list[Any]]:
+        """One Call holding every part's inputs, in part order; Frame refs renumbered."""
+        buffered.sort(key=lambda item: (item[0].join.part if item[0].join else 0, item[0].seq))
+        frames: list[Any] = [b""]
+        data: dict[str, Any] = {}
+        refs: dict[str, Any] = {}
+        credit = 0
+        timings: list[Timing] = []
+        usage: dict[str, int] = {}
+        for c, parts in buffered:
+            data.update(c.data)
+            for name, ref in c.tensors.items():
+                if isinstance(ref, Frame):  # it points into this part's own frames
+                    frames.append(parts[ref.index])
+                    ref = msgspec.structs.replace(ref, index=len(frames) - 1)
+                refs[name] = ref
+            credit += c.credit
+            timings += c.timings
+            for k, v in c.usage.items():
+                usage[k] = usage.get(k, 0) + v
+        merged = msgspec.structs.replace(
+            buffered[0][0],
+            role=self.role,
+            data=data,
+            tensors=refs,
+            seq=0,
+            last=True,
+            credit=credit,
+            join=None,
+            timings=timings,
+            usage=usage,
+        )
+        return merged, frames
