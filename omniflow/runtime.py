@@ -112,8 +112,7 @@ def run_root() -> Path:
     return default_run_dir("x").parent
 
 
-def find_deployment(name: str | None = None, run_dir: str | Path | None = None) -> dict[str, Any]:
-    """The state of a running deployment: by run dir, by name, or the only one running."""
+def _states(name: str | None, run_dir: str | Path | None) -> list[dict[str, Any]]:
     if run_dir is not None:
         candidates = [Path(run_dir)]
     elif name is not None:
@@ -124,11 +123,14 @@ def find_deployment(name: str | None = None, run_dir: str | Path | None = None) 
     states = []
     for path in candidates:
         state_file = path / "state.json"
-        if not state_file.exists():
-            continue
-        state = json.loads(state_file.read_text())
-        if pid_alive(state.get("pid", 0)):
-            states.append(state)
+        if state_file.exists():
+            states.append(json.loads(state_file.read_text()))
+    return states
+
+
+def find_deployment(name: str | None = None, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """The state of a running deployment: by run dir, by name, or the only one running."""
+    states = [s for s in _states(name, run_dir) if pid_alive(s.get("pid", 0))]
     if not states:
         what = f"run dir {run_dir}" if run_dir else f"name {name!r}" if name else "any name"
         raise DeploymentNotFound(
@@ -147,3 +149,24 @@ async def connect(name: str | None = None, run_dir: str | Path | None = None) ->
     client = Client(config, state["registry"], Path(state["run_dir"]))
     await client.start()
     return Connection(state, client)
+
+
+def clean_dead(name: str | None = None, run_dir: str | Path | None = None) -> list[str]:
+    """Remove what deployments whose supervisor died left behind (sockets, state, pool).
+
+    Workers exit with their supervisor (PDEATHSIG), but a supervisor killed with -9
+    cannot remove its files. Returns the names of the deployments cleaned.
+    """
+    from omniflow.cache import unlink_pool
+
+    cleaned = []
+    for state in _states(name, run_dir):
+        if pid_alive(state.get("pid", 0)):
+            continue
+        folder = Path(state["run_dir"])
+        for path in [*folder.glob("*.sock"), folder / "state.json"]:
+            path.unlink(missing_ok=True)
+        if state.get("pool"):
+            unlink_pool(state["pool"])
+        cleaned.append(state["name"])
+    return cleaned

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -203,3 +204,21 @@ def test_cli_exit_codes(run_root):
     assert proc.returncode == 2
     assert "roles.reverse.replicas: expected int, got str" in proc.stderr.replace("\n", "")
     assert cli("send", "--name", "nothing", "--text", "x", check=False).returncode == 3
+
+
+def test_down_cleans_up_after_a_supervisor_killed_with_9(run_root):
+    config = run_root / "orphan.toml"
+    config.write_text(CONFIG.replace('name = "rt"', 'name = "orphan"'))
+    cli("up", str(config), "--detach")
+    state = omniflow.runtime.find_deployment("orphan")
+    workers = [a.pid for a in actors(state)]
+    os.kill(state["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while [p for p in workers if pid_alive(p)]:  # workers follow their supervisor
+        assert time.monotonic() < deadline, "workers outlived their supervisor"
+        time.sleep(0.1)
+    assert leftover_sockets(run_root)  # what a killed supervisor could not remove
+    down = cli("down", "--name", "orphan")
+    assert "cleaned up" in down.stdout
+    assert leftover_sockets(run_root) == []
+    assert not (Path("/dev/shm") / state["pool"]).exists()

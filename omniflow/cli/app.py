@@ -364,7 +364,17 @@ def down(
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for a clean stop."),
 ) -> None:
     """Stop a running deployment: drain, stop every actor, remove its sockets."""
-    state = _state(name, run_dir)
+    from omniflow.runtime import clean_dead
+
+    try:
+        state = find_deployment(name, run_dir)
+    except DeploymentNotFound as e:
+        cleaned = clean_dead(name, run_dir)
+        if cleaned:  # its supervisor died: take away what it could not
+            out.print(f"cleaned up after the dead supervisor of {', '.join(cleaned)}")
+            return
+        err.print(f"[red]{e}[/]")
+        raise typer.Exit(EXIT_NOT_RUNNING) from None
     pid = state["pid"]
     try:
         pidfd = os.pidfd_open(pid)
