@@ -94,6 +94,12 @@ class ActorHost:
     def inflight(self) -> int:
         return len(self._streams)
 
+    def holding(self, limit: int = 1000) -> list[tuple[str, str]]:
+        """(request id, reply address) of requests in flight here, at most ``limit``."""
+        held = {(s.call.request_id, s.call.reply_to) for s in self._streams.values()}
+        held.update(self._joins.waiting())
+        return sorted(held)[:limit]
+
     # ------------------------------------------------------------------ intake
 
     def on_message(self, identity: bytes, parts: list[Any]) -> None:

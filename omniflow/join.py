@@ -31,6 +31,10 @@ class JoinBuffer:
         del self._parts[call.request_id]
         return self._merge(buffered)
 
+    def waiting(self) -> list[tuple[str, str]]:
+        """(request id, reply address) of every request with parts still buffered."""
+        return [(rid, parts[0][0].reply_to) for rid, parts in self._parts.items() if parts]
+
     def drop(self, request_id: str) -> list[Call]:
         """Forget a request's buffered chunks (cancelled); the caller releases their refs."""
         return [call for call, _ in self._parts.pop(request_id, ())]

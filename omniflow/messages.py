@@ -179,6 +179,9 @@ class ActorRecord(msgspec.Struct, omit_defaults=True, gc=False):
     served: int = 0
     started: float = 0.0
     meta: dict[str, Any] = {}
+    # (request id, reply address) of what it held at its last heartbeat: if it dies,
+    # the supervisor fails those requests at once instead of leaving them to time out.
+    holding: list[tuple[str, str]] = []
 
     @property
     def actor_id(self) -> str:

@@ -27,10 +27,16 @@ import zmq
 import omniflow
 from omniflow.cache import PagePool, unlink_pool
 from omniflow.config import Config, to_json
-from omniflow.discovery import EmbeddedRegistryServer, Registry, actor_key, open_registry
-from omniflow.messages import Hello, Ready, SetupFailed, Shutdown
-from omniflow.transport.codec import BadMessage, decode, decoder_for
-from omniflow.transport.endpoint import Inbox
+from omniflow.discovery import (
+    EmbeddedRegistryServer,
+    Registry,
+    actor_key,
+    decode_record,
+    open_registry,
+)
+from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
+from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
+from omniflow.transport.endpoint import Inbox, Outbox
 
 log = logging.getLogger("omniflow.supervisor")
 _control_decoder = decoder_for(Hello | Ready | SetupFailed | Shutdown)
@@ -76,6 +82,7 @@ class Supervisor:
             Replica(role, i) for role, rc in config.roles.items() for i in range(rc.replicas)
         ]
         self.ctx = zmq.Context()
+        self.outbox = Outbox(self.ctx, send_timeout=1.0)
         self.registry_server: EmbeddedRegistryServer | None = None
         self.registry_address = config.registry
         self.control: Inbox | None = None
@@ -249,10 +256,11 @@ class Supervisor:
     async def _restart(self, replica: Replica) -> None:
         rt = self.config.runtime
         if self._registry is not None and self.forget_dead:
+            key = actor_key(self.config.name, replica.role, replica.index)
             with contextlib.suppress(Exception):
-                await self._registry.delete(
-                    actor_key(self.config.name, replica.role, replica.index)
-                )
+                await self._fail_what_it_held(replica, key)
+            with contextlib.suppress(Exception):
+                await self._registry.delete(key)
         delay = min(rt.restart_backoff_s * (2**replica.restarts), rt.restart_backoff_max_s)
         replica.restarts += 1
         await asyncio.sleep(delay)
@@ -265,6 +273,29 @@ class Supervisor:
             log.error("restart of %s failed: %s", replica.actor_id, e)
         else:
             self._write_state()
+
+    async def _fail_what_it_held(self, replica: Replica, key: str) -> None:
+        """Fail the requests a dead replica held at its last heartbeat, at once.
+
+        Its branch of each is lost; without this the clients would wait out their
+        deadlines. A request it finished just before dying may be failed too: the
+        price of not waiting.
+        """
+        assert self._registry is not None
+        for found, value in await self._registry.list(key):
+            if found != key:
+                continue  # "reverse/1" is a prefix of "reverse/10"
+            record = decode_record(value)
+            if record.pid != (replica.proc.pid if replica.proc else -1):
+                continue  # a record of an earlier incarnation
+            for request_id, reply_to in record.holding:
+                fail = Fail(
+                    Code.UNAVAILABLE.value,
+                    f"{replica.actor_id} died while handling it",
+                    replica.role,
+                    request_id,
+                )
+                self.outbox.post(reply_to, [encode(fail)])
 
     # ------------------------------------------------------------------ stop
 
@@ -307,6 +338,7 @@ class Supervisor:
             r.state = "stopped"
         if self._registry is not None:
             await self._registry.close()
+        self.outbox.close()
         if self.control is not None:
             self.control.close()
         if self.registry_server is not None:

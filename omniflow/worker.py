@@ -175,6 +175,7 @@ class Worker:
                 now = (host.inflight, host.served)
                 if now != published:
                     record.inflight, record.served = now
+                    record.holding = host.holding()
                     await registry.put(key, encode_record(record), ttl=rt.ttl_s)
                     published = now
                 else:

@@ -84,3 +84,34 @@ def test_send_to_a_dead_replica(run_root, idempotent):
         failures = [r for r in results if isinstance(r, omniflow.RequestFailed)]
         assert failures and all(f.code == "unavailable" for f in failures)
         assert all("reverse/1" in str(f) for f in failures)
+
+
+def test_requests_in_flight_on_a_killed_replica_fail_at_once(run_root):
+    cfg = echo_config(
+        name="inflight",
+        reverse={"replicas": 2, "policy": "round_robin", "options": {"delay_ms": 3000}},
+        runtime={"heartbeat_s": 0.1, "restart_backoff_s": 0.2},
+    )
+
+    async def main():
+        async with omniflow.Runtime(cfg) as rt:
+            slow = [asyncio.create_task(rt.call({"text": f"s{i}"}, timeout=60)) for i in range(4)]
+            await asyncio.sleep(1.0)  # all four sit in reverse; a heartbeat published them
+            victim = next(r for r in rt.supervisor.replicas if r.role == "reverse" and r.index == 1)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            failed_at = []
+            for task in asyncio.as_completed(slow):
+                try:
+                    await task
+                except omniflow.RequestFailed:
+                    failed_at.append(time.monotonic() - killed)
+            return [t.exception() or t.result() for t in slow], failed_at
+
+    results, failed_at = asyncio.run(main())
+    failed = [r for r in results if isinstance(r, omniflow.RequestFailed)]
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert len(failed) == 2 and len(served) == 2  # round robin put two on each replica
+    assert all(f.code == "unavailable" and f.role == "reverse" for f in failed)
+    assert all("reverse/1 died" in str(f) for f in failed)
+    assert max(failed_at) < 1.5  # at once, not at the 60 s deadline
