@@ -28,7 +28,7 @@ from omniflow.messages import (
     RegWatch,
 )
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
-from omniflow.transport.endpoint import Inbox, fd_of
+from omniflow.transport.endpoint import Inbox, fd_of, stop_reading
 
 _request_decoder = decoder_for(RegistryRequest)
 _reply_decoder = decoder_for(RegistryMessage)
@@ -254,11 +254,7 @@ class EmbeddedRegistry:
             except RegistryError:
                 break
         self._closed = True
-        if self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.remove_reader(fd_of(self._sock))
-            except (ValueError, OSError, zmq.ZMQError):
-                pass
+        stop_reading(self._loop, self._sock)
         for fut in self._pending.values():
             if not fut.done():
                 fut.cancel()

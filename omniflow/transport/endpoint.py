@@ -106,11 +106,7 @@ class Inbox:
         if self._closed:
             return
         self._closed = True
-        if self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.remove_reader(fd_of(self._sock))
-            except (ValueError, OSError, zmq.ZMQError):
-                pass
+        stop_reading(self._loop, self._sock)
         self._sock.close(0)
         if self._path and os.path.exists(self._path):
             try:
@@ -212,6 +208,16 @@ class Outbox:
 def fd_of(sock: zmq.Socket) -> int:
     """The socket's notification FD, for the loop's reader (edge-triggered)."""
     return int(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]
+
+
+def stop_reading(loop: asyncio.AbstractEventLoop | None, sock: zmq.Socket) -> None:
+    """Drop the loop's reader on ``sock`` (before the socket closes); a closed loop is fine."""
+    if loop is None or loop.is_closed():
+        return
+    try:
+        loop.remove_reader(fd_of(sock))
+    except (ValueError, OSError, zmq.ZMQError):
+        pass
 
 
 def _set_ready(fut: asyncio.Future) -> None:

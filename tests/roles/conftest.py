@@ -3,15 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from tests.torch_threads import one_torch_thread  # noqa: F401  (autouse)
 
 
 @pytest.fixture(scope="session")

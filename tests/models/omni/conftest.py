@@ -3,18 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from omniflow.models.omni import KINDS, build_tiny, load_model
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    # The machine's cores are shared; the tiny models gain nothing from more threads.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from tests.torch_threads import one_torch_thread  # noqa: F401  (autouse)
 
 
 @pytest.fixture(scope="session")
