@@ -247,6 +247,12 @@ class PagePool:
             )
 
     def _view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        # Outside inference mode even when called inside it (an engine step demoting KV):
+        # a view made there could not be written to later, outside it.
+        with torch.inference_mode(False):
+            return self._typed_view(offset, dtype, shape)
+
+    def _typed_view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         typed = self._typed.get(dtype)
         if typed is None:
             typed = self._typed[dtype] = self._bytes.view(dtype)

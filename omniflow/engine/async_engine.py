@@ -99,6 +99,9 @@ class AsyncEngine:
     async def close(self) -> None:
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join)
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
     def _deliver(self, request_id: str, item: TokenDelta | BaseException) -> None:
         with self._streams_lock:

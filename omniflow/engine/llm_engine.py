@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from omniflow.cache.kv import KVTiers
+from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
+from omniflow.cache.ssd import SsdStore
+from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.model_runner import ModelRunner
 from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.paged_attention import KVCache
@@ -34,15 +39,47 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache: str = "hash"  # "hash" (chained page hashes) or "radix" (omniflow.cache.prefix)
     seed: int | None = None  # for requests without their own seed
+    # KV tiers below the device (radix prefix cache only): evicted pages are copied to the
+    # host page pool (the deployment's, or a private one), then to SSD, before being dropped.
+    host_kv_bytes: int = 0  # 0: no host tier, evicted pages are dropped
+    ssd_kv_dir: str | None = None
+    ssd_kv_bytes: int = 0
 
 
 PREFIX_CACHES = ("hash", "radix")
 
 
-def _page_allocator(kind: str, num_pages: int, page_size: int) -> PageAllocator:
+def _page_allocator(
+    kind: str, num_pages: int, page_size: int, tiers: KVTiers | None
+) -> PageAllocator:
     if kind == "radix":
-        return RadixPrefixCache(num_pages, page_size)
+        return RadixPrefixCache(num_pages, page_size, tiers=tiers)
     return HashPrefixPageCache(num_pages, page_size)
+
+
+def _kv_tiers(config: EngineConfig, cache: KVCache, pool: PagePool | None) -> KVTiers | None:
+    if config.host_kv_bytes <= 0:
+        return None
+    if config.prefix_cache != "radix":
+        raise ValueError(
+            f"engine config field host_kv_bytes needs prefix_cache='radix', "
+            f"not {config.prefix_cache!r}"
+        )
+    pages = KVCachePages(cache)
+    if pool is None:
+        return KVTiers.private(pages, config.host_kv_bytes, config.ssd_kv_dir, config.ssd_kv_bytes)
+    ssd = None
+    if config.ssd_kv_dir and config.ssd_kv_bytes > 0:
+        name = f"omniflow-kv-{os.getpid()}"
+        slots = max(1, config.ssd_kv_bytes // pool.page_size)
+        ssd = SsdStore(config.ssd_kv_dir, slots * pool.page_size, pool.page_size, name=name)
+    tiers = KVTiers(pages, pool, max(1, config.host_kv_bytes // pool.page_size), ssd)
+    if tiers.page_nbytes > pool.page_size:
+        raise ValueError(
+            f"engine: a KV page ({tiers.page_nbytes} bytes) is larger than the pool's pages "
+            f"({pool.page_size}); lower page_size or raise [cache] page_size"
+        )
+    return tiers
 
 
 class LLMEngine:
@@ -51,6 +88,7 @@ class LLMEngine:
         model: str | Path | DecoderLM,
         config: EngineConfig | None = None,
         tokenizer: TextTokenizer | None = None,
+        kv_pool: PagePool | None = None,
     ):
         self.config = config = config or EngineConfig()
         if config.prefix_cache not in PREFIX_CACHES:
@@ -91,7 +129,10 @@ class LLMEngine:
             parameter.dtype,
             parameter.device,
         )
-        self.allocator = _page_allocator(config.prefix_cache, num_pages, config.page_size)
+        self.tiers = _kv_tiers(config, self.cache, kv_pool)
+        self.allocator = _page_allocator(
+            config.prefix_cache, num_pages, config.page_size, self.tiers
+        )
         self.scheduler = Scheduler(
             self.allocator,
             config.max_num_seqs,
@@ -102,6 +143,13 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.sequences: dict[str, Sequence] = {}
         self.pending_aborts: list[TokenDelta] = []
+        self.stats = {"prompt_tokens_computed": 0}
+
+    def close(self) -> None:
+        """Stop the KV tiers' thread and free their host and SSD space."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -181,7 +229,12 @@ class LLMEngine:
         deltas, self.pending_aborts = self.pending_aborts, []
         chunks = self.scheduler.schedule()
         if not chunks:
+            if not deltas:
+                self.scheduler.wait_for_promotions(0.05)
             return deltas
+        for chunk in chunks:
+            prompt_end = min(chunk.start + chunk.num_tokens, chunk.sequence.num_prompt_tokens)
+            self.stats["prompt_tokens_computed"] += max(0, prompt_end - chunk.start)
         step_logits = self.runner.execute(chunks)
         self.scheduler.commit(chunks)
         if not step_logits.sequences:
