@@ -18,6 +18,7 @@ the request waits for admission) or gives them back (``cancel_promotion``).
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from collections import deque
@@ -220,6 +221,21 @@ class RadixPrefixCache:
         )
         node.children[leaf.page_keys[0]] = leaf
         self._own(leaf)
+
+    def block_hashes(self) -> set[int]:
+        """The chained hash of every cached page (any tier), as ``chain_hashes`` computes it
+        for a prompt: what a replica publishes for prefix-aware routing."""
+        held: set[int] = set()
+        stack = [(root, _namespace_hash(ns)) for ns, root in self.roots.items()]
+        while stack:
+            node, chained = stack.pop()
+            for child in node.children.values():
+                running = chained
+                for page_key in child.page_keys:
+                    running = _chain(running, page_key)
+                    held.add(int.from_bytes(running[:8], "little"))
+                stack.append((child, running))
+        return held
 
     def nodes(self) -> Iterator[RadixNode]:
         """Every node below the roots, parents before children."""
@@ -439,6 +455,29 @@ class RadixPrefixCache:
         if self.ref_counts[page] == 0:
             self.num_unreferenced_cached -= 1
             self.blank_pages.append(page)
+
+
+def chain_hashes(
+    token_ids: Sequence[int],
+    extra_keys: ExtraKeys | None,
+    page_size: int,
+    namespace: Hashable = "omniflow",
+) -> list[int]:
+    """The chained hashes of a prompt's full pages: hash i names pages 0..i together."""
+    tree = RadixPrefixCache(1, page_size, namespace)
+    running, hashes = _namespace_hash(namespace), []
+    for page_key in tree._page_keys(token_ids, extra_keys):
+        running = _chain(running, page_key)
+        hashes.append(int.from_bytes(running[:8], "little"))
+    return hashes
+
+
+def _namespace_hash(namespace: Hashable) -> bytes:
+    return hashlib.blake2b(repr(namespace).encode(), digest_size=16).digest()
+
+
+def _chain(previous: bytes, page_key: PageKey) -> bytes:
+    return hashlib.blake2b(previous + repr(page_key).encode(), digest_size=16).digest()
 
 
 def _common_length(page_keys: list[PageKey], keys: list[PageKey], start: int) -> int:

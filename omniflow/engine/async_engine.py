@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,6 +40,11 @@ class _Add(NamedTuple):
 
 class _Abort(NamedTuple):
     request_id: str
+
+
+class _Call(NamedTuple):
+    function: Callable[[], Any]
+    future: Future
 
 
 _STOP = object()
@@ -96,6 +102,13 @@ class AsyncEngine:
         """Stop a request; its stream ends with a finish_reason "abort" delta."""
         self._commands.put(_Abort(request_id))
 
+    async def call(self, function: Callable[[], Any]) -> Any:
+        """Run ``function()`` on the engine thread between steps (to read engine state, such as
+        the prefix cache's block hashes, without racing the steps that change it)."""
+        future: Future = Future()
+        self._commands.put(_Call(function, future))
+        return await asyncio.wrap_future(future)
+
     async def close(self) -> None:
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join)
@@ -125,6 +138,11 @@ class AsyncEngine:
                 self._deliver(command.request_id, error)
         elif isinstance(command, _Abort):
             self.backend.abort(command.request_id)
+        elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+            try:
+                command.future.set_result(command.function())
+            except Exception as error:  # noqa: BLE001 - it belongs to the caller
+                command.future.set_exception(error)
         return True
 
     def _run(self) -> None:

@@ -114,14 +114,14 @@ class Scheduler:
             sequence.num_computed_tokens = match.num_tokens
             if match.lower and self._start_promotion(sequence, list(match.lower)):
                 return None
-        if sequence.num_cached_tokens is None:
-            sequence.num_cached_tokens = sequence.num_computed_tokens
         num_tokens = min(sequence.num_pending_tokens, budget)
         needed = self.pages_needed(sequence, num_tokens)
         if self.allocator.usage().free_pages < needed:
             self.allocator.free(sequence.page_ids)
             sequence.page_ids, sequence.num_computed_tokens = [], 0
             return None
+        if sequence.num_cached_tokens is None:  # the first admission's hit (not a re-admission's)
+            sequence.num_cached_tokens = sequence.num_computed_tokens
         sequence.page_ids += self.allocator.allocate(needed)
         sequence.status = SequenceStatus.RUNNING
         self.running.append(sequence)

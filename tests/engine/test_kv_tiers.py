@@ -127,9 +127,13 @@ def test_sessions_share_kv_only_when_their_prefixes_are_equal(tiny_models, tmp_p
             llm.engine.add_request(f"t{turn}-s{i}", prompt, GREEDY, spans[i] or None)
         got: dict[str, list[int]] = {}
         cached_now: dict[str, int] = {}
+        computed = llm.engine.stats["prompt_tokens_computed"]
         for delta in llm.engine.run_to_completion():
             got.setdefault(delta.request_id, []).extend(delta.token_ids)
             cached_now[delta.request_id] = delta.num_cached_tokens
+        # Every prompt token was either reported cached or computed (none preempted here).
+        computed = llm.engine.stats["prompt_tokens_computed"] - computed
+        assert computed + sum(cached_now.values()) == sum(len(p) for p in prompts)
         for i, prompt in enumerate(prompts):
             reference.engine.add_request("ref", prompt, GREEDY, spans[i] or None)
             want = [t for d in reference.engine.run_to_completion() for t in d.token_ids]
