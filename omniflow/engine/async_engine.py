@@ -36,6 +36,7 @@ class _Add(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams | None
     embeddings: list[EmbeddingSpan] | None
+    lend_kv_to: int | None = None
 
 
 class _Abort(NamedTuple):
@@ -70,6 +71,7 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         embeddings: list[EmbeddingSpan] | None = None,
+        lend_kv_to: int | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Yield this request's TokenDeltas as steps produce them; raises ValueError for a bad
         request, EngineDeadError if the engine thread died."""
@@ -80,7 +82,9 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request {request_id}: request_id is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, embeddings))
+        self._commands.put(
+            _Add(request_id, list(prompt_token_ids), params, embeddings, lend_kv_to)
+        )
         finished = False
         try:
             while True:
@@ -131,10 +135,15 @@ class AsyncEngine:
             return False
         if isinstance(command, _Add):
             try:
+                extra = {} if command.lend_kv_to is None else {"lend_kv_to": command.lend_kv_to}
                 self.backend.add_request(
-                    command.request_id, command.prompt_token_ids, command.params, command.embeddings
+                    command.request_id,
+                    command.prompt_token_ids,
+                    command.params,
+                    command.embeddings,
+                    **extra,
                 )
-            except ValueError as error:
+            except (ValueError, NotImplementedError) as error:
                 self._deliver(command.request_id, error)
         elif isinstance(command, _Abort):
             self.backend.abort(command.request_id)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from omniflow.cache.kv import KVTiers
+from omniflow.cache.kv_share import KVLease, LeaseBook
 from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
 from omniflow.cache.ssd import SsdStore
@@ -129,6 +130,14 @@ class LLMEngine:
             parameter.dtype,
             parameter.device,
         )
+        self.leases: LeaseBook | None = None
+        if kv_pool is not None and parameter.device.type == "cpu":
+            # K/V in the deployment's pool: other roles on this host can read leased pages.
+            for name in ("keys", "values"):
+                block = kv_pool.empty(getattr(self.cache, name).shape, parameter.dtype)
+                block.tensor.zero_()
+                setattr(self.cache, name, block.tensor)
+            self.leases = LeaseBook(kv_pool)
         self.tiers = _kv_tiers(config, self.cache, kv_pool)
         self.allocator = _page_allocator(
             config.prefix_cache, num_pages, config.page_size, self.tiers
@@ -161,7 +170,15 @@ class LLMEngine:
         prompt_token_ids: SequenceOf[int],
         params: SamplingParams | None = None,
         embeddings: list[EmbeddingSpan] | None = None,
+        lend_kv_to: int | None = None,
     ) -> None:
+        """Queue a request. With ``lend_kv_to`` (a pid on this host), its last delta carries a
+        read-only ``KVLease`` on the KV of all its computed tokens (see cache/kv_share.py)."""
+        if lend_kv_to is not None and self.leases is None:
+            raise NotImplementedError(
+                f"request {request_id}: lend_kv_to needs the engine's KV in a host page pool "
+                "(LLMEngine(kv_pool=...) on CPU); leasing device KV by CUDA IPC is not built"
+            )
         params = params or SamplingParams()
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params, request_id)
@@ -173,6 +190,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id}: sampling field stop needs a tokenizer")
         sequence = Sequence(request_id, prompt, params, spans)
+        sequence.lend_kv_to = lend_kv_to
         self.sequences[request_id] = sequence
         self.scheduler.add(sequence)
 
@@ -227,6 +245,9 @@ class LLMEngine:
 
     def step(self) -> list[TokenDelta]:
         deltas, self.pending_aborts = self.pending_aborts, []
+        if self.leases is not None:
+            for pages in self.leases.reap():  # borrowers done: their pages may go
+                self.allocator.free(pages)
         chunks = self.scheduler.schedule()
         if not chunks:
             if not deltas:
@@ -245,11 +266,42 @@ class LLMEngine:
                 sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row]
             )
             self._check_stop(sequence)
+            lease = None
             if sequence.finish_reason is not None:
+                if sequence.lend_kv_to is not None:
+                    lease = self._lend(sequence, sequence.lend_kv_to)
                 self.scheduler.finish(sequence, sequence.finish_reason)
                 del self.sequences[sequence.request_id]
-            deltas.append(self._delta(sequence, 1))
+            deltas.append(self._delta(sequence, 1)._replace(kv_lease=lease))
         return deltas
+
+    def _lend(self, sequence: Sequence, borrower_pid: int) -> KVLease:
+        """Lease the KV of a finishing sequence's computed tokens: full pages by reference
+        (held in the prefix cache until the borrower lets go), the rest copied."""
+        assert self.leases is not None
+        size, computed = self.cache.page_size, sequence.num_computed_tokens
+        full = computed // size * size
+        extra = None if sequence.extra_keys is None else sequence.extra_keys[:full]
+        self.allocator.insert(sequence.token_ids[:full], sequence.page_ids, extra)
+        match = self.allocator.match_prefix(sequence.token_ids[:full], extra)
+        if match.lower:
+            self.allocator.cancel_promotion(match.lower)  # type: ignore[attr-defined]
+        slots = torch.tensor(
+            self.cache.slots(sequence.page_ids, match.num_tokens, computed),
+            dtype=torch.long,
+            device=self.cache.keys.device,
+        )
+        layers, heads, pages, _, dim = self.cache.keys.shape
+        flat = (layers, heads, pages * size, dim)
+        tail = torch.stack(
+            [
+                self.cache.keys.view(flat).index_select(2, slots),
+                self.cache.values.view(flat).index_select(2, slots),
+            ]
+        )
+        return self.leases.lend(
+            self.cache.keys, self.cache.values, match.page_ids, size, tail, borrower_pid
+        )
 
     def _check_stop(self, sequence: Sequence) -> None:
         params, token = sequence.params, sequence.output_token_ids[-1]
