@@ -22,21 +22,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks._common import emit, median
-from omniflow.balance import PickKey, make_policy
-from omniflow.cache.prefix import chain_hashes
-from omniflow.engine import AsyncEngine, LLMEngine, SamplingParams
-from omniflow.engine.llm_engine import EngineConfig
-from omniflow.engine.sequence import EmbeddingSpan
-from omniflow.messages import ActorRecord
-from omniflow.models import build_tiny_model
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import emit, median  # noqa: E402
+
+from omniflow.balance import PickKey, make_policy  # noqa: E402
+from omniflow.cache.prefix import chain_hashes  # noqa: E402
+from omniflow.engine import AsyncEngine, LLMEngine, SamplingParams  # noqa: E402
+from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
+from omniflow.engine.sequence import EmbeddingSpan  # noqa: E402
+from omniflow.messages import ActorRecord  # noqa: E402
+from omniflow.models import build_tiny_model  # noqa: E402
 
 MODES = ("prefix_aware", "round_robin", "no_cache")
 PAGE = 16
@@ -225,7 +229,7 @@ async def main_async(args) -> dict:
                 flush=True,
             )
     modes = {mode: combine(rounds) for mode, rounds in by_mode.items()}
-    late = slice(4, args.turns)  # turns 5..20
+    late = slice(min(4, args.turns - 1), args.turns)  # turns 5..20
 
     def late_ttft(mode: str) -> float:
         return statistics.median(modes[mode]["ttft_p50_ms_by_turn"][late])
