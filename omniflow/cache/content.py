@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import hashlib
 
+# The ``ActorRecord.meta`` field where an LLM replica publishes its summary: a list of
+# ``summary_key`` ints for the sessions and leading media whose KV it holds.
+SUMMARY_META = "prefix_summary"
+
 
 def content_hash(data: bytes | bytearray | memoryview) -> str:
     """blake2b-128 hex digest of ``data``."""
