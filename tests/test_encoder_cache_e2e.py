@@ -8,6 +8,8 @@ requests end, and nothing is left in /dev/shm or the SSD folder after stop.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -105,3 +107,41 @@ def test_a_repeated_image_skips_the_encoder_and_comes_by_handle(run_root, tmp_pa
     assert (stats.used_pages, stats.live_leases) == (4, 4)
     assert not [p for p in Path("/dev/shm").iterdir() if "enccache" in p.name]
     assert not list(ssd.iterdir())  # the SSD tier's files went with the encoder
+
+
+def test_a_killed_encoder_frees_its_pool_blocks_and_its_successor_removes_its_ssd_files(
+    run_root, tmp_path
+):
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    params = {"temperature": 0, "max_tokens": 4}
+    image = image_bytes(256, 256, seed=8)
+
+    async def main():
+        async with omniflow.Runtime(config(tmp_path / "models", ssd)) as rt:
+            await rt.call({"text": "look", "image": image}, params=params)
+            (victim,) = rt.client.view.replicas("vision_encoder")
+            before = sorted(p.name for p in ssd.iterdir())
+            os.kill(victim.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while True:
+                records = rt.client.view.replicas("vision_encoder")
+                if records and records[0].pid != victim.pid:
+                    break
+                assert time.monotonic() < deadline, "the encoder did not come back"
+                await asyncio.sleep(0.05)
+            after = sorted(p.name for p in ssd.iterdir())
+            _, result = await rt.call({"text": "look", "image": image}, params=params)
+            pool = PagePool.attach(rt.supervisor.pool_name)
+            try:
+                stats = pool.stats()
+            finally:
+                pool.close()
+            return victim.pid, records[0].pid, before, after, result.usage, stats
+
+    old, new, before, after, usage, stats = asyncio.run(main())
+    assert before and all(str(old) in name for name in before)
+    assert after and all(str(new) in name for name in after)  # the dead one's are gone
+    assert "encoder_cache_hits" not in usage  # a new process: its cache starts empty
+    assert (stats.used_pages, stats.live_leases) == (2, 2)  # the dead cache's blocks came back
+    assert not list(ssd.iterdir())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -213,4 +214,24 @@ def _ssd_tier(
     slots = min(config.ssd_capacity_bytes // page, want)
     if slots < 1:
         return None
+    _remove_orphans(Path(config.ssd_dir), name)
     return SsdStore(config.ssd_dir, slots * page, page, name=f"{name}-{os.getpid()}")
+
+
+def _remove_orphans(directory: Path, name: str) -> None:
+    """Delete SSD files of this role replica's earlier processes that are gone (kill -9
+    leaves them: only a clean close removes its own)."""
+    for path in directory.glob(f"{name}-*.pages"):
+        pid = path.name[len(name) + 1 :].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
