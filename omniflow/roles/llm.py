@@ -23,7 +23,13 @@ the user's turn) in the same process. Random weights cannot choose a modality, s
 Options: ``model_path`` (tiny model built there if empty), ``device``, ``seed``,
 ``hidden_size`` (for that build; must match the encoders'), ``kv_cache_mb``,
 ``prefix_cache`` ("radix", the default, or "hash"),
-``max_tokens`` (default cap 64), ``max_sessions``.
+``max_tokens`` (default cap 64), ``max_sessions``, ``summary_media`` (leading media
+remembered for the routing summary, default 256).
+
+Routing summary: ``meta()`` publishes (in the replica's registry record) the
+``summary_key`` of every session this replica holds and of the media that began the
+prompts it served recently, so ``prefix_aware`` producers send a session's next turn
+here, and a request opening with the same image to where its KV is.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from omniflow.actor import BadRequest, Context, Request
+from omniflow.cache.content import SUMMARY_META, summary_key
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, SamplingParams
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
@@ -60,11 +67,12 @@ _SAMPLING_KEYS = (
 
 
 class _Session:
-    __slots__ = ("tokens", "spans")
+    __slots__ = ("tokens", "spans", "key")
 
-    def __init__(self) -> None:
+    def __init__(self, key: int = 0) -> None:
         self.tokens: list[int] = []
         self.spans: list[EmbeddingSpan] = []
+        self.key = key  # summary_key("session", id): what the routing summary publishes
 
 
 class LLMRole(ModelActor):
@@ -96,6 +104,8 @@ class LLMRole(ModelActor):
         self.bos = self.tokenizer.encode("", add_special_tokens=True)
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.max_sessions = int(self.options.get("max_sessions", 1024))
+        self.leading_media: OrderedDict[int, None] = OrderedDict()  # summary keys, LRU
+        self.summary_media = int(self.options.get("summary_media", 256))
         self._ids = itertools.count()
 
     def _build_if_missing(self, hidden: int, seed: int) -> None:
@@ -144,10 +154,14 @@ class LLMRole(ModelActor):
             raise BadRequest("text", f"expected a string, got {type(text).__name__}")
         session = self._session(request.session)
         turn, spans = self._turn(request, text, len(session.tokens))
+        if not session.tokens:
+            self._note_leading_media(spans)
         prompt = session.tokens + turn
         all_spans = session.spans + spans
         params = self._sampling(request)
         generated: list[int] = []
+        if "text" not in want:  # every LLM request reports it; no text, no engine prefill
+            ctx.add_usage(cached_tokens=0)
         if "text" in want:
             rid = f"{request.request_id}-{next(self._ids)}"
             shown = ""
@@ -177,12 +191,29 @@ class LLMRole(ModelActor):
                 async for chunk in self._audio(request, context):
                     yield chunk
 
+    def meta(self) -> dict[str, Any]:
+        """The routing summary: sessions held here, then media that began recent prompts."""
+        sessions = getattr(self, "sessions", {})
+        media = getattr(self, "leading_media", {})
+        return {SUMMARY_META: [s.key for s in sessions.values()] + list(media)}
+
+    def _note_leading_media(self, spans: list[EmbeddingSpan]) -> None:
+        """Media at the start of a fresh prompt: its KV is a prefix others can reuse."""
+        for span in spans:
+            kind, name = cast(tuple[str, str], span.content_hash)  # as _turn makes them
+            key = summary_key(kind, str(name))
+            self.leading_media[key] = None
+            self.leading_media.move_to_end(key)
+        while len(self.leading_media) > self.summary_media:
+            self.leading_media.popitem(last=False)
+
     def _session(self, session_id: str) -> _Session:
         if not session_id:
             return _Session()
         session = self.sessions.get(session_id)
         if session is None:
-            session = self.sessions[session_id] = _Session()
+            key = summary_key("session", session_id)
+            session = self.sessions[session_id] = _Session(key)
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         self.sessions.move_to_end(session_id)
