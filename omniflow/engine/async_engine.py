@@ -82,9 +82,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request {request_id}: request_id is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(
-            _Add(request_id, list(prompt_token_ids), params, embeddings, lend_kv_to)
-        )
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, embeddings, lend_kv_to))
         finished = False
         try:
             while True:

@@ -11,6 +11,7 @@ import torch
 
 from omniflow.cache.kv import KVTiers
 from omniflow.cache.kv_share import KVLease, LeaseBook
+from omniflow.cache.lease import Lease
 from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
 from omniflow.cache.ssd import SsdStore
@@ -45,6 +46,9 @@ class EngineConfig:
     host_kv_bytes: int = 0  # 0: no host tier, evicted pages are dropped
     ssd_kv_dir: str | None = None
     ssd_kv_bytes: int = 0
+    # K/V tensors in the given kv_pool (CPU), so requests can lend their KV to other
+    # processes on the host (add_request's lend_kv_to).
+    share_kv: bool = False
 
 
 PREFIX_CACHES = ("hash", "radix")
@@ -131,12 +135,16 @@ class LLMEngine:
             parameter.device,
         )
         self.leases: LeaseBook | None = None
-        if kv_pool is not None and parameter.device.type == "cpu":
+        self._kv_blocks: list[Lease] = []
+        if config.share_kv and kv_pool is None:
+            raise ValueError("engine config field share_kv needs a kv_pool to put the K/V in")
+        if config.share_kv and kv_pool is not None and parameter.device.type == "cpu":
             # K/V in the deployment's pool: other roles on this host can read leased pages.
             for name in ("keys", "values"):
                 block = kv_pool.empty(getattr(self.cache, name).shape, parameter.dtype)
                 block.tensor.zero_()
                 setattr(self.cache, name, block.tensor)
+                self._kv_blocks.append(block.lease)
             self.leases = LeaseBook(kv_pool)
         self.tiers = _kv_tiers(config, self.cache, kv_pool)
         self.allocator = _page_allocator(
@@ -159,6 +167,9 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
+        for block in self._kv_blocks:
+            block.release()  # the engine is done: its K/V pool blocks go back
+        self._kv_blocks = []
 
     @property
     def capacity_tokens(self) -> int:
@@ -177,7 +188,7 @@ class LLMEngine:
         if lend_kv_to is not None and self.leases is None:
             raise NotImplementedError(
                 f"request {request_id}: lend_kv_to needs the engine's KV in a host page pool "
-                "(LLMEngine(kv_pool=...) on CPU); leasing device KV by CUDA IPC is not built"
+                "(share_kv=True with a kv_pool, on CPU); leasing device KV by CUDA IPC is not built"
             )
         params = params or SamplingParams()
         if isinstance(params, dict):

@@ -22,7 +22,10 @@ the user's turn) in the same process. Random weights cannot choose a modality, s
 
 Options: ``model_path`` (tiny model built there if empty), ``device``, ``seed``,
 ``hidden_size`` (for that build; must match the encoders'), ``kv_cache_mb``,
-``prefix_cache`` ("radix", the default, or "hash"),
+``prefix_cache`` ("radix", the default, or "hash"), ``host_kv_mb`` (KV pages evicted
+from the device go to this much of the deployment's host pool; 0: dropped), ``ssd_kv_mb``
+(and below that to this much of ``[cache] ssd_dir``), ``share_kv`` (K/V tensors in
+the host pool, so the engine can lend a request's KV read-only to another process),
 ``max_tokens`` (default cap 64), ``max_sessions``, ``summary_media`` (leading media
 remembered for the routing summary, default 256).
 
@@ -43,7 +46,7 @@ import torch
 
 from omniflow.actor import BadRequest, Context, Request
 from omniflow.cache.content import SUMMARY_META, summary_key
-from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, SamplingParams
+from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
@@ -84,14 +87,21 @@ class LLMRole(ModelActor):
         self.start_model_thread(f"{self.role}-heads")
         await self._run(self._build_if_missing, hidden, seed)
         device = self.options.get("device", "cpu")
+        cache = self.cache_config
+        ssd_kv_mb = int(self.options.get("ssd_kv_mb", 0))
         config = EngineConfig(
             device=device,
             kv_cache_bytes=int(self.options.get("kv_cache_mb", 64)) << 20,
             # The radix tree keys media positions by content hash, per turn and session.
             prefix_cache=str(self.options.get("prefix_cache", "radix")),
+            # Evicted KV pages go to the deployment's host pool, then to [cache] ssd_dir.
+            host_kv_bytes=int(self.options.get("host_kv_mb", 0)) << 20,
+            ssd_kv_dir=(cache.ssd_dir or None) if cache is not None and ssd_kv_mb else None,
+            ssd_kv_bytes=ssd_kv_mb << 20,
+            share_kv=bool(self.options.get("share_kv", False)) and self.pool is not None,
         )
         self.tokenizer = load_tokenizer(self.path)
-        self.engine = AsyncEngine.from_path(self.path, config)
+        self.engine = AsyncEngine(LLMEngine(self.path, config, kv_pool=self.pool))
         self.model = self.engine.backend.model  # type: ignore[attr-defined]  # shared weights
         omni = self.path / "omni"
         self.image_head = load_depth_head(omni / "image_head", device)

@@ -40,7 +40,9 @@ def borrower(pool):
 
 
 def engine_in(pool, path, num_pages=12):
-    config = EngineConfig(device="cpu", page_size=PAGE, num_pages=num_pages, prefix_cache="radix")
+    config = EngineConfig(
+        device="cpu", page_size=PAGE, num_pages=num_pages, prefix_cache="radix", share_kv=True
+    )
     return LLMEngine(path, config, kv_pool=pool)
 
 
