@@ -311,7 +311,7 @@ class PagePool:
         """
         with self._seg.lock():
             pids = self._table.holder_pids()
-        return self.reclaim(p for p in pids if not _alive(p))
+        return self.reclaim(p for p in pids if not pid_alive(p))
 
     def stats(self) -> PoolStats:
         with self._seg.lock():
@@ -338,7 +338,8 @@ def _address(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr()) + offset
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

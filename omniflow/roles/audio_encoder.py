@@ -27,8 +27,7 @@ import torch
 from omniflow.actor import BadRequest, Context, Request
 from omniflow.cache.content import content_hash
 from omniflow.models.omni import AudioTokenizer, ensure_model, load_audio
-from omniflow.roles.base import ModelActor
-from omniflow.roles.encoder_cache import role_cache
+from omniflow.roles.encoder_cache import CachingEncoder, role_cache
 
 ACCEPTED_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 
@@ -82,7 +81,7 @@ def resample(samples: torch.Tensor, rate: int, target: int) -> torch.Tensor:
     return (torch.fft.irfft(spectrum, n=length) * (length / samples.numel())).float()
 
 
-class AudioEncoderRole(ModelActor):
+class AudioEncoderRole(CachingEncoder):
     async def setup(self) -> None:
         opts = self.options
         self.sample_rates = tuple(int(r) for r in opts.get("sample_rates", ACCEPTED_RATES))
@@ -122,14 +121,6 @@ class AudioEncoderRole(ModelActor):
         self.encoded += 1
         output["audio_hash"] = key
         return await self.cache.put(key, output, ctx)
-
-    def meta(self) -> dict[str, Any]:
-        return {"encoded": self.encoded, "encoder_cache": self.cache.stats()}
-
-    async def close(self) -> None:
-        await super().close()
-        if hasattr(self, "cache"):
-            self.cache.close()
 
     def _encode(self, data: bytes) -> dict[str, Any]:
         samples, rate = read_wav(data, self.sample_rates)

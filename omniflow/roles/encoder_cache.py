@@ -27,6 +27,8 @@ import torch
 
 from omniflow.actor import Context
 from omniflow.cache import CacheConfig, PagePool, PoolError, SsdError, SsdStore, TieredCache
+from omniflow.cache.pool import pid_alive
+from omniflow.roles.base import ModelActor
 
 log = logging.getLogger(__name__)
 
@@ -223,15 +225,21 @@ def _remove_orphans(directory: Path, name: str) -> None:
     leaves them: only a clean close removes its own)."""
     for path in directory.glob(f"{name}-*.pages"):
         pid = path.name[len(name) + 1 :].split(".", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             path.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+class CachingEncoder(ModelActor):
+    """Base of the encoder roles: an ``EncoderOutputCache`` in ``self.cache`` (made in their
+    setup) and a count of inputs actually encoded, both published in the registry record."""
+
+    encoded = 0
+    cache: EncoderOutputCache
+
+    def meta(self) -> dict[str, Any]:
+        return {"encoded": self.encoded, "encoder_cache": self.cache.stats()}
+
+    async def close(self) -> None:
+        await super().close()
+        if hasattr(self, "cache"):
+            self.cache.close()

@@ -31,8 +31,7 @@ from PIL import Image, UnidentifiedImageError
 from omniflow.actor import BadRequest, Context, Request
 from omniflow.cache.content import content_hash
 from omniflow.models.omni import VisionTokenizer, ensure_model, load_vision
-from omniflow.roles.base import ModelActor
-from omniflow.roles.encoder_cache import EncoderOutputCache, role_cache
+from omniflow.roles.encoder_cache import CachingEncoder, EncoderOutputCache, role_cache
 
 __all__ = ["EncoderOutputCache", "VisionEncoderRole", "content_hash", "fit_to_grid"]
 
@@ -52,7 +51,7 @@ def fit_to_grid(width: int, height: int, step: int, max_pixels: int) -> tuple[in
     return new_w, new_h
 
 
-class VisionEncoderRole(ModelActor):
+class VisionEncoderRole(CachingEncoder):
     async def setup(self) -> None:
         opts = self.options
         self.max_pixels = int(opts.get("max_pixels", 448 * 448))
@@ -118,14 +117,6 @@ class VisionEncoderRole(ModelActor):
         self.encoded += 1
         output["image_hash"] = key
         return await self.cache.put(key, output, ctx)
-
-    def meta(self) -> dict[str, Any]:
-        return {"encoded": self.encoded, "encoder_cache": self.cache.stats()}
-
-    async def close(self) -> None:
-        await super().close()
-        if hasattr(self, "cache"):
-            self.cache.close()
 
     def _encode(self, source: bytes | torch.Tensor) -> dict[str, Any]:
         image = self._decode(source) if isinstance(source, bytes) else _to_pil(source)
