@@ -27,6 +27,7 @@ from omniflow.transport.tensors import Link
 log = logging.getLogger(__name__)
 
 FULL_CREDIT = 1 << 62
+_NO_LINK = Link()  # what a message without tensors needs to know about its link
 
 
 class RouteError(RuntimeError):
@@ -70,11 +71,14 @@ class Router:
     async def send(
         self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = Link()
     ) -> None:
-        frames: list[Any] = [b""]
         if tensors:
+            frames: list[Any] = [b""]
             msg.tensors = export_tensors(dict(tensors), frames, link)
-        frames[0] = encode(msg)
-        await self.outbox.send(address, frames)
+            frames[0] = encode(msg)
+        else:
+            frames = [encode(msg)]
+        if not self.outbox.try_send(address, frames):  # no coroutine when the peer takes it
+            await self.outbox.send(address, frames)
 
 
 class _Branch:
@@ -210,9 +214,8 @@ class Fanout:
         )
         while True:
             try:
-                await self.router.send(
-                    branch.record.endpoint, msg, tensors, self.router.link(branch.record)
-                )
+                link = self.router.link(branch.record) if tensors else _NO_LINK
+                await self.router.send(branch.record.endpoint, msg, tensors, link)
                 break
             except PeerUnavailable:
                 # A dead replica: retry elsewhere only where nothing of this branch went
@@ -224,14 +227,15 @@ class Fanout:
                     ) from None
                 branch.record = self._pick(branch.role, frozenset({branch.record.actor_id}))
         self.addresses.add(branch.record.endpoint)
-        log.debug(
-            "%s -> %s (pid %d) %s seq %d",
-            self.src,
-            branch.record.actor_id,
-            branch.record.pid,
-            c.request_id,
-            branch.seq,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s -> %s (pid %d) %s seq %d",
+                self.src,
+                branch.record.actor_id,
+                branch.record.pid,
+                c.request_id,
+                branch.seq,
+            )
         branch.seq += 1
 
     async def finish(
