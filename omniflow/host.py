@@ -13,6 +13,7 @@ import asyncio
 import inspect
 import logging
 import time
+import types
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -183,7 +184,7 @@ class ActorHost:
                 return self._reject(call, Code.DEADLINE, "deadline passed before it started")
             stream = self._open(call, key)
             if call.seq == 0 and call.last:
-                stream.task = asyncio.create_task(self._run_single(stream, call, parts))
+                self._start(stream, self._run_single(stream, call, parts))
                 return
             stream.queue = asyncio.Queue()
             stream.task = asyncio.create_task(self._run_stream(stream))
@@ -218,6 +219,21 @@ class ActorHost:
                     self._send_cancel(address, cancel)
 
     # ------------------------------------------------------------------ running
+
+    def _start(self, stream: _Stream, coro: Any) -> None:
+        """Run a request now, up to its first suspension; it gets a Task only if it suspends.
+
+        Most hops (a pass-through, a cache hit, a handler that only enqueues work) end
+        without suspending: their Done leaves from this reader callback, with no Task
+        to create, schedule and collect.
+        """
+        try:
+            suspended = coro.send(None)
+        except StopIteration:
+            return
+        resumed = _resume(coro, suspended)
+        resumed.send(None)
+        stream.task = asyncio.get_running_loop().create_task(resumed)
 
     async def _run_single(self, stream: _Stream, call: Call, parts: list[Any]) -> None:
         try:
@@ -412,3 +428,29 @@ class ActorHost:
                 if stream.task is not None:
                     stream.task.cancel()
             return False
+
+
+@types.coroutine
+def _resume(coro: Any, suspended: Any) -> Any:
+    """Continue ``coro`` inside a Task from where ``coro.send`` left it: at ``suspended``.
+
+    ``_start`` primes this generator, so a cancel that comes before the Task's first
+    step is thrown in at the priming ``yield`` and reaches ``coro`` too.
+    """
+    step: Any = None
+    arg: Any = None
+    try:
+        yield  # primed
+    except BaseException as e:  # cancelled before the Task ever ran
+        step, arg = coro.throw, e
+    while True:
+        if step is not None:
+            try:
+                suspended = step(arg)
+            except StopIteration as stop:
+                return stop.value
+        try:
+            arg = yield suspended
+            step = coro.send
+        except BaseException as e:  # a cancel (or any throw) goes on to the coroutine
+            step, arg = coro.throw, e
