@@ -58,7 +58,9 @@ class Router:
         self.host = host
 
     def pick(self, role: str, key: PickKey, exclude: frozenset[str] = frozenset()) -> ActorRecord:
-        replicas = [r for r in self.view.replicas(role) if r.actor_id not in exclude]
+        replicas = self.view.replicas(role)
+        if exclude:
+            replicas = [r for r in replicas if r.actor_id not in exclude]
         if not replicas:
             raise NoReplicaError(role)
         return self.policies[role].pick(replicas, key)
@@ -137,6 +139,8 @@ class Fanout:
     def _joins_for(self, routes: list) -> dict:
         """Join tags for routes whose branches meet again downstream."""
         passthrough = self.call.join
+        if passthrough is None and all(route.join is None for route in routes):
+            return {}
         by_join: dict[str, list] = {}
         for route in routes:
             if route.join is not None:
