@@ -4,6 +4,9 @@ Subject: ``hop`` — the client sends a Call to a no-op actor in another process
 and waits for its Done (the full omniflow path: codec, routing, credit).
 Baselines, measured in the same run and interleaved in rounds (A B C D A B ...):
 ``floor`` — synchronous pyzmq REQ/REP over ipc:// with the same payload;
+``asyncio_floor`` — the least two asyncio peers can do: uvloop on both sides, a
+reader on each socket's FD, echo the header (no codec, no routing): what any
+event-loop design pays over ``floor`` before doing anything;
 ``mp_pipe`` — multiprocessing.Pipe with pickle; ``ray`` — a Ray async actor call.
 Also ``pipeline_rps``: a two-role pipeline driven by 64 concurrent clients.
 
@@ -45,6 +48,57 @@ def _rep_server(address: str, ready) -> None:
         sock.send(msg)
 
 
+def _async_echo_server(address: str, ready) -> None:
+    import uvloop
+
+    async def serve() -> None:
+        sock = zmq.Context().socket(zmq.ROUTER)
+        sock.bind(address)
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+
+        def drain() -> None:
+            while sock.get(zmq.EVENTS) & zmq.POLLIN:  # edge-triggered FD: until empty
+                identity, msg = sock.recv_multipart(zmq.NOBLOCK)
+                sock.send_multipart([identity, msg], zmq.NOBLOCK)
+                if msg == b"stop" and not stop.done():
+                    stop.set_result(None)
+
+        loop.add_reader(sock.get(zmq.FD), drain)
+        ready.set()
+        drain()
+        await stop
+        loop.remove_reader(sock.get(zmq.FD))
+
+    uvloop.run(serve())
+
+
+class _AsyncPing:
+    """The client half of ``asyncio_floor``: send, then wait on the DEALER's reader."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.connect(address)
+        self.waiter: asyncio.Future | None = None
+        asyncio.get_running_loop().add_reader(self.sock.get(zmq.FD), self._drain)
+
+    def _drain(self) -> None:
+        while self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+            msg = self.sock.recv(zmq.NOBLOCK)
+            if self.waiter is not None and not self.waiter.done():
+                self.waiter.set_result(msg)
+
+    async def ping(self, payload: bytes) -> bytes:
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.sock.send(payload, zmq.NOBLOCK)
+        self._drain()  # the send may have consumed the FD's edge
+        return await self.waiter
+
+    def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.sock.get(zmq.FD))
+        self.sock.close(0)
+
+
 def _pipe_server(conn) -> None:
     while True:
         msg = conn.recv()
@@ -84,6 +138,13 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
     req = zctx.socket(zmq.REQ)
     req.connect(address)
 
+    async_address = f"ipc:///tmp/ofb-async-{os.getpid()}.sock"
+    async_ready = spawn.Event()
+    echo = spawn.Process(target=_async_echo_server, args=(async_address, async_ready), daemon=True)
+    echo.start()
+    async_ready.wait(30)
+    aping = _AsyncPing(zctx, async_address)
+
     parent, child = spawn.Pipe()
     piper = spawn.Process(target=_pipe_server, args=(child,), daemon=True)
     piper.start()
@@ -102,12 +163,19 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         ray_actor = Echo.remote()
         await ray_actor.call.remote(PAYLOAD)
 
-    samples: dict[str, list[float]] = {"hop": [], "floor": [], "mp_pipe": [], "ray": []}
+    samples: dict[str, list[float]] = {
+        "hop": [],
+        "floor": [],
+        "asyncio_floor": [],
+        "mp_pipe": [],
+        "ray": [],
+    }
     async with omniflow.Runtime(config(1)) as rt:
         for _ in range(200):  # warm up every path
             await rt.call(PAYLOAD)
             req.send(header)
             req.recv()
+            await aping.ping(header)
         for _ in range(rounds):
             for _ in range(per_round):
                 t = time.perf_counter()
@@ -118,6 +186,10 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
                 req.send(header)
                 req.recv()
                 samples["floor"].append(time.perf_counter() - t)
+            for _ in range(per_round):
+                t = time.perf_counter()
+                await aping.ping(header)
+                samples["asyncio_floor"].append(time.perf_counter() - t)
             for _ in range(per_round):
                 t = time.perf_counter()
                 parent.send(PAYLOAD)
@@ -146,6 +218,9 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
 
     req.send(b"stop")
     req.recv()
+    await aping.ping(b"stop")
+    aping.close()
+    echo.join(5)
     parent.send(None)
     rep.join(5)
     piper.join(5)
@@ -161,10 +236,14 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         "hop_p99_us": round(pct(us["hop"], 99), 1),
         "pipeline_rps": round(rps, 1),
         "floor_p50_us": round(pct(us["floor"], 50), 1),
+        "asyncio_floor_p50_us": round(pct(us["asyncio_floor"], 50), 1),
         "mp_pipe_p50_us": round(pct(us["mp_pipe"], 50), 1),
         "ray_p50_us": round(pct(us["ray"], 50), 1) if us["ray"] else None,
     }
     result["hop_over_floor"] = round(result["hop_p50_us"] / result["floor_p50_us"], 2)
+    result["asyncio_floor_over_floor"] = round(
+        result["asyncio_floor_p50_us"] / result["floor_p50_us"], 2
+    )
     if result["ray_p50_us"]:
         result["ray_over_hop"] = round(result["ray_p50_us"] / result["hop_p50_us"], 2)
     return result

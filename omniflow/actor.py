@@ -9,6 +9,12 @@
 (yields outputs as they are produced). An output is a dict: tensors (torch or
 numpy) travel out of band, everything else as plain data. An exception fails
 this request alone; ``BadRequest`` names the field that was wrong.
+
+A single-chunk request's ``handle`` starts inside the socket reader, before any
+Task exists, and moves into a Task only at its first real suspension: most hops
+never suspend. Until then ``asyncio.current_task()`` is None, so a handler that
+needs its Task at the very start (``asyncio.timeout``, ``TaskGroup``) should
+``await asyncio.sleep(0)`` first; ``asyncio.wait_for`` works anywhere.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from omniflow.transport.endpoint import Inbox, Outbox
 
 _decoder = decoder_for(DataMessage)
 _client_ids = itertools.count()
+_PATIENCE_TICK = 0.1  # seconds: how often waits past their deadline are ended
 
 
 class RequestFailed(RuntimeError):
@@ -68,14 +69,34 @@ class Result:
 class _Pending:
     """A request in flight: where its events go, and the credit that came back."""
 
-    __slots__ = ("push", "credit", "usage", "timings", "started")
+    __slots__ = ("push", "credit", "usage", "timings", "started", "patience")
 
-    def __init__(self, push: Any) -> None:
+    def __init__(self, push: Any, patience: float) -> None:
         self.push = push  # called with each Output, then a Result or a RequestFailed
         self.credit = 0
         self.usage: dict[str, int] = {}
         self.timings: list[Timing] = []
         self.started = time.perf_counter()
+        self.patience = patience  # time.time() after which the client stops waiting
+
+
+class _Collect:
+    """``push`` for ``call``: outputs into a list, the end into one future."""
+
+    __slots__ = ("outputs", "done")
+
+    def __init__(self, done: asyncio.Future) -> None:
+        self.outputs: list[Output] = []
+        self.done = done
+
+    def __call__(self, item: Any) -> None:
+        if isinstance(item, Output):
+            self.outputs.append(item)
+        elif not self.done.done():
+            if isinstance(item, RequestFailed):
+                self.done.set_exception(item)
+            else:
+                self.done.set_result(item)
 
 
 class Client:
@@ -87,6 +108,7 @@ class Client:
         self.ctx: zmq.Context | None = None
         self._id_prefix = uuid.uuid4().hex[:16]  # unique per client; a counter after it
         self._ids = itertools.count()
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         self.ctx = zmq.Context()
@@ -109,6 +131,9 @@ class Client:
         )
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for pending in list(self._pending.values()):
             pending.push(RequestFailed("cancelled", "client closed", "client", ""))
         self.inbox.close()
@@ -202,7 +227,8 @@ class Client:
         # Every request gets a deadline: a branch lost with a dead replica ends in
         # `deadline` instead of a wait without end.
         timeout = timeout or self.config.runtime.request_timeout_s
-        deadline = time.time() + timeout if timeout else 0.0
+        now = time.time()
+        deadline = now + timeout if timeout else 0.0
         call = Call(
             request_id,
             "",
@@ -212,7 +238,7 @@ class Client:
             session=session,
             origin="client",
         )
-        self._pending[request_id] = _Pending(push)
+        self._pending[request_id] = _Pending(push, deadline + 1.0 if deadline else 0.0)
         fanout = Fanout(self.router, "input", call)
         try:
             await fanout.output(dict(inputs or {}))
@@ -250,41 +276,44 @@ class Client:
         """Run one request to its end; every output chunk and the result.
 
         The same as collecting ``stream``, without a generator and a queue in the
-        way: outputs are appended as they arrive and one future ends the wait.
+        way: outputs are appended as they arrive and one future ends the wait. The
+        wait is bounded by one sweep timer per client, not a timer per call.
         """
-        outputs: list[Output] = []
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        def push(item: Any) -> None:
-            if isinstance(item, Output):
-                outputs.append(item)
-            elif not done.done():
-                if isinstance(item, RequestFailed):
-                    done.set_exception(item)
-                else:
-                    done.set_result(item)
-
+        collect = _Collect(asyncio.get_running_loop().create_future())
         request_id, deadline, fanout = await self._send(
-            inputs, params, session, timeout, request_id, push
+            inputs, params, session, timeout, request_id, collect
         )
         finished = False
-        # A timer, not wait_for: wait_for would add a task to every call.
-        timer = (
-            asyncio.get_running_loop().call_later(_patience(deadline), push, _no_answer(request_id))
-            if deadline
-            else None
-        )
+        if deadline and self._sweeper is None:
+            self._watch_patience()
         try:
-            result = await done
+            result = await collect.done
             finished = True
-            return outputs, result
+            return collect.outputs, result
         except RequestFailed as e:
             finished = e.role != "client"  # a role that failed it already cancelled downstream
             raise
         finally:
-            if timer is not None:
-                timer.cancel()
             self._end(request_id, fanout, finished)
+
+    def _watch_patience(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._sweeper = loop.call_later(_PATIENCE_TICK, self._sweep_patience)
+
+    def _sweep_patience(self) -> None:
+        """End the waits of ``call``s whose deadline passed a second ago with no answer."""
+        self._sweeper = None
+        now = time.time()
+        waiting = False
+        for request_id, pending in list(self._pending.items()):
+            if not pending.patience or not isinstance(pending.push, _Collect):
+                continue
+            if pending.patience <= now:
+                pending.push(_no_answer(request_id))
+            else:
+                waiting = True
+        if waiting:
+            self._watch_patience()
 
 
 def _patience(deadline: float) -> float:

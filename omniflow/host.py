@@ -13,7 +13,8 @@ import asyncio
 import inspect
 import logging
 import time
-from collections import OrderedDict
+import types
+from collections import OrderedDict, deque
 from typing import Any
 
 from omniflow.actor import Actor, BadRequest, Context, Request
@@ -25,8 +26,8 @@ from omniflow.transport.tensors import TensorError, release_all
 
 log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
-_FINISHED_MEMORY = 4096
-_DEADLINE_TICK = 0.02  # seconds: how late past its deadline a request may be failed  # finished requests whose downstream a late Cancel must still reach
+_FINISHED_MEMORY = 4096  # finished requests whose downstream a late Cancel must still reach
+_DEADLINE_TICK = 0.02  # seconds: how late past its deadline a request may be failed
 
 
 class _Stream:
@@ -66,6 +67,47 @@ class _Stream:
         self.finishing = False
 
 
+class _Slots:
+    """How many requests may run the handler at once; a Future only when none is free.
+
+    asyncio.Semaphore costs a few microseconds per request even uncontended (two
+    coroutines and a scan of its waiters); this is an integer on the fast path.
+    """
+
+    __slots__ = ("free", "_waiters")
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._waiters: deque[asyncio.Future] = deque()
+
+    def take(self) -> bool:
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def wait(self) -> None:
+        """Wait for a slot, in arrival order; ``release`` hands it over directly."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot as the cancel came in: pass it on
+            elif fut in self._waiters:
+                self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
 class ActorHost:
     def __init__(
         self,
@@ -77,7 +119,7 @@ class ActorHost:
         self.actor = actor
         self.role = actor.role
         self.router = router
-        self._slots = asyncio.Semaphore(max_concurrency)
+        self._slots = _Slots(max_concurrency)
         self._max_pending = max_concurrency + max_queue
         self._streams: dict[tuple[str, int], _Stream] = {}  # (request id, hops)
         self._joins = JoinBuffer(self.role)
@@ -110,7 +152,10 @@ class ActorHost:
             log.warning("%s: dropped a malformed message: %s", self.role, e)
             return
         if isinstance(msg, Call):
-            log.debug("%s got %s seq %d from %s", self.role, msg.request_id, msg.seq, msg.origin)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "%s got %s seq %d from %s", self.role, msg.request_id, msg.seq, msg.origin
+                )
             self._on_call(msg, parts)
         elif isinstance(msg, Cancel):
             self._on_cancel(msg)
@@ -139,7 +184,7 @@ class ActorHost:
                 return self._reject(call, Code.DEADLINE, "deadline passed before it started")
             stream = self._open(call, key)
             if call.seq == 0 and call.last:
-                stream.task = asyncio.create_task(self._run_single(stream, call, parts))
+                self._start(stream, self._run_single(stream, call, parts))
                 return
             stream.queue = asyncio.Queue()
             stream.task = asyncio.create_task(self._run_stream(stream))
@@ -175,6 +220,21 @@ class ActorHost:
 
     # ------------------------------------------------------------------ running
 
+    def _start(self, stream: _Stream, coro: Any) -> None:
+        """Run a request now, up to its first suspension; it gets a Task only if it suspends.
+
+        Most hops (a pass-through, a cache hit, a handler that only enqueues work) end
+        without suspending: their Done leaves from this reader callback, with no Task
+        to create, schedule and collect.
+        """
+        try:
+            suspended = coro.send(None)
+        except StopIteration:
+            return
+        resumed = _resume(coro, suspended)
+        resumed.send(None)
+        stream.task = asyncio.get_running_loop().create_task(resumed)
+
     async def _run_single(self, stream: _Stream, call: Call, parts: list[Any]) -> None:
         try:
             await self._with_limits(stream, lambda: self._handle_chunk(stream, call, parts))
@@ -203,10 +263,14 @@ class ActorHost:
         """Run ``work()`` under the concurrency slots and the deadline, then finish."""
         call = stream.call
         try:
-            if call.deadline:
+            if call.deadline and self._sweeper is None:
                 self._watch_deadlines()
-            async with self._slots:
+            if not self._slots.take():
+                await self._slots.wait()
+            try:
                 await work()
+            finally:
+                self._slots.release()
             stream.finishing = True  # past the deadline sweep: its outputs go out whole
             stream.timings.append(
                 Timing(
@@ -234,8 +298,10 @@ class ActorHost:
     def _account(stream: _Stream, call: Call) -> None:
         """What a chunk brings besides its input: credit, upstream timings and usage."""
         stream.credit += call.credit
-        stream.timings += call.timings
-        stream.refs += [ref for ref in call.tensors.values() if not isinstance(ref, Frame)]
+        if call.timings:
+            stream.timings += call.timings
+        if call.tensors:
+            stream.refs += [ref for ref in call.tensors.values() if not isinstance(ref, Frame)]
         for k, v in call.usage.items():
             stream.usage[k] = stream.usage.get(k, 0) + v
 
@@ -260,9 +326,10 @@ class ActorHost:
                     else:
                         await stream.fanout.output(out)
         finally:
-            for k, v in stream.ctx.usage.items():
-                stream.usage[k] = stream.usage.get(k, 0) + v
-            stream.ctx.usage = {}
+            if stream.ctx.usage:
+                for k, v in stream.ctx.usage.items():
+                    stream.usage[k] = stream.usage.get(k, 0) + v
+                stream.ctx.usage = {}
 
     async def _drive_generator(self, stream: _Stream, gen: Any) -> None:
         """Forward each yield; time the handler's own work, not the sends."""
@@ -311,11 +378,13 @@ class ActorHost:
 
     def _close(self, stream: _Stream) -> None:
         # Outputs that reuse an input's block were shared onward before this release.
-        release_all(stream.refs)
-        stream.refs = []
-        for lease in stream.ctx.held:
-            lease.release()
-        stream.ctx.held = []
+        if stream.refs:
+            release_all(stream.refs)
+            stream.refs = []
+        if stream.ctx.held:
+            for lease in stream.ctx.held:
+                lease.release()
+            stream.ctx.held = []
         key = (stream.call.request_id, stream.call.hops)
         self._streams.pop(key, None)
         self._finished[key] = stream.fanout.addresses
@@ -359,3 +428,29 @@ class ActorHost:
                 if stream.task is not None:
                     stream.task.cancel()
             return False
+
+
+@types.coroutine
+def _resume(coro: Any, suspended: Any) -> Any:
+    """Continue ``coro`` inside a Task from where ``coro.send`` left it: at ``suspended``.
+
+    ``_start`` primes this generator, so a cancel that comes before the Task's first
+    step is thrown in at the priming ``yield`` and reaches ``coro`` too.
+    """
+    step: Any = None
+    arg: Any = None
+    try:
+        yield  # primed
+    except BaseException as e:  # cancelled before the Task ever ran
+        step, arg = coro.throw, e
+    while True:
+        if step is not None:
+            try:
+                suspended = step(arg)
+            except StopIteration as stop:
+                return stop.value
+        try:
+            arg = yield suspended
+            step = coro.send
+        except BaseException as e:  # a cancel (or any throw) goes on to the coroutine
+            step, arg = coro.throw, e

@@ -27,6 +27,7 @@ from omniflow.transport.tensors import Link
 log = logging.getLogger(__name__)
 
 FULL_CREDIT = 1 << 62
+_NO_LINK = Link()  # what a message without tensors needs to know about its link
 
 
 class RouteError(RuntimeError):
@@ -57,7 +58,9 @@ class Router:
         self.host = host
 
     def pick(self, role: str, key: PickKey, exclude: frozenset[str] = frozenset()) -> ActorRecord:
-        replicas = [r for r in self.view.replicas(role) if r.actor_id not in exclude]
+        replicas = self.view.replicas(role)
+        if exclude:
+            replicas = [r for r in replicas if r.actor_id not in exclude]
         if not replicas:
             raise NoReplicaError(role)
         return self.policies[role].pick(replicas, key)
@@ -70,11 +73,14 @@ class Router:
     async def send(
         self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = Link()
     ) -> None:
-        frames: list[Any] = [b""]
         if tensors:
+            frames: list[Any] = [b""]
             msg.tensors = export_tensors(dict(tensors), frames, link)
-        frames[0] = encode(msg)
-        await self.outbox.send(address, frames)
+            frames[0] = encode(msg)
+        else:
+            frames = [encode(msg)]
+        if not self.outbox.try_send(address, frames):  # no coroutine when the peer takes it
+            await self.outbox.send(address, frames)
 
 
 class _Branch:
@@ -133,6 +139,8 @@ class Fanout:
     def _joins_for(self, routes: list, data: Mapping[str, Any]) -> dict:
         """Join tags for routes whose branches meet again downstream."""
         passthrough = self.call.join
+        if passthrough is None and all(route.join is None for route in routes):
+            return {}
         by_join: dict[str, list] = {}
         for route in routes:
             if route.join is not None:
@@ -217,9 +225,8 @@ class Fanout:
         )
         while True:
             try:
-                await self.router.send(
-                    branch.record.endpoint, msg, tensors, self.router.link(branch.record)
-                )
+                link = self.router.link(branch.record) if tensors else _NO_LINK
+                await self.router.send(branch.record.endpoint, msg, tensors, link)
                 break
             except PeerUnavailable:
                 # A dead replica: retry elsewhere only where nothing of this branch went
@@ -231,14 +238,15 @@ class Fanout:
                     ) from None
                 branch.record = self._pick(branch.role, frozenset({branch.record.actor_id}))
         self.addresses.add(branch.record.endpoint)
-        log.debug(
-            "%s -> %s (pid %d) %s seq %d",
-            self.src,
-            branch.record.actor_id,
-            branch.record.pid,
-            c.request_id,
-            branch.seq,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s -> %s (pid %d) %s seq %d",
+                self.src,
+                branch.record.actor_id,
+                branch.record.pid,
+                c.request_id,
+                branch.seq,
+            )
         branch.seq += 1
 
     async def finish(

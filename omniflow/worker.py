@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import gc
 import importlib
 import logging
 import os
@@ -109,6 +110,11 @@ class Worker:
             control.send(encode(SetupFailed(self.role, self.replica, pid, message)))
             control.close()
             return 3
+        # Weights, modules and torch are loaded now and live as long as the process:
+        # freeze them out of the collector, or every full collection walks them all
+        # (tens of milliseconds with torch imported) under the requests in flight.
+        gc.collect()
+        gc.freeze()
         try:
             return await self._serve(actor, control, registry)
         finally:

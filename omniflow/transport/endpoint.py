@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 _EVENTS, _RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
 _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
 
+# pyzmq's Python-level Socket.send wrapper (copy thresholds, str checks) costs more
+# than the send itself for a small header; the Cython method takes the same arguments.
+_raw_send = zmq.backend.Socket.send
+
 _DRAIN_BATCH = 256  # messages per reader callback before yielding to other callbacks
 _ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
 
@@ -77,17 +81,17 @@ class Inbox:
 
     def _drain(self) -> None:
         sock = self._sock
+        get, recv, on_message = sock.get, sock.recv, self._on_message
         for _ in range(_DRAIN_BATCH):
             # Checking EVENTS is far cheaper than letting recv raise EAGAIN.
-            if self._closed or not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            if self._closed or not get(_EVENTS) & _POLLIN:
                 return
-            identity = sock.recv(_NOBLOCK)
-            header = sock.recv(_NOBLOCK)
-            parts: list[Any] = [header]
-            while sock.getsockopt(_RCVMORE):
-                parts.append(sock.recv(_NOBLOCK, copy=False))  # tensor bytes: no copy
+            identity = recv(_NOBLOCK)
+            parts: list[Any] = [recv(_NOBLOCK)]
+            while get(_RCVMORE):
+                parts.append(recv(_NOBLOCK, copy=False))  # tensor bytes: no copy
             try:
-                self._on_message(identity, parts)
+                on_message(identity, parts)
             except Exception:  # one bad message must not stop the drain (the edge is gone)
                 log.exception("dropped a message that its handler could not take")
         # More may be queued and the edge is consumed: come back after others ran.
@@ -142,7 +146,7 @@ class Outbox:
         sock = self._socks.get(address) or self._socket(address)
         try:
             if len(parts) == 1:  # the common case: a header alone
-                sock.send(parts[0], _NOBLOCK)
+                _raw_send(sock, parts[0], _NOBLOCK)
                 return True
             # copy=False: pyzmq holds a reference to each buffer object until libzmq
             # released the frame, so the tensor behind it stays alive meanwhile.

@@ -1,0 +1,115 @@
+"""The host's synchronous start: a Task only for a handler that suspends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from omniflow.actor import Actor, Context, Request
+from omniflow.balance import make_policy
+from omniflow.graph import Graph
+from omniflow.host import ActorHost
+from omniflow.messages import Call, Cancel, Done, Fail
+from omniflow.routing import Router
+from omniflow.transport.codec import decode, encode
+
+
+class _View:
+    def replicas(self, role: str) -> list:
+        return []
+
+    def find(self, actor_id: str) -> None:
+        return None
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def try_send(self, address: str, parts: list[Any]) -> bool:
+        self.sent.append(decode(parts[0]))
+        return True
+
+    async def send(self, address: str, parts: list[Any], timeout: float | None = None) -> None:
+        self.try_send(address, parts)
+
+    def post(self, address: str, parts: list[Any]) -> None:
+        self.try_send(address, parts)
+
+
+class _Role(Actor):
+    async def handle(self, request: Request, ctx: Context) -> Any:
+        wait = request.data.get("wait")
+        if wait == "sleep":
+            await asyncio.sleep(0.01)
+        elif wait == "forever":
+            await asyncio.Event().wait()
+        if request.data.get("fail"):
+            raise RuntimeError("asked to")
+        return {"text": request.data.get("text", "") + "!"}
+
+
+def _host() -> tuple[ActorHost, _Outbox]:
+    graph = Graph()
+    graph.edge("input", "role")
+    outbox = _Outbox()
+    router = Router(graph.compile({"role"}), _View(), outbox, {"role": make_policy("round_robin")})
+    return ActorHost(_Role("role", 0), router, max_concurrency=1), outbox  # type: ignore[arg-type]
+
+
+def _call(rid: str, **data: Any) -> list[Any]:
+    call = Call(rid, "role", "ipc://client", data=data, credit=5, deadline=time.time() + 30)
+    return [encode(call)]
+
+
+async def _a_handler_that_never_suspends_answers_from_the_reader() -> None:
+    host, outbox = _host()
+    host.on_message(b"id", _call("a", text="hi"))
+    (done,) = outbox.sent  # sent before the loop ran anything: no Task
+    assert isinstance(done, Done) and done.data == {"text": "hi!"} and done.credit == 5
+    assert host.inflight == 0
+
+
+async def _a_suspending_handler_continues_in_a_task() -> None:
+    host, outbox = _host()
+    host.on_message(b"id", _call("b", text="x", wait="sleep"))
+    assert not outbox.sent and host.inflight == 1
+    await asyncio.wait_for(host._idle.wait(), 5)
+    (done,) = outbox.sent
+    assert isinstance(done, Done) and done.data == {"text": "x!"}
+
+
+async def _a_failure_after_suspending_is_one_fail() -> None:
+    host, outbox = _host()
+    host.on_message(b"id", _call("c", wait="sleep", fail=True))
+    await asyncio.wait_for(host._idle.wait(), 5)
+    (fail,) = outbox.sent
+    assert isinstance(fail, Fail) and fail.code == "error" and "asked to" in fail.message
+
+
+async def _cancel_reaches_a_suspended_handler_and_frees_its_slot() -> None:
+    host, outbox = _host()
+    host.on_message(b"id", _call("d", wait="forever"))
+    host.on_message(b"id", _call("e", text="next"))  # waits for the only slot
+    assert host.inflight == 2 and not outbox.sent
+    host.on_message(b"id", [encode(Cancel("d"))])
+    await asyncio.wait_for(host._idle.wait(), 5)
+    assert [type(m) for m in outbox.sent] == [Done]
+    assert outbox.sent[0].data == {"text": "next!"}
+
+
+def test_a_handler_that_never_suspends_answers_from_the_reader() -> None:
+    asyncio.run(_a_handler_that_never_suspends_answers_from_the_reader())
+
+
+def test_a_suspending_handler_continues_in_a_task() -> None:
+    asyncio.run(_a_suspending_handler_continues_in_a_task())
+
+
+def test_a_failure_after_suspending_is_one_fail() -> None:
+    asyncio.run(_a_failure_after_suspending_is_one_fail())
+
+
+def test_cancel_reaches_a_suspended_handler_and_frees_its_slot() -> None:
+    asyncio.run(_cancel_reaches_a_suspended_handler_and_frees_its_slot())
