@@ -10,11 +10,11 @@
 numpy) travel out of band, everything else as plain data. An exception fails
 this request alone; ``BadRequest`` names the field that was wrong.
 
-A single-chunk request's ``handle`` starts inside the socket reader, before any
-Task exists, and moves into a Task only at its first real suspension: most hops
-never suspend. Until then ``asyncio.current_task()`` is None, so a handler that
-needs its Task at the very start (``asyncio.timeout``, ``TaskGroup``) should
-``await asyncio.sleep(0)`` first; ``asyncio.wait_for`` works anywhere.
+An actor class may set ``eager = True`` (the pass-through roles in ``roles/echo.py`` do):
+then a single-chunk request's ``handle`` starts inside the socket reader, before any Task
+exists, and moves into a Task only at its first real suspension, saving a Task per hop.
+Until then ``asyncio.current_task()`` is None and context variables set by the handler
+land in the reader's context, so only handlers that use neither should opt in.
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ class MemoryBudget(NamedTuple):
 
 class Actor:
     """Base class of every role. Subclasses override ``handle``; others are optional."""
+
+    eager = False  # start single-chunk handlers in the socket reader (see the module doc)
 
     def __init__(self, role: str, replica: int, options: Mapping[str, Any] | None = None) -> None:
         self.role = role

@@ -184,7 +184,10 @@ class ActorHost:
                 return self._reject(call, Code.DEADLINE, "deadline passed before it started")
             stream = self._open(call, key)
             if call.seq == 0 and call.last:
-                self._start(stream, self._run_single(stream, call, parts))
+                if self.actor.eager:
+                    self._start(stream, self._run_single(stream, call, parts))
+                else:
+                    stream.task = asyncio.create_task(self._run_single(stream, call, parts))
                 return
             stream.queue = asyncio.Queue()
             stream.task = asyncio.create_task(self._run_stream(stream))

@@ -55,5 +55,7 @@ class Reverse(_Echo):
 class Noop(Actor):
     """Passes its input through unchanged: for measuring the runtime itself."""
 
+    eager = True  # never suspends, uses no Task: the reader callback answers it
+
     async def handle(self, request: Request, ctx: Context):
         return {**request.data, **request.tensors}

@@ -39,6 +39,8 @@ class _Outbox:
 
 
 class _Role(Actor):
+    eager = True
+
     async def handle(self, request: Request, ctx: Context) -> Any:
         wait = request.data.get("wait")
         if wait == "sleep":
@@ -50,12 +52,21 @@ class _Role(Actor):
         return {"text": request.data.get("text", "") + "!"}
 
 
-def _host() -> tuple[ActorHost, _Outbox]:
+class _TimedRole(Actor):
+    """Not eager: its handler runs in a Task from the start, so asyncio.timeout works."""
+
+    async def handle(self, request: Request, ctx: Context) -> Any:
+        async with asyncio.timeout(5):
+            return {"task": asyncio.current_task() is not None}
+
+
+def _host(actor: Actor | None = None) -> tuple[ActorHost, _Outbox]:
     graph = Graph()
     graph.edge("input", "role")
     outbox = _Outbox()
     router = Router(graph.compile({"role"}), _View(), outbox, {"role": make_policy("round_robin")})
-    return ActorHost(_Role("role", 0), router, max_concurrency=1), outbox  # type: ignore[arg-type]
+    actor = actor or _Role("role", 0)
+    return ActorHost(actor, router, max_concurrency=1), outbox  # type: ignore[arg-type]
 
 
 def _call(rid: str, **data: Any) -> list[Any]:
@@ -97,6 +108,19 @@ async def _cancel_reaches_a_suspended_handler_and_frees_its_slot() -> None:
     await asyncio.wait_for(host._idle.wait(), 5)
     assert [type(m) for m in outbox.sent] == [Done]
     assert outbox.sent[0].data == {"text": "next!"}
+
+
+async def _a_default_actor_starts_in_a_task() -> None:
+    host, outbox = _host(_TimedRole("role", 0))
+    host.on_message(b"id", _call("t"))
+    assert not outbox.sent  # not answered from the reader
+    await asyncio.wait_for(host._idle.wait(), 5)
+    (done,) = outbox.sent
+    assert isinstance(done, Done) and done.data == {"task": True}
+
+
+def test_a_default_actor_starts_in_a_task() -> None:
+    asyncio.run(_a_default_actor_starts_in_a_task())
 
 
 def test_a_handler_that_never_suspends_answers_from_the_reader() -> None:
