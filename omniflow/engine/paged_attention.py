@@ -4,7 +4,8 @@ K/V live in fixed-size pages, head-major: per layer a [kv_heads, pages, page_siz
 tensor, so gathering a block table copies whole pages per head and yields, without any
 transpose, the [kv_heads, tokens, head_dim] layout the matmuls want. A step's rows are
 single-token decodes (batched over ragged block tables) followed by prefill chunks (each
-over its cached prefix plus its new tokens, causal within the chunk).
+over its cached prefix plus its new tokens, causal within the chunk). Decode rows read either
+the pages (gathered per step) or a DecodeMirror's contiguous copy of them (DecodeRows).
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ class KVCache:
         # masked, a zero weight times a NaN left in memory would still poison the output.
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self._loaded_pages: set[int] = set()
+
+    def load_page(self, page: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write one page's K/V ([layers, kv_heads, page_size, head_dim]) from outside a model
+        step, e.g. promoting it from a host or SSD tier. Writes that bypass this method are
+        invisible to the decode mirror, which would go on serving the page's old contents."""
+        self.keys[:, :, page].copy_(keys)
+        self.values[:, :, page].copy_(values)
+        self._loaded_pages.add(page)
+
+    def take_loaded_pages(self) -> set[int]:
+        """The pages load_page wrote since the last call."""
+        pages, self._loaded_pages = self._loaded_pages, set()
+        return pages
 
     @staticmethod
     def bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype) -> int:
@@ -53,12 +68,22 @@ class PrefillSegment(NamedTuple):
     causal_mask: torch.Tensor | None  # [chunk, context_len] bool, True = may attend
 
 
+class DecodeRows(NamedTuple):
+    """Decode rows served from a DecodeMirror: row i attends over slot i's context."""
+
+    keys: torch.Tensor  # [layers, slots, kv_heads, capacity, head_dim]
+    values: torch.Tensor
+    write_index: torch.Tensor  # [rows * kv_heads] flat (slot, head, position) of each new K/V
+    bias: torch.Tensor  # [rows * kv_heads, 1, widest context]: 0 / -inf
+
+
 class AttentionBatch(NamedTuple):
     slot_mapping: torch.Tensor  # [rows] slot (page * page_size + offset) of each new K/V
     num_decode_rows: int
     decode_pages: torch.Tensor | None  # [decodes * widest table] block tables, padded, flat
     decode_bias: torch.Tensor | None  # [kv_heads * decodes, 1, widest * page_size]: 0 / -inf
     prefills: list[PrefillSegment]
+    mirrored: DecodeRows | None = None  # set: decodes read the mirror, not decode_pages
 
 
 def build_attention_batch(
@@ -67,13 +92,15 @@ def build_attention_batch(
     prefills: list[tuple[list[int], int, int]],
     device: torch.device,
     dtype: torch.dtype,
+    mirrored: DecodeRows | None = None,
 ) -> AttentionBatch:
     """decodes: (page_ids, context length including the new token) per decode row;
-    prefills: (page_ids, context_start, chunk length) per prefill chunk, rows after decodes."""
+    prefills: (page_ids, context_start, chunk length) per prefill chunk, rows after decodes;
+    mirrored: the decode rows' mirror, if they read one instead of gathering pages."""
     size = cache.page_size
     slot_mapping: list[int] = []
     decode_pages = decode_bias = None
-    if decodes:
+    if decodes and mirrored is None:
         widest = max(-(-length // size) for _, length in decodes)
         # Padding points at page 0: its values are finite and their scores are masked.
         tables = [
@@ -85,8 +112,8 @@ def build_attention_batch(
         bias = torch.zeros(valid.shape, dtype=dtype, device=device)
         bias.masked_fill_(~valid, float("-inf"))
         decode_bias = bias.repeat(cache.num_kv_heads, 1)[:, None, :]
-        for page_ids, length in decodes:
-            slot_mapping.append(page_ids[(length - 1) // size] * size + (length - 1) % size)
+    for page_ids, length in decodes:
+        slot_mapping.append(page_ids[(length - 1) // size] * size + (length - 1) % size)
     segments = []
     row = len(decodes)
     for page_ids, context_start, chunk in prefills:
@@ -105,6 +132,7 @@ def build_attention_batch(
         decode_pages,
         decode_bias,
         segments,
+        mirrored,
     )
 
 
@@ -125,8 +153,13 @@ class PagedAttention:
         layer_keys.view(flat).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
         layer_values.view(flat).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
         outputs = []
-        if batch.num_decode_rows:
-            outputs.append(self._decode(q[: batch.num_decode_rows], layer_keys, layer_values))
+        decodes = batch.num_decode_rows
+        if decodes and batch.mirrored is not None:
+            outputs.append(
+                self._decode_mirrored(layer_index, q[:decodes], k[:decodes], v[:decodes])
+            )
+        elif decodes:
+            outputs.append(self._decode(q[:decodes], layer_keys, layer_values))
         for segment in batch.prefills:
             rows = slice(segment.row_start, segment.row_end)
             outputs.append(
@@ -153,6 +186,27 @@ class PagedAttention:
         probs = scores.float().softmax(-1).to(values.dtype)
         out = torch.bmm(probs, values).view(kv_heads, decodes, -1, head_dim)
         return out.transpose(0, 1).reshape(decodes, heads, head_dim)
+
+    def _decode_mirrored(self, layer_index: int, q, k, v) -> torch.Tensor:
+        # Slot-major mirror: rows' contexts are one strided batch [rows * kv_heads, ctx, dim],
+        # and q needs no transpose to match it.
+        rows = self.batch.mirrored
+        if rows is None:
+            raise RuntimeError("mirrored decode in an attention batch built without a mirror")
+        decodes, heads, head_dim = q.shape
+        layer_keys, layer_values = rows.keys[layer_index], rows.values[layer_index]
+        slots, kv_heads, capacity, _ = layer_keys.shape
+        new = (decodes * kv_heads, head_dim)
+        layer_keys.view(-1, head_dim).index_copy_(0, rows.write_index, k.reshape(new))
+        layer_values.view(-1, head_dim).index_copy_(0, rows.write_index, v.reshape(new))
+        widest = rows.bias.shape[-1]
+        batch = (slots * kv_heads, capacity, head_dim)
+        keys = layer_keys.view(batch)[: decodes * kv_heads, :widest]
+        values = layer_values.view(batch)[: decodes * kv_heads, :widest]
+        grouped_q = (q * self.scale).view(decodes * kv_heads, -1, head_dim)
+        scores = torch.baddbmm(rows.bias, grouped_q, keys.transpose(1, 2))
+        probs = scores.float().softmax(-1).to(values.dtype)
+        return torch.bmm(probs, values).view(decodes, heads, head_dim)
 
     def _prefill(self, segment: PrefillSegment, q, k, v, layer_keys, layer_values):
         if segment.context_pages is None:
