@@ -25,6 +25,8 @@ class ModelRunner:
         self.cache = cache
         self.mirror = DecodeMirror(cache, mirror_bytes)
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            model.use_input_major_weights()
         self.scale = model.config.head_dim**-0.5
 
     @torch.inference_mode()

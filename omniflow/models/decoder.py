@@ -170,6 +170,15 @@ class DecoderLM(nn.Module):
             x = layer(x, cos, sin, _causal_attention)
         return self.model.norm(x)
 
+    def use_input_major_weights(self) -> None:
+        """Re-lay every projection weight [out, in] as the transpose of a contiguous [in, out]
+        tensor. Values, shapes and names stay; x @ W.T then runs as a plain GEMM, which on
+        CPU (MKL) is markedly faster than the transposed one at decode batch sizes."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Linear) and module.weight.is_contiguous():
+                    module.weight.data = module.weight.data.t().contiguous().t()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this module; returns the names loaded."""
         params = dict(self.named_parameters())
