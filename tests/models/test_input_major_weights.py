@@ -23,12 +23,16 @@ def logits(model, token_ids):
 
 
 def test_input_major_weights_keep_values_and_reload(tmp_path):
-    path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=3)
+    path = build_tiny_model(tmp_path / "m", "qwen2-tied-odd-heads", seed=3)
     model = load_decoder(path, device="cpu")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     expected = logits(model, [5, 9, 2, 7, 11])
     model.use_input_major_weights()
-    projections = [p for name, p in model.named_parameters() if name.endswith("proj.weight")]
+    projections = [
+        p
+        for name, p in model.named_parameters()
+        if name.endswith(("proj.weight", "embed_tokens.weight"))
+    ]
     assert projections and all(p.t().is_contiguous() for p in projections)
     for name, parameter in model.named_parameters():
         assert torch.equal(parameter, before[name]), name
