@@ -55,9 +55,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attention: AttentionFn) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k are adjacent in the fused output: one rotary pass over both heads' sets.
+        qk = apply_rotary(qk.view(tokens, self.num_heads + self.num_kv_heads, -1), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = attention(self.layer_index, q, k, v)
         return self.o_proj(out.reshape(tokens, self.q_size))
