@@ -9,7 +9,7 @@ token's K/V are written to it each step, next to the page write. A slot is refil
 its sequence left the decode set for a step (finished, aborted, preempted, back to prefill),
 its sequence was preempted (its pages were recomputed or replaced), its page table no longer
 starts with the pages the slot was filled from, or a page it mirrors was written from
-outside a model step (KVCache.load_page, e.g. tier promotion).
+outside a model step (KVCache.note_written, e.g. tier promotion).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class DecodeMirror:
         self._release_absent(positions)
         known = {slot.sequence for slot in self.slots}
         self.slots += [_Slot(s) for s, _ in decodes if s not in known]
-        written = self.cache.take_loaded_pages()
+        written = self.cache.take_written_pages()
         for slot in self.slots:
             slot.position = positions[slot.sequence]
             self._validate(slot, written)

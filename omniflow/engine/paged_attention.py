@@ -10,6 +10,8 @@ the pages (gathered per step) or a DecodeMirror's contiguous copy of them (Decod
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -35,19 +37,20 @@ class KVCache:
         # masked, a zero weight times a NaN left in memory would still poison the output.
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self._loaded_pages: set[int] = set()
+        self._written_pages: set[int] = set()
+        self._written_lock = threading.Lock()
 
-    def load_page(self, page: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write one page's K/V ([layers, kv_heads, page_size, head_dim]) from outside a model
-        step, e.g. promoting it from a host or SSD tier. Writes that bypass this method are
-        invisible to the decode mirror, which would go on serving the page's old contents."""
-        self.keys[:, :, page].copy_(keys)
-        self.values[:, :, page].copy_(values)
-        self._loaded_pages.add(page)
+    def note_written(self, page_ids: Iterable[int]) -> None:
+        """Record pages whose K/V were written outside a model step (e.g. promoted back from
+        a host or SSD tier; from any thread). The decode mirror refreshes its copies of them
+        instead of serving their old contents."""
+        with self._written_lock:
+            self._written_pages.update(page_ids)
 
-    def take_loaded_pages(self) -> set[int]:
-        """The pages load_page wrote since the last call."""
-        pages, self._loaded_pages = self._loaded_pages, set()
+    def take_written_pages(self) -> set[int]:
+        """The pages noted since the last call."""
+        with self._written_lock:
+            pages, self._written_pages = self._written_pages, set()
         return pages
 
     @staticmethod

@@ -73,13 +73,14 @@ def test_slots_fill_from_pages_and_follow_the_batch(cache):
     assert [s for s, _ in ordered] == [a, c, d]
 
 
-def test_loaded_pages_and_replaced_page_tables_are_refilled(cache):
+def test_written_pages_and_replaced_page_tables_are_refilled(cache):
     mirror = DecodeMirror(cache)
     a, b = decoding([3, 1, 4], 10), decoding([6, 8], 7)
     step(mirror, [(a, 9), (b, 6)])
     # A tier promotion rewrites page 1 (a's second page): a is refilled from it.
     fresh = torch.randn(LAYERS, KV_HEADS, PAGE, DIM)
-    cache.load_page(1, fresh, -fresh)
+    cache.keys[:, :, 1], cache.values[:, :, 1] = fresh, -fresh
+    cache.note_written([1])
     step(mirror, [(a, 10), (b, 7)])
     # b is preempted and recomputed into the same page ids (the prefill rewrote them).
     b.num_preemptions += 1
