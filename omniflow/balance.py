@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Collection, Sequence
-from typing import NamedTuple
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
+from omniflow.cache.content import SUMMARY_META, content_hash, summary_key
 from omniflow.messages import ActorRecord, Code
 
 
@@ -40,6 +42,7 @@ class Policy:
     """Base policy: tracks this producer's outstanding requests per replica."""
 
     name = ""
+    uses_prefix = False  # whether picks need PickKey.prefix_hashes (producers skip hashing)
 
     def __init__(self, role: str = "", seed: int | None = None):
         self.role = role
@@ -145,20 +148,32 @@ def _weight(token: bytes, actor_id: str) -> int:
 class PrefixAware(Policy):
     """The replica holding the longest prefix of the request's block-hash chain.
 
-    Replicas publish the block hashes they hold (``publish``; the KV-cache
-    layer feeds it). Ties in match length go to the less loaded replica; no
-    match anywhere falls back to least-outstanding. With ``max_load_gap``, a
-    match whose replica is busier than the least loaded by more than that many
-    requests is passed over, so one hot prefix cannot pile everything on one
-    replica.
+    What a replica holds comes from two places: the summary it publishes in its
+    registry record (``meta[SUMMARY_META]``, a list of ints; read from the records
+    handed to ``pick``, replaced whenever a newer record arrives, so a restarted
+    replica's empty summary replaces its old one at once) and this producer's own
+    memory of where it sent each chain (valid only while that replica keeps the
+    ``started`` time it had then: a restart forgets it). The second covers the gap
+    until the replica's next heartbeat. ``publish`` sets a summary directly.
+
+    Ties in match length go to the less loaded replica, then to the one this
+    producer gave fewer new chains (so new sessions spread evenly), then at random.
+    With ``max_load_gap``, a match whose replica is busier than the least loaded by
+    more than that many requests is passed over, so one hot prefix cannot pile
+    everything on one replica.
     """
 
     name = "prefix_aware"
+    uses_prefix = True
+    memory = 1 << 16  # chain hashes remembered from this producer's own picks
 
     def __init__(self, role: str = "", seed: int | None = None, max_load_gap: int | None = None):
         super().__init__(role, seed)
         self.max_load_gap = max_load_gap
         self._held: dict[str, Collection[int]] = {}
+        self._seen: dict[str, ActorRecord] = {}  # the record each summary came from
+        self._sent: OrderedDict[int, tuple[str, float]] = OrderedDict()  # hash -> (id, started)
+        self._assigned: dict[str, int] = {}  # chains this producer placed without a match
 
     def publish(self, actor_id: str, block_hashes: Collection[int]) -> None:
         """Replace what ``actor_id`` is known to hold (a set of block hashes)."""
@@ -166,32 +181,84 @@ class PrefixAware(Policy):
 
     def forget(self, actor_id: str) -> None:
         self._held.pop(actor_id, None)
+        self._seen.pop(actor_id, None)
 
-    def match_length(self, actor_id: str, chain: Sequence[int]) -> int:
-        held = self._held.get(actor_id)
-        if not held:
-            return 0
+    def match_length(self, actor_id: str, chain: Sequence[int], started: float = 0.0) -> int:
+        held = self._held.get(actor_id, ())
         length = 0
         for block_hash in chain:
-            if block_hash not in held:
+            if block_hash not in held and self._sent.get(block_hash) != (actor_id, started):
                 break
             length += 1
         return length
 
-    def _choose(self, replicas: Sequence[ActorRecord], key: PickKey) -> ActorRecord:
-        least = self._least_loaded(replicas)
-        if not key.prefix_hashes or not self._held:
-            return least
-        floor = self.load(least)
-        best, best_rank = least, (0, -floor)
+    def _sync(self, replicas: Sequence[ActorRecord]) -> None:
+        """Take the summaries of records newer than the ones last read."""
         for record in replicas:
-            load = self.load(record)
+            summary = record.meta.get(SUMMARY_META)
+            if summary is None or self._seen.get(record.actor_id) is record:
+                continue
+            self._seen[record.actor_id] = record
+            self._held[record.actor_id] = frozenset(summary)
+
+    def _choose(self, replicas: Sequence[ActorRecord], key: PickKey) -> ActorRecord:
+        self._sync(replicas)
+        chain = key.prefix_hashes
+        loads = [self.load(r) for r in replicas]
+        floor = min(loads)
+        start = self._rng.randrange(len(replicas))  # equal ranks: the first from here wins
+        best, best_rank, best_match = replicas[start], None, 0
+        for offset in range(len(replicas)):
+            i = (start + offset) % len(replicas)
+            record, load = replicas[i], loads[i]
             if self.max_load_gap is not None and load - floor > self.max_load_gap:
                 continue
-            rank = (self.match_length(record.actor_id, key.prefix_hashes), -load)
-            if rank > best_rank:
-                best, best_rank = record, rank
+            match = self.match_length(record.actor_id, chain, record.started) if chain else 0
+            rank = (match, -load, -self._assigned.get(record.actor_id, 0))
+            if best_rank is None or rank > best_rank:
+                best, best_rank, best_match = record, rank, match
+        if chain:
+            self._remember(best, chain, best_match)
         return best
+
+    def _remember(self, record: ActorRecord, chain: Sequence[int], match: int) -> None:
+        if not match:
+            self._assigned[record.actor_id] = self._assigned.get(record.actor_id, 0) + 1
+        for block_hash in chain:
+            self._sent[block_hash] = (record.actor_id, record.started)
+            self._sent.move_to_end(block_hash)
+        while len(self._sent) > self.memory:
+            self._sent.popitem(last=False)
+
+
+def prefix_chain(session: str, data: Mapping[str, Any] | None = None) -> tuple[int, ...]:
+    """The prefix chain a producer can compute for a request it routes to an LLM.
+
+    The session comes first (its history, kept by the replica that served it, is the
+    prompt's prefix), then the content hash of each image and audio clip in ``data``:
+    raw bytes as the client sends them (``image``, ``images``, ``audio``) or the hashes
+    an encoder put in its output (``image_hash``, ``image_spans``, ...). Each element
+    is a ``summary_key``, the same ints an LLM replica publishes for what it holds.
+    """
+    chain = [summary_key("session", session)] if session else []
+    for kind in ("image", "audio"):
+        for name in _media_hashes(kind, data or {}):
+            chain.append(summary_key(kind, name))
+    return tuple(chain)
+
+
+def _media_hashes(kind: str, data: Mapping[str, Any]) -> list[str]:
+    raw = data.get(kind)
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        return [content_hash(raw)]
+    items = data.get(f"{kind}s")
+    if isinstance(items, list):
+        return [content_hash(x) for x in items if isinstance(x, (bytes, bytearray, memoryview))]
+    spans = data.get(f"{kind}_spans")
+    if isinstance(spans, list):
+        return [str(span[0]) for span in spans if isinstance(span, (list, tuple)) and span]
+    name = data.get(f"{kind}_hash")
+    return [name] if isinstance(name, str) else []
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {
@@ -225,4 +292,5 @@ __all__ = [
     "RandomChoice",
     "RoundRobin",
     "make_policy",
+    "prefix_chain",
 ]

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omniflow.actor import split_output
-from omniflow.balance import NoReplicaError, PickKey
+from omniflow.balance import NoReplicaError, PickKey, prefix_chain
 from omniflow.discovery.view import RegistryView
 from omniflow.graph import Plan
 from omniflow.messages import ActorRecord, Call, Done, Emit, Join, Timing
@@ -119,18 +119,18 @@ class Fanout:
             self.emitted += 1
             await self.router.send(self.call.reply_to, emit, tensors)
             return
-        joins = self._joins_for(routes)
+        joins = self._joins_for(routes, data)
         for route in routes:
             branch = self.branches.get(route.edge.dst)
             if branch is None:
-                branch = self._open(route.edge, joins.get(route))
+                branch = self._open(route.edge, joins.get(route), data)
             if branch.stream:
                 await self._send_chunk(branch, data, tensors, last=False, credit=0)
             else:
                 _merge(branch.data, data)
                 branch.tensors.update(tensors)
 
-    def _joins_for(self, routes: list) -> dict:
+    def _joins_for(self, routes: list, data: Mapping[str, Any]) -> dict:
         """Join tags for routes whose branches meet again downstream."""
         passthrough = self.call.join
         by_join: dict[str, list] = {}
@@ -145,13 +145,12 @@ class Fanout:
                 continue
             if len(members) < 2:
                 continue
-            key = PickKey(self.call.request_id, self.call.session)
-            target = self.router.pick(join_role, key)
+            target = self.router.pick(join_role, self._key(join_role, data))
             for i, route in enumerate(members):
                 tags[route] = Join(join_role, target.actor_id, len(members), i)
         return tags
 
-    def _open(self, edge: Any, join: Join | None) -> _Branch:
+    def _open(self, edge: Any, join: Join | None, data: Mapping[str, Any]) -> _Branch:
         role = edge.dst
         loops = self.call.loops
         if edge.max_iters:
@@ -163,16 +162,24 @@ class Fanout:
             if record is None:
                 raise RouteError("unavailable", f"the {role} replica {join.replica} is gone")
         else:
-            record = self._pick(role)
+            record = self._pick(role, key=self._key(role, data))
         branch = _Branch(role, record, edge.stream, join, loops)
         self.branches[role] = branch
         return branch
 
-    def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> ActorRecord:
+    def _key(self, role: str, data: Mapping[str, Any] | None = None) -> PickKey:
+        """What ``role``'s policy picks by: the prefix chain only where it is used."""
+        c = self.call
+        uses_prefix = getattr(self.router.policies[role], "uses_prefix", False)
+        return PickKey(
+            c.request_id, c.session, prefix_chain(c.session, data) if uses_prefix else ()
+        )
+
+    def _pick(
+        self, role: str, exclude: frozenset[str] = frozenset(), key: PickKey | None = None
+    ) -> ActorRecord:
         try:
-            record = self.router.pick(
-                role, PickKey(self.call.request_id, self.call.session), exclude
-            )
+            record = self.router.pick(role, key or self._key(role), exclude)
         except NoReplicaError:
             raise RouteError("unavailable", f"no live replica of role {role!r}") from None
         self.router.policies[role].on_send(record.actor_id)

@@ -89,6 +89,9 @@ class Worker:
         try:
             cls = load_actor_class(self.role_config.actor)
             actor = cls(self.role, self.replica, self.role_config.options)
+            use_pool = getattr(actor, "use_pool", None)
+            if use_pool is not None:  # roles that keep data in the pool (encoder caches)
+                use_pool(pool, self.config.cache)
             await actor.setup()
             budget = await budget_after_barrier(
                 self.config,
@@ -141,7 +144,7 @@ class Worker:
         key = actor_key(cfg.name, self.role, self.replica)
         await registry.put(key, encode_record(record), ttl=rt.ttl_s)
         control.send(encode(Ready(self.role, self.replica, os.getpid(), inbox.endpoint)))
-        beat = asyncio.create_task(self._heartbeat(registry, key, record, host))
+        beat = asyncio.create_task(self._heartbeat(registry, key, record, host, actor))
         try:
             await self.stop.wait()
         finally:
@@ -163,7 +166,14 @@ class Worker:
             outbox.close()
         return 0
 
-    async def _heartbeat(self, registry, key: str, record: ActorRecord, host: ActorHost) -> None:
+    async def _heartbeat(
+        self, registry, key: str, record: ActorRecord, host: ActorHost, actor: Actor
+    ) -> None:
+        """Keep the lease alive; re-put the record when its load or the actor's meta changed.
+
+        ``meta()`` is what producers route on beyond load (an LLM's summary of the
+        sessions and media it holds): a change goes out at the next beat.
+        """
         rt = self.config.runtime
         published = (0, 0)
         while True:
@@ -173,9 +183,11 @@ class Worker:
                 return
             try:
                 now = (host.inflight, host.served)
-                if now != published:
+                meta = actor.meta()
+                if now != published or meta != record.meta:
                     record.inflight, record.served = now
                     record.holding = host.holding()
+                    record.meta = meta
                     await registry.put(key, encode_record(record), ttl=rt.ttl_s)
                     published = now
                 else:

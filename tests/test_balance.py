@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import msgspec
 import pytest
 
-from omniflow.balance import POLICIES, NoReplicaError, PickKey, make_policy
+from omniflow.balance import POLICIES, NoReplicaError, PickKey, make_policy, prefix_chain
+from omniflow.cache.content import SUMMARY_META, content_hash, summary_key
 from omniflow.messages import ActorRecord, Code
 
 
@@ -173,7 +175,7 @@ def test_prefix_aware_breaks_ties_by_load_and_falls_back_without_info():
     group = replicas(3)
     # No published prefixes: least outstanding.
     policy.on_send("llm/0"), policy.on_send("llm/2")
-    assert policy.pick(group, PickKey("r1", "", (1, 2))).replica == 1
+    assert policy.pick(group, PickKey("r1", "", (5, 6))).replica == 1
 
     policy.publish("llm/0", {1, 2})
     policy.publish("llm/2", {1, 2})
@@ -185,9 +187,70 @@ def test_prefix_aware_breaks_ties_by_load_and_falls_back_without_info():
 def test_prefix_aware_passes_over_an_overloaded_match():
     policy = make_policy("prefix_aware", role="llm", seed=0, max_load_gap=2)
     group = replicas(2)
-    policy.publish("llm/0", {1, 2, 3})
+    policy.publish("llm/0", {1, 2, 3, 4})
     for _ in range(3):
         policy.on_send("llm/0")
     assert policy.pick(group, PickKey("r1", "", (1, 2, 3))).replica == 1
     policy.on_done("llm/0")
-    assert policy.pick(group, PickKey("r2", "", (1, 2, 3))).replica == 0
+    assert policy.pick(group, PickKey("r2", "", (1, 2, 3, 4))).replica == 0
+
+
+def _with_summary(record, summary, started=1.0):
+    """A newer registry record of the same replica, as the view decodes one per put."""
+    meta = {**record.meta, SUMMARY_META: list(summary)}
+    return msgspec.structs.replace(record, meta=meta, started=started)
+
+
+def test_prefix_aware_reads_summaries_from_the_records_it_is_given():
+    policy = make_policy("prefix_aware", role="llm", seed=0)
+    group = [_with_summary(r, []) for r in replicas(2)]
+    key = PickKey("r1", "chat", prefix_chain("chat"))
+    group[1] = _with_summary(group[1], [summary_key("session", "chat")])
+    # the other replica is less loaded, but only llm/1 holds the session
+    assert all(policy.pick(group, key).replica == 1 for _ in range(5))
+    # the replica restarts: its new record (new start time) holds nothing
+    group[1] = _with_summary(group[1], [], started=2.0)
+    group[0] = _with_summary(group[0], [summary_key("session", "chat")])
+    assert policy.pick(group, key).replica == 0
+
+
+def test_prefix_aware_remembers_its_own_picks_until_the_replica_restarts():
+    policy = make_policy("prefix_aware", role="llm", seed=1)
+    group = replicas(2)
+    key = PickKey("r1", "chat", prefix_chain("chat"))
+    home = policy.pick(group, key).replica
+    # no summary published yet (the next heartbeat is later): the session still sticks,
+    # even when its replica is now the busier one
+    policy.on_send(f"llm/{home}")
+    assert all(policy.pick(group, key).replica == home for _ in range(5))
+    group[home] = msgspec.structs.replace(group[home], started=9.0)  # restarted
+    assert policy.pick(group, key).replica == 1 - home  # memory void: least loaded
+
+
+def test_prefix_aware_spreads_new_sessions_evenly():
+    policy = make_policy("prefix_aware", role="llm", seed=3)
+    group = replicas(3)
+    picks = Counter(
+        policy.pick(group, PickKey(f"r{i}", f"s{i}", prefix_chain(f"s{i}"))).replica
+        for i in range(9)
+    )
+    assert picks == {0: 3, 1: 3, 2: 3}
+
+
+def test_prefix_chain_is_the_session_then_the_media_as_replicas_name_them():
+    png, wav = b"\x89PNG fake", b"RIFF fake"
+    assert prefix_chain("") == () and prefix_chain("", {"text": "hi"}) == ()
+    chain = prefix_chain("s", {"image": png, "audio": wav, "text": "x"})
+    assert chain == (
+        summary_key("session", "s"),
+        summary_key("image", content_hash(png)),
+        summary_key("audio", content_hash(wav)),
+    )
+    # downstream of an encoder the producer has its hashes, not the bytes: same chain
+    encoded = {"image_hash": content_hash(png), "audio_spans": [[content_hash(wav), 3]]}
+    assert prefix_chain("s", encoded) == chain
+    assert prefix_chain("", {"images": [png, wav]}) == (
+        summary_key("image", content_hash(png)),
+        summary_key("image", content_hash(wav)),
+    )
+    assert all(0 <= h < 1 << 63 for h in chain)  # fits a signed int64 on any wire

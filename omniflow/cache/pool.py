@@ -247,6 +247,12 @@ class PagePool:
             )
 
     def _view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        # Outside inference mode even when called inside it (an engine step demoting KV):
+        # a view made there could not be written to later, outside it.
+        with torch.inference_mode(False):
+            return self._typed_view(offset, dtype, shape)
+
+    def _typed_view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         typed = self._typed.get(dtype)
         if typed is None:
             typed = self._typed[dtype] = self._bytes.view(dtype)
@@ -305,7 +311,7 @@ class PagePool:
         """
         with self._seg.lock():
             pids = self._table.holder_pids()
-        return self.reclaim(p for p in pids if not _alive(p))
+        return self.reclaim(p for p in pids if not pid_alive(p))
 
     def stats(self) -> PoolStats:
         with self._seg.lock():
@@ -332,7 +338,8 @@ def _address(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr()) + offset
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,10 +36,16 @@ class _Add(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams | None
     embeddings: list[EmbeddingSpan] | None
+    lend_kv_to: int | None = None
 
 
 class _Abort(NamedTuple):
     request_id: str
+
+
+class _Call(NamedTuple):
+    function: Callable[[], Any]
+    future: Future
 
 
 _STOP = object()
@@ -64,6 +71,7 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         embeddings: list[EmbeddingSpan] | None = None,
+        lend_kv_to: int | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Yield this request's TokenDeltas as steps produce them; raises ValueError for a bad
         request, EngineDeadError if the engine thread died."""
@@ -74,7 +82,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request {request_id}: request_id is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, embeddings))
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, embeddings, lend_kv_to))
         finished = False
         try:
             while True:
@@ -96,9 +104,19 @@ class AsyncEngine:
         """Stop a request; its stream ends with a finish_reason "abort" delta."""
         self._commands.put(_Abort(request_id))
 
+    async def call(self, function: Callable[[], Any]) -> Any:
+        """Run ``function()`` on the engine thread between steps (to read engine state, such as
+        the prefix cache's block hashes, without racing the steps that change it)."""
+        future: Future = Future()
+        self._commands.put(_Call(function, future))
+        return await asyncio.wrap_future(future)
+
     async def close(self) -> None:
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join)
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
     def _deliver(self, request_id: str, item: TokenDelta | BaseException) -> None:
         with self._streams_lock:
@@ -115,13 +133,23 @@ class AsyncEngine:
             return False
         if isinstance(command, _Add):
             try:
+                extra = {} if command.lend_kv_to is None else {"lend_kv_to": command.lend_kv_to}
                 self.backend.add_request(
-                    command.request_id, command.prompt_token_ids, command.params, command.embeddings
+                    command.request_id,
+                    command.prompt_token_ids,
+                    command.params,
+                    command.embeddings,
+                    **extra,
                 )
-            except ValueError as error:
+            except (ValueError, NotImplementedError) as error:
                 self._deliver(command.request_id, error)
         elif isinstance(command, _Abort):
             self.backend.abort(command.request_id)
+        elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+            try:
+                command.future.set_result(command.function())
+            except Exception as error:  # noqa: BLE001 - it belongs to the caller
+                command.future.set_exception(error)
         return True
 
     def _run(self) -> None:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from omniflow.cache.kv import KVTiers
+from omniflow.cache.kv_share import KVLease, LeaseBook
+from omniflow.cache.lease import Lease
+from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
+from omniflow.cache.ssd import SsdStore
+from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.model_runner import ModelRunner
 from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.paged_attention import KVCache
@@ -34,15 +41,50 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache: str = "hash"  # "hash" (chained page hashes) or "radix" (omniflow.cache.prefix)
     seed: int | None = None  # for requests without their own seed
+    # KV tiers below the device (radix prefix cache only): evicted pages are copied to the
+    # host page pool (the deployment's, or a private one), then to SSD, before being dropped.
+    host_kv_bytes: int = 0  # 0: no host tier, evicted pages are dropped
+    ssd_kv_dir: str | None = None
+    ssd_kv_bytes: int = 0
+    # K/V tensors in the given kv_pool (CPU), so requests can lend their KV to other
+    # processes on the host (add_request's lend_kv_to).
+    share_kv: bool = False
 
 
 PREFIX_CACHES = ("hash", "radix")
 
 
-def _page_allocator(kind: str, num_pages: int, page_size: int) -> PageAllocator:
+def _page_allocator(
+    kind: str, num_pages: int, page_size: int, tiers: KVTiers | None
+) -> PageAllocator:
     if kind == "radix":
-        return RadixPrefixCache(num_pages, page_size)
+        return RadixPrefixCache(num_pages, page_size, tiers=tiers)
     return HashPrefixPageCache(num_pages, page_size)
+
+
+def _kv_tiers(config: EngineConfig, cache: KVCache, pool: PagePool | None) -> KVTiers | None:
+    if config.host_kv_bytes <= 0:
+        return None
+    if config.prefix_cache != "radix":
+        raise ValueError(
+            f"engine config field host_kv_bytes needs prefix_cache='radix', "
+            f"not {config.prefix_cache!r}"
+        )
+    pages = KVCachePages(cache)
+    if pool is None:
+        return KVTiers.private(pages, config.host_kv_bytes, config.ssd_kv_dir, config.ssd_kv_bytes)
+    ssd = None
+    if config.ssd_kv_dir and config.ssd_kv_bytes > 0:
+        name = f"omniflow-kv-{os.getpid()}"
+        slots = max(1, config.ssd_kv_bytes // pool.page_size)
+        ssd = SsdStore(config.ssd_kv_dir, slots * pool.page_size, pool.page_size, name=name)
+    tiers = KVTiers(pages, pool, max(1, config.host_kv_bytes // pool.page_size), ssd)
+    if tiers.page_nbytes > pool.page_size:
+        raise ValueError(
+            f"engine: a KV page ({tiers.page_nbytes} bytes) is larger than the pool's pages "
+            f"({pool.page_size}); lower page_size or raise [cache] page_size"
+        )
+    return tiers
 
 
 class LLMEngine:
@@ -51,6 +93,7 @@ class LLMEngine:
         model: str | Path | DecoderLM,
         config: EngineConfig | None = None,
         tokenizer: TextTokenizer | None = None,
+        kv_pool: PagePool | None = None,
     ):
         self.config = config = config or EngineConfig()
         if config.prefix_cache not in PREFIX_CACHES:
@@ -91,7 +134,22 @@ class LLMEngine:
             parameter.dtype,
             parameter.device,
         )
-        self.allocator = _page_allocator(config.prefix_cache, num_pages, config.page_size)
+        self.leases: LeaseBook | None = None
+        self._kv_blocks: list[Lease] = []
+        if config.share_kv and kv_pool is None:
+            raise ValueError("engine config field share_kv needs a kv_pool to put the K/V in")
+        if config.share_kv and kv_pool is not None and parameter.device.type == "cpu":
+            # K/V in the deployment's pool: other roles on this host can read leased pages.
+            for name in ("keys", "values"):
+                block = kv_pool.empty(getattr(self.cache, name).shape, parameter.dtype)
+                block.tensor.zero_()
+                setattr(self.cache, name, block.tensor)
+                self._kv_blocks.append(block.lease)
+            self.leases = LeaseBook(kv_pool)
+        self.tiers = _kv_tiers(config, self.cache, kv_pool)
+        self.allocator = _page_allocator(
+            config.prefix_cache, num_pages, config.page_size, self.tiers
+        )
         self.scheduler = Scheduler(
             self.allocator,
             config.max_num_seqs,
@@ -102,6 +160,16 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.sequences: dict[str, Sequence] = {}
         self.pending_aborts: list[TokenDelta] = []
+        self.stats = {"prompt_tokens_computed": 0}
+
+    def close(self) -> None:
+        """Stop the KV tiers' thread and free their host and SSD space."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+        for block in self._kv_blocks:
+            block.release()  # the engine is done: its K/V pool blocks go back
+        self._kv_blocks = []
 
     @property
     def capacity_tokens(self) -> int:
@@ -113,7 +181,15 @@ class LLMEngine:
         prompt_token_ids: SequenceOf[int],
         params: SamplingParams | None = None,
         embeddings: list[EmbeddingSpan] | None = None,
+        lend_kv_to: int | None = None,
     ) -> None:
+        """Queue a request. With ``lend_kv_to`` (a pid on this host), its last delta carries a
+        read-only ``KVLease`` on the KV of all its computed tokens (see cache/kv_share.py)."""
+        if lend_kv_to is not None and self.leases is None:
+            raise NotImplementedError(
+                f"request {request_id}: lend_kv_to needs the engine's KV in a host page pool "
+                "(share_kv=True with a kv_pool, on CPU); leasing device KV by CUDA IPC is not built"
+            )
         params = params or SamplingParams()
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params, request_id)
@@ -125,6 +201,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id}: sampling field stop needs a tokenizer")
         sequence = Sequence(request_id, prompt, params, spans)
+        sequence.lend_kv_to = lend_kv_to
         self.sequences[request_id] = sequence
         self.scheduler.add(sequence)
 
@@ -179,9 +256,17 @@ class LLMEngine:
 
     def step(self) -> list[TokenDelta]:
         deltas, self.pending_aborts = self.pending_aborts, []
+        if self.leases is not None:
+            for pages in self.leases.reap():  # borrowers done: their pages may go
+                self.allocator.free(pages)
         chunks = self.scheduler.schedule()
         if not chunks:
+            if not deltas:
+                self.scheduler.wait_for_promotions(0.05)
             return deltas
+        for chunk in chunks:
+            prompt_end = min(chunk.start + chunk.num_tokens, chunk.sequence.num_prompt_tokens)
+            self.stats["prompt_tokens_computed"] += max(0, prompt_end - chunk.start)
         step_logits = self.runner.execute(chunks)
         self.scheduler.commit(chunks)
         if not step_logits.sequences:
@@ -192,11 +277,42 @@ class LLMEngine:
                 sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row]
             )
             self._check_stop(sequence)
+            lease = None
             if sequence.finish_reason is not None:
+                if sequence.lend_kv_to is not None:
+                    lease = self._lend(sequence, sequence.lend_kv_to)
                 self.scheduler.finish(sequence, sequence.finish_reason)
                 del self.sequences[sequence.request_id]
-            deltas.append(self._delta(sequence, 1))
+            deltas.append(self._delta(sequence, 1)._replace(kv_lease=lease))
         return deltas
+
+    def _lend(self, sequence: Sequence, borrower_pid: int) -> KVLease:
+        """Lease the KV of a finishing sequence's computed tokens: full pages by reference
+        (held in the prefix cache until the borrower lets go), the rest copied."""
+        assert self.leases is not None
+        size, computed = self.cache.page_size, sequence.num_computed_tokens
+        full = computed // size * size
+        extra = None if sequence.extra_keys is None else sequence.extra_keys[:full]
+        self.allocator.insert(sequence.token_ids[:full], sequence.page_ids, extra)
+        match = self.allocator.match_prefix(sequence.token_ids[:full], extra)
+        if match.lower:
+            self.allocator.cancel_promotion(match.lower)  # type: ignore[attr-defined]
+        slots = torch.tensor(
+            self.cache.slots(sequence.page_ids, match.num_tokens, computed),
+            dtype=torch.long,
+            device=self.cache.keys.device,
+        )
+        layers, heads, pages, _, dim = self.cache.keys.shape
+        flat = (layers, heads, pages * size, dim)
+        tail = torch.stack(
+            [
+                self.cache.keys.view(flat).index_select(2, slots),
+                self.cache.values.view(flat).index_select(2, slots),
+            ]
+        )
+        return self.leases.lend(
+            self.cache.keys, self.cache.values, match.page_ids, size, tail, borrower_pid
+        )
 
     def _check_stop(self, sequence: Sequence) -> None:
         params, token = sequence.params, sequence.output_token_ids[-1]

@@ -26,7 +26,7 @@ Mapping an SGLang backend onto this protocol (see sglang_backend.py):
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.sequence import EmbeddingSpan
@@ -40,6 +40,7 @@ class TokenDelta(NamedTuple):
     finish_reason: str | None  # None while running; "stop", "length" or "abort" at the end
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    kv_lease: Any = None  # on the last delta of a request added with lend_kv_to: a KVLease
 
 
 class EngineBackend(Protocol):

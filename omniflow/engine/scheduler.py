@@ -7,12 +7,19 @@ a page and none is free, the newest running sequence is preempted: its pages are
 (full ones stay in the prefix cache) and it is recomputed later. Because every request's
 whole length fits the pool (checked on admission by the engine), the oldest sequence can
 always proceed: no deadlock, no crash.
+
+With KV tiers below the device (omniflow.cache.kv), a prefix hit may continue in host-pool or
+SSD pages. The request then takes device pages for them and waits in ``promoting`` while the
+tiers' thread copies them up; other requests keep running. When the copy is done it goes
+back to the head of the queue holding its whole prefix, and is admitted like any other.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+from typing import Any, NamedTuple
 
 from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.sequence import Sequence, SequenceStatus
@@ -44,18 +51,26 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.promoting: dict[Sequence, Any] = {}  # sequence -> its PendingPromotion
 
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.promoting)
+
+    def wait_for_promotions(self, timeout: float) -> None:
+        """Block until a promotion finishes (or ``timeout``): for steps with nothing to run."""
+        if self.promoting:
+            futures = [pending.future for pending in self.promoting.values()]
+            wait_futures(futures, timeout, return_when=FIRST_COMPLETED)
 
     def pages_needed(self, sequence: Sequence, num_tokens: int) -> int:
         total = sequence.num_computed_tokens + num_tokens
         return max(0, -(-total // self.page_size) - len(sequence.page_ids))
 
     def schedule(self) -> list[ScheduledChunk]:
+        self._finish_promotions()
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for sequence in list(self.running):
@@ -69,7 +84,11 @@ class Scheduler:
             chunks.append(ScheduledChunk(sequence, sequence.num_computed_tokens, num_tokens))
             budget -= num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            chunk = self._admit(self.waiting[0], budget)
+            sequence = self.waiting[0]
+            chunk = self._admit(sequence, budget)
+            if sequence in self.promoting:
+                self.waiting.popleft()  # it waits for its pages; the next one may go
+                continue
             if chunk is None:
                 break  # first come, first served: never let later requests overtake
             self.waiting.popleft()
@@ -88,23 +107,51 @@ class Scheduler:
         return True
 
     def _admit(self, sequence: Sequence, budget: int) -> ScheduledChunk | None:
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and not sequence.page_ids:
             # Leave at least one token to compute: its logits give the next token.
             match = self.allocator.match_prefix(sequence.token_ids[:-1], self._extra_keys(sequence))
             sequence.page_ids = match.page_ids
             sequence.num_computed_tokens = match.num_tokens
-        if sequence.num_cached_tokens is None:
-            sequence.num_cached_tokens = sequence.num_computed_tokens
+            if match.lower and self._start_promotion(sequence, list(match.lower)):
+                return None
         num_tokens = min(sequence.num_pending_tokens, budget)
         needed = self.pages_needed(sequence, num_tokens)
         if self.allocator.usage().free_pages < needed:
             self.allocator.free(sequence.page_ids)
             sequence.page_ids, sequence.num_computed_tokens = [], 0
             return None
+        if sequence.num_cached_tokens is None:  # the first admission's hit (not a re-admission's)
+            sequence.num_cached_tokens = sequence.num_computed_tokens
         sequence.page_ids += self.allocator.allocate(needed)
         sequence.status = SequenceStatus.RUNNING
         self.running.append(sequence)
         return ScheduledChunk(sequence, sequence.num_computed_tokens, num_tokens)
+
+    def _start_promotion(self, sequence: Sequence, nodes: list[Any]) -> bool:
+        """Take device pages for a lower-tier continuation of the prefix and start copying."""
+        allocator: Any = self.allocator  # only the radix cache returns lower-tier nodes
+        wanted = sum(len(node.page_keys) for node in nodes)
+        # Keep room for the rest of the prompt's first chunk, or promoting would only stall.
+        if self.allocator.usage().free_pages < wanted + 1:
+            allocator.cancel_promotion(nodes)
+            return False
+        pages = self.allocator.allocate(wanted)
+        sequence.page_ids += pages
+        self.promoting[sequence] = allocator.start_promotion(nodes, pages)
+        return True
+
+    def _finish_promotions(self) -> None:
+        done = [s for s, pending in self.promoting.items() if pending.future.done()]
+        for sequence in reversed(done):  # oldest ends up first in the queue
+            self._finish_promotion(sequence)
+            self.waiting.appendleft(sequence)
+
+    def _finish_promotion(self, sequence: Sequence) -> None:
+        pending = self.promoting.pop(sequence)
+        allocator: Any = self.allocator
+        if allocator.finish_promotion(pending):
+            sequence.num_computed_tokens += pending.num_pages * self.page_size
+        # On failure the pages stay with the sequence, to be filled by computing them.
 
     @staticmethod
     def _extra_keys(sequence: Sequence):
@@ -131,6 +178,9 @@ class Scheduler:
                 self.allocator.insert(sequence.token_ids[:computed], sequence.page_ids, extra)
 
     def finish(self, sequence: Sequence, reason: str) -> None:
+        if sequence in self.promoting:
+            self.promoting[sequence].future.exception()  # its pages are being written: wait
+            self._finish_promotion(sequence)
         if sequence in self.running:
             self.running.remove(sequence)
         elif sequence in self.waiting:

@@ -54,6 +54,7 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.extra_keys: list[Hashable | None] | None = None
+        self.lend_kv_to: int | None = None  # a pid: lease this request's KV to it at the end
         if any(span.content_hash is not None for span in self.embedding_spans):
             self.extra_keys = [None] * len(self.token_ids)
             for span in self.embedding_spans:

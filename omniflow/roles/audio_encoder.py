@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from omniflow.actor import BadRequest, Context, Request
+from omniflow.cache.content import content_hash
 from omniflow.models.omni import AudioTokenizer, ensure_model, load_audio
-from omniflow.roles.base import ModelActor
-from omniflow.roles.vision_encoder import EncoderOutputCache, content_hash
+from omniflow.roles.encoder_cache import CachingEncoder, role_cache
 
 ACCEPTED_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 
@@ -81,15 +81,14 @@ def resample(samples: torch.Tensor, rate: int, target: int) -> torch.Tensor:
     return (torch.fft.irfft(spectrum, n=length) * (length / samples.numel())).float()
 
 
-class AudioEncoderRole(ModelActor):
+class AudioEncoderRole(CachingEncoder):
     async def setup(self) -> None:
         opts = self.options
         self.sample_rates = tuple(int(r) for r in opts.get("sample_rates", ACCEPTED_RATES))
         self.max_seconds = float(opts.get("max_seconds", 120.0))
         self.max_bytes = int(opts.get("max_bytes", 64 << 20))
-        self.cache = EncoderOutputCache(
-            int(opts.get("cache_entries", 256)), int(opts.get("cache_mb", 256)) << 20
-        )
+        self.cache = role_cache(self)  # in the deployment's page pool when there is one
+        self.encoded = 0
         self.start_model_thread()
         self.model: AudioTokenizer = await self._run(self._load)
         # Warm-up: the first forward pays for allocator and FFT setup; do it before serving.
@@ -114,14 +113,14 @@ class AudioEncoderRole(ModelActor):
             if len(data) < (1 << 20)
             else await asyncio.to_thread(content_hash, data)
         )
-        cached = self.cache.get(key)
+        cached = await self.cache.get(key, ctx)
         if cached is not None:
             ctx.add_usage(encoder_cache_hits=1)
-            return dict(cached)
+            return cached
         output = await self._run(self._encode, data)
+        self.encoded += 1
         output["audio_hash"] = key
-        self.cache.put(key, output)
-        return dict(output)
+        return await self.cache.put(key, output, ctx)
 
     def _encode(self, data: bytes) -> dict[str, Any]:
         samples, rate = read_wav(data, self.sample_rates)

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from omniflow.actor import Actor
+from omniflow.cache import CacheConfig, PagePool
 
 T = TypeVar("T")
 
@@ -23,6 +24,13 @@ class ModelActor(Actor):
     """
 
     _executor: ThreadPoolExecutor | None = None
+    pool: PagePool | None = None  # the deployment's page pool, given by the worker
+    cache_config: CacheConfig | None = None
+
+    def use_pool(self, pool: PagePool, config: CacheConfig) -> None:
+        """Called by the worker before ``setup()``: the page pool every local process maps."""
+        self.pool = pool
+        self.cache_config = config
 
     def start_model_thread(self, name: str = "") -> None:
         if "threads" in self.options:

@@ -22,8 +22,17 @@ the user's turn) in the same process. Random weights cannot choose a modality, s
 
 Options: ``model_path`` (tiny model built there if empty), ``device``, ``seed``,
 ``hidden_size`` (for that build; must match the encoders'), ``kv_cache_mb``,
-``prefix_cache`` ("radix", the default, or "hash"),
-``max_tokens`` (default cap 64), ``max_sessions``.
+``prefix_cache`` ("radix", the default, or "hash"), ``host_kv_mb`` (KV pages evicted
+from the device go to this much of the deployment's host pool; 0: dropped), ``ssd_kv_mb``
+(and below that to this much of ``[cache] ssd_dir``), ``share_kv`` (K/V tensors in
+the host pool, so the engine can lend a request's KV read-only to another process),
+``max_tokens`` (default cap 64), ``max_sessions``, ``summary_media`` (leading media
+remembered for the routing summary, default 256).
+
+Routing summary: ``meta()`` publishes (in the replica's registry record) the
+``summary_key`` of every session this replica holds and of the media that began the
+prompts it served recently, so ``prefix_aware`` producers send a session's next turn
+here, and a request opening with the same image to where its KV is.
 """
 
 from __future__ import annotations
@@ -31,12 +40,13 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from omniflow.actor import BadRequest, Context, Request
-from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, SamplingParams
+from omniflow.cache.content import SUMMARY_META, summary_key
+from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
@@ -60,11 +70,12 @@ _SAMPLING_KEYS = (
 
 
 class _Session:
-    __slots__ = ("tokens", "spans")
+    __slots__ = ("tokens", "spans", "key")
 
-    def __init__(self) -> None:
+    def __init__(self, key: int = 0) -> None:
         self.tokens: list[int] = []
         self.spans: list[EmbeddingSpan] = []
+        self.key = key  # summary_key("session", id): what the routing summary publishes
 
 
 class LLMRole(ModelActor):
@@ -76,14 +87,21 @@ class LLMRole(ModelActor):
         self.start_model_thread(f"{self.role}-heads")
         await self._run(self._build_if_missing, hidden, seed)
         device = self.options.get("device", "cpu")
+        cache = self.cache_config
+        ssd_kv_mb = int(self.options.get("ssd_kv_mb", 0))
         config = EngineConfig(
             device=device,
             kv_cache_bytes=int(self.options.get("kv_cache_mb", 64)) << 20,
             # The radix tree keys media positions by content hash, per turn and session.
             prefix_cache=str(self.options.get("prefix_cache", "radix")),
+            # Evicted KV pages go to the deployment's host pool, then to [cache] ssd_dir.
+            host_kv_bytes=int(self.options.get("host_kv_mb", 0)) << 20,
+            ssd_kv_dir=(cache.ssd_dir or None) if cache is not None and ssd_kv_mb else None,
+            ssd_kv_bytes=ssd_kv_mb << 20,
+            share_kv=bool(self.options.get("share_kv", False)) and self.pool is not None,
         )
         self.tokenizer = load_tokenizer(self.path)
-        self.engine = AsyncEngine.from_path(self.path, config)
+        self.engine = AsyncEngine(LLMEngine(self.path, config, kv_pool=self.pool))
         self.model = self.engine.backend.model  # type: ignore[attr-defined]  # shared weights
         omni = self.path / "omni"
         self.image_head = load_depth_head(omni / "image_head", device)
@@ -96,6 +114,8 @@ class LLMRole(ModelActor):
         self.bos = self.tokenizer.encode("", add_special_tokens=True)
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.max_sessions = int(self.options.get("max_sessions", 1024))
+        self.leading_media: OrderedDict[int, None] = OrderedDict()  # summary keys, LRU
+        self.summary_media = int(self.options.get("summary_media", 256))
         self._ids = itertools.count()
 
     def _build_if_missing(self, hidden: int, seed: int) -> None:
@@ -144,10 +164,14 @@ class LLMRole(ModelActor):
             raise BadRequest("text", f"expected a string, got {type(text).__name__}")
         session = self._session(request.session)
         turn, spans = self._turn(request, text, len(session.tokens))
+        if not session.tokens:
+            self._note_leading_media(spans)
         prompt = session.tokens + turn
         all_spans = session.spans + spans
         params = self._sampling(request)
         generated: list[int] = []
+        if "text" not in want:  # every LLM request reports it; no text, no engine prefill
+            ctx.add_usage(cached_tokens=0)
         if "text" in want:
             rid = f"{request.request_id}-{next(self._ids)}"
             shown = ""
@@ -177,12 +201,29 @@ class LLMRole(ModelActor):
                 async for chunk in self._audio(request, context):
                     yield chunk
 
+    def meta(self) -> dict[str, Any]:
+        """The routing summary: sessions held here, then media that began recent prompts."""
+        sessions = getattr(self, "sessions", {})
+        media = getattr(self, "leading_media", {})
+        return {SUMMARY_META: [s.key for s in sessions.values()] + list(media)}
+
+    def _note_leading_media(self, spans: list[EmbeddingSpan]) -> None:
+        """Media at the start of a fresh prompt: its KV is a prefix others can reuse."""
+        for span in spans:
+            kind, name = cast(tuple[str, str], span.content_hash)  # as _turn makes them
+            key = summary_key(kind, str(name))
+            self.leading_media[key] = None
+            self.leading_media.move_to_end(key)
+        while len(self.leading_media) > self.summary_media:
+            self.leading_media.popitem(last=False)
+
     def _session(self, session_id: str) -> _Session:
         if not session_id:
             return _Session()
         session = self.sessions.get(session_id)
         if session is None:
-            session = self.sessions[session_id] = _Session()
+            key = summary_key("session", session_id)
+            session = self.sessions[session_id] = _Session(key)
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         self.sessions.move_to_end(session_id)

@@ -20,10 +20,8 @@ before its pixels are decoded. Options: ``model_path`` (built tiny there if empt
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import math
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -31,45 +29,13 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from omniflow.actor import BadRequest, Context, Request
+from omniflow.cache.content import content_hash
 from omniflow.models.omni import VisionTokenizer, ensure_model, load_vision
-from omniflow.roles.base import ModelActor
+from omniflow.roles.encoder_cache import CachingEncoder, EncoderOutputCache, role_cache
+
+__all__ = ["EncoderOutputCache", "VisionEncoderRole", "content_hash", "fit_to_grid"]
 
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
-
-
-def content_hash(data: bytes | memoryview) -> str:
-    """blake2b-128 hex digest: the encoder-output cache key and the LLM's prefix-key span."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-class EncoderOutputCache:
-    """Bounded LRU of encoder outputs by content hash, bounded by entries and by tensor bytes."""
-
-    def __init__(self, max_entries: int, max_bytes: int) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
-        self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        hit = self._entries.get(key)
-        if hit is None:
-            return None
-        self._entries.move_to_end(key)
-        return hit[0]
-
-    def put(self, key: str, output: dict[str, Any]) -> None:
-        size = sum(v.numel() * v.element_size() for v in output.values() if torch.is_tensor(v))
-        if self.max_entries <= 0 or size > self.max_bytes or key in self._entries:
-            return
-        self._entries[key] = (output, size)
-        self.nbytes += size
-        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
-            _, (_, evicted) = self._entries.popitem(last=False)
-            self.nbytes -= evicted
 
 
 def fit_to_grid(width: int, height: int, step: int, max_pixels: int) -> tuple[int, int]:
@@ -85,15 +51,14 @@ def fit_to_grid(width: int, height: int, step: int, max_pixels: int) -> tuple[in
     return new_w, new_h
 
 
-class VisionEncoderRole(ModelActor):
+class VisionEncoderRole(CachingEncoder):
     async def setup(self) -> None:
         opts = self.options
         self.max_pixels = int(opts.get("max_pixels", 448 * 448))
         self.max_image_pixels = int(opts.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
         self.max_bytes = int(opts.get("max_bytes", 64 << 20))
-        self.cache = EncoderOutputCache(
-            int(opts.get("cache_entries", 256)), int(opts.get("cache_mb", 256)) << 20
-        )
+        self.cache = role_cache(self)  # in the deployment's page pool when there is one
+        self.encoded = 0
         self.start_model_thread()
         self.model: VisionTokenizer = await self._run(self._load)
         step = self.model.config.pixels_per_token
@@ -139,19 +104,19 @@ class VisionEncoderRole(ModelActor):
         else:
             got = "nothing" if raw is None else type(raw).__name__
             raise BadRequest(field, f"expected encoded image bytes or a uint8 tensor, got {got}")
-        cached = self.cache.get(key)
+        cached = await self.cache.get(key, ctx)
         if cached is not None:
             ctx.add_usage(encoder_cache_hits=1)
-            return dict(cached)
+            return cached
         try:
             output = await self._run(self._encode, source)
         except BadRequest as e:
             if field == "image":
                 raise
             raise BadRequest(field, str(e).split(": ", 1)[-1]) from None
+        self.encoded += 1
         output["image_hash"] = key
-        self.cache.put(key, output)
-        return dict(output)
+        return await self.cache.put(key, output, ctx)
 
     def _encode(self, source: bytes | torch.Tensor) -> dict[str, Any]:
         image = self._decode(source) if isinstance(source, bytes) else _to_pil(source)

@@ -22,7 +22,7 @@ def test_match_acquires_and_free_keeps_pages_matchable():
     cache.insert(tokens, pages)  # two full pages published; the partial third is not
     assert cache.usage().cached_pages == 2
     match = cache.match_prefix(tokens)
-    assert match == (pages[:2], 4)
+    assert match == (pages[:2], 4, ())
     assert cache.ref_counts[pages[0]] == 2
     cache.free(pages)
     cache.free(match.page_ids)

@@ -1,0 +1,32 @@
+"""A borrower process for the KV lease tests: attaches the pool, reads leased KV on command."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from omniflow.cache import PagePool
+from omniflow.cache.kv_share import KVLeaseView
+
+
+def serve(pool_name: str, conn: Any) -> None:
+    torch.set_num_threads(1)
+    pool = PagePool.attach(pool_name)
+    views: dict[int, KVLeaseView] = {}
+    conn.send(os.getpid())
+    while True:
+        command, key, arg = conn.recv()
+        if command == "open":
+            views[key] = KVLeaseView(pool, arg)
+            conn.send(views[key].lease.num_tokens)
+        elif command == "read":  # every layer's keys and values, copied out for the parent
+            view = views[key]
+            conn.send([tuple(t.clone() for t in view.layer(i)) for i in range(view.num_layers)])
+        elif command == "close":
+            views.pop(key).close()
+            conn.send(None)
+        else:
+            conn.send(None)
+            return
