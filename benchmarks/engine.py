@@ -5,6 +5,8 @@ Prints a JSON object as its last line:
   hf_tokens_per_s   transformers' batched generate on the same model in the same run
   ttft_cached_ms    time to first token with a 1,024-token prefix already cached
   ttft_uncached_ms  the same request with prefix caching off
+  speedup           median over rounds of omniflow / transformers within the round (a paired
+                    figure: a burst of load from other processes hits both sides of a round)
 Subject and baseline run interleaved (A B A B ...); each figure is a median over rounds.
 """
 
@@ -119,6 +121,7 @@ def main() -> None:
     result = {
         "tokens_per_s": round(statistics.median(ours), 1),
         "hf_tokens_per_s": round(statistics.median(theirs), 1),
+        "speedup": round(statistics.median(a / b for a, b in zip(ours, theirs, strict=True)), 2),
         "ttft_cached_ms": round(statistics.median(cached), 2),
         "ttft_uncached_ms": round(statistics.median(uncached), 2),
         "model_params_m": round(parameters / 1e6, 1),

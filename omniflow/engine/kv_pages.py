@@ -34,3 +34,4 @@ class KVCachePages:
         data = data.to(self.cache.keys.device)
         self.cache.keys.index_copy_(2, index, data[:, 0].permute(1, 2, 0, 3, 4))
         self.cache.values.index_copy_(2, index, data[:, 1].permute(1, 2, 0, 3, 4))
+        self.cache.note_written(page_ids)  # the decode mirror must not keep old copies

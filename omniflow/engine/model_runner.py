@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from omniflow.engine.decode_mirror import DecodeMirror
 from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
 from omniflow.engine.scheduler import ScheduledChunk
 from omniflow.engine.sequence import Sequence
@@ -19,16 +20,26 @@ class StepLogits(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, cache: KVCache):
+    def __init__(self, model: DecoderLM, cache: KVCache, mirror_bytes: int | None = None):
         self.model = model
         self.cache = cache
+        self.mirror = DecodeMirror(cache, mirror_bytes)
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            model.use_input_major_weights()
         self.scale = model.config.head_dim**-0.5
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepLogits:
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
+        mirrored = None
+        if decodes:
+            mirrored = self.mirror.prepare([(c.sequence, c.start) for c in decodes])
+            if mirrored is not None:
+                decodes = [decodes[i] for i in mirrored.order]
+        else:
+            self.mirror.clear()
         ordered = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -55,6 +66,7 @@ class ModelRunner:
             [(c.sequence.page_ids, c.start, c.num_tokens) for c in prefills],
             self.device,
             self.cache.keys.dtype,
+            None if mirrored is None else mirrored.rows,
         )
         device = self.device
         logits = self.model(
@@ -67,4 +79,6 @@ class ModelRunner:
             else None,
             embed_values=torch.cat(embed_values).to(device) if embed_values else None,
         )
+        if mirrored is not None:
+            self.mirror.commit()
         return StepLogits(sampling, logits.float())

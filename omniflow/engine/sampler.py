@@ -57,6 +57,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, sequences: list[Sequence]) -> SampleResult:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if all(s.params.is_greedy and not s.params.has_penalties for s in sequences):
+            # The common batch: no copy of the logits, no per-row masks.
+            chosen = logits.argmax(-1)
+            chosen_logprobs = raw_logprobs.gather(1, chosen[:, None])[:, 0]
+            tops = self._top_logprobs(raw_logprobs, sequences)
+            return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), tops)
         logits = logits.clone()
         greedy = torch.tensor([s.params.is_greedy for s in sequences])
         chosen = torch.empty(len(sequences), dtype=torch.long)
@@ -69,6 +75,13 @@ class Sampler:
             if not greedy[row]:
                 chosen[row] = self._draw(logits[row], sequence)
         chosen_logprobs = raw_logprobs.gather(1, chosen.to(logits.device)[:, None])[:, 0]
+        tops = self._top_logprobs(raw_logprobs, sequences)
+        return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), tops)
+
+    @staticmethod
+    def _top_logprobs(
+        raw_logprobs: torch.Tensor, sequences: list[Sequence]
+    ) -> list[dict[int, float] | None]:
         tops: list[dict[int, float] | None] = []
         for row, sequence in enumerate(sequences):
             count = sequence.params.logprobs
@@ -77,7 +90,7 @@ class Sampler:
                 tops.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
             else:
                 tops.append({} if count == 0 else None)
-        return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), tops)
+        return tops
 
     def _draw(self, row_logits: torch.Tensor, sequence: Sequence) -> int:
         params = sequence.params
