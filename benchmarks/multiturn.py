@@ -8,8 +8,10 @@ them) — runs against 2 LLM engine replicas in this process, three ways:
                 prefix (balance.PrefixAware, load as the tie-break)
   round_robin   caching on; turns alternate between replicas
   no_cache      caching off
-Each replica's device KV holds about half of what its sessions accumulate, so older turns
-move to the host tier and are promoted back when their session speaks again.
+Each replica's device KV holds what its own four sessions need at the end, but not all
+eight sessions' histories: when turns wander between replicas (round_robin), older turns
+move to the host tier and are promoted back. ``--device-pages 200`` makes prefix_aware
+promote too (then both cached modes also queue for device pages).
 
 Per mode: prefill_tokens_computed (prompt tokens run through the model), reuse_ratio (cached
 tokens / tokens an ideal page-granular cache could have reused: everything the session
@@ -204,6 +206,10 @@ def combine(rounds: list[dict]) -> dict:
 
 async def main_async(args) -> dict:
     torch.set_num_threads(args.threads)
+    # Both replicas' engine threads share this process's GIL (deployed, each is a process
+    # of its own): hand it over more often than every 5 ms, so one replica's Python does
+    # not stall the other's step.
+    sys.setswitchinterval(args.switch_interval_ms / 1000)
     folder = build_tiny_model(
         tempfile.mkdtemp(prefix="omniflow-multiturn-"),
         "llama-mha",
@@ -255,11 +261,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--image-tokens", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--device-pages", type=int, default=160)
+    parser.add_argument("--device-pages", type=int, default=320)
     parser.add_argument("--host-kv-mb", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (per process)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (per engine)")
+    parser.add_argument("--switch-interval-ms", type=float, default=0.5)
     args = parser.parse_args()
     emit(asyncio.run(main_async(args)))
 

@@ -149,20 +149,27 @@ class KVTiers:
     def promote(self, job: Promotion) -> Future[None]:
         """Copy ``job``'s lower-tier pages into its device pages on the worker thread.
 
-        The sources stay where they are until the tree finishes the job (``finish``).
+        The sources stay where they are until the tree finishes the job (``finish``). The
+        host views are made here, so the worker runs a few large copies and needs the GIL
+        only briefly: a busy engine thread would otherwise hand it over every switch
+        interval, once per small step (measured: ~300 ms to promote 60 pages).
         """
-        return self._worker.submit(self._copy_up, job)
+        host = {
+            row: self._host_view(h) for row, (tier, h) in enumerate(job.sources) if tier == HOST
+        }
+        return self._worker.submit(self._copy_up, job, host)
 
-    def _copy_up(self, job: Promotion) -> None:
-        data = torch.empty(
-            (len(job.device_pages), *self.device.page_shape), dtype=self.device.dtype
-        )
-        for row, (tier, handle) in enumerate(job.sources):
-            if tier == HOST:
-                data[row].copy_(self._host_view(handle))
-            else:
-                assert self.ssd is not None
-                self.ssd.restore(handle, data[row])
+    def _copy_up(self, job: Promotion, host: dict[int, torch.Tensor]) -> None:
+        if len(host) == len(job.sources):
+            data = torch.stack([host[row] for row in range(len(job.sources))])
+        else:
+            data = torch.empty((len(job.sources), *self.device.page_shape), dtype=self.device.dtype)
+            for row, (tier, handle) in enumerate(job.sources):
+                if tier == HOST:
+                    data[row].copy_(host[row])
+                else:
+                    assert self.ssd is not None
+                    self.ssd.restore(handle, data[row])
         self.device.write_pages(job.device_pages, data)
 
     def finish(self, job: Promotion) -> None:

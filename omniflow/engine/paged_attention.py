@@ -226,14 +226,19 @@ class PagedAttention:
         shape = (kv_heads, -1, head_dim)
         keys = layer_keys.index_select(1, segment.context_pages).view(shape)
         values = layer_values.index_select(1, segment.context_pages).view(shape)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys[:, : segment.context_len],
-            values[:, : segment.context_len],
-            attn_mask=segment.causal_mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        keys, values = keys[:, : segment.context_len], values[:, : segment.context_len]
+        # Grouped matmuls with the mask as an additive bias, as in _decode: on CPU, SDPA with
+        # a mask and GQA takes a slow path (measured ~3x slower for 50 new tokens over 1,050).
+        tokens, heads, _ = q.shape
+        group = heads // kv_heads
+        grouped_q = (q * self.scale).transpose(0, 1).reshape(kv_heads, group * tokens, head_dim)
+        mask = segment.causal_mask
+        assert mask is not None, "a prefill over cached context has a causal mask"
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(~mask, float("-inf"))
+        scores = torch.baddbmm(bias.repeat(group, 1), grouped_q, keys.transpose(1, 2))
+        probs = scores.float().softmax(-1).to(values.dtype)
+        out = torch.bmm(probs, values).view(heads, tokens, head_dim)
         return out.transpose(0, 1)
 
     def _prefill_fresh(self, segment: PrefillSegment, q, k, v):
