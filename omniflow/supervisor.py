@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -103,7 +104,10 @@ class Supervisor:
 
     @property
     def pool_name(self) -> str:
-        return f"omniflow-{os.getuid()}-{self.config.name}"
+        # Named after the run dir too: two deployments of one name under different run
+        # roots must not unlink (or attach to) each other's pool.
+        where = hashlib.blake2b(str(self.run_dir.resolve()).encode(), digest_size=4).hexdigest()
+        return f"omniflow-{os.getuid()}-{self.config.name}-{where}"
 
     async def start(self) -> None:
         self._prepare_run_dir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from pathlib import Path
 
 import omniflow
 from tests.conftest import leftover_sockets, pid_alive
@@ -63,3 +64,23 @@ def test_setup_failure_is_reported_with_the_role(run_root):
     assert isinstance(err, omniflow.supervisor.StartError)
     assert "upper/0" in str(err) and "NoSuchRole" in str(err)
     assert leftover_sockets(run_root) == []
+
+
+def test_two_deployments_of_one_name_in_different_run_dirs_keep_apart(run_root):
+    """Same config name, two run dirs: each has its own pool; one stopping leaves the other."""
+
+    async def host_program():
+        first = omniflow.Runtime(echo_config(name="twin"), run_dir=run_root / "a")
+        second = omniflow.Runtime(echo_config(name="twin"), run_dir=run_root / "b")
+        async with first:
+            async with second:
+                assert first.supervisor.pool_name != second.supervisor.pool_name
+                outs, _ = await second.call({"text": "second"}, timeout=20)
+                assert outs[0].data["text"] == "".join(expected_echo("second"))
+            # The second is gone, pool and all; the first still serves, its pool intact.
+            assert (Path("/dev/shm") / first.supervisor.pool_name).exists()
+            assert not (Path("/dev/shm") / second.supervisor.pool_name).exists()
+            outs, _ = await first.call({"text": "first"}, timeout=20)
+            assert outs[0].data["text"] == "".join(expected_echo("first"))
+
+    asyncio.run(host_program())
