@@ -66,32 +66,41 @@ class KVTiers:
         self.ssd = ssd
         self.host_capacity = host_pages
         self.host_used = 0
-        self.page_nbytes = int(torch.Size(device.page_shape).numel()) * device.dtype.itemsize
+        self.page_nbytes = _page_nbytes(device)
+        if self.page_nbytes > pool.page_size:
+            raise ValueError(
+                f"a KV page ({self.page_nbytes} bytes) is larger than pool {pool.name!r}'s "
+                f"pages ({pool.page_size}); lower the engine's page_size or raise [cache] page_size"
+            )
         self.counts = {"demoted": 0, "spilled": 0, "promoted": 0, "dropped": 0}
         self._owns_pool = owns_pool
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="omniflow-kv-promote")
 
     @classmethod
-    def private(
+    def create(
         cls,
         device: DevicePages,
         host_bytes: int,
         ssd_dir: str | None = None,
         ssd_bytes: int = 0,
+        pool: PagePool | None = None,
     ) -> KVTiers:
-        """Tiers over a pool of this process's own (its name unlinked at once: nothing to
-        clean up if the process dies) and an SSD store in ``ssd_dir``, if given."""
-        page_nbytes = int(torch.Size(device.page_shape).numel()) * device.dtype.itemsize
-        block = max(4096, 1 << (page_nbytes - 1).bit_length())
-        host_pages = max(1, host_bytes // page_nbytes)
+        """Tiers of ``host_bytes`` in ``pool`` (one pool page per KV page) and ``ssd_bytes``
+        in ``ssd_dir``. Without a pool, one of this process's own is made, its name unlinked
+        at once: nothing to clean up if the process dies."""
         name = f"omniflow-kv-{os.getpid()}-{next(_ids)}"
-        pool = PagePool.create(name, host_pages * block, block, populate=False, pin=False)
-        pool.unlink()
+        owns_pool = pool is None
+        if pool is None:
+            block = max(4096, 1 << (_page_nbytes(device) - 1).bit_length())
+            pages = max(1, host_bytes // _page_nbytes(device))
+            pool = PagePool.create(name, pages * block, block, populate=False, pin=False)
+            pool.unlink()
         ssd = None
         if ssd_dir and ssd_bytes > 0:
-            slots = max(1, ssd_bytes // block)
-            ssd = SsdStore(ssd_dir, slots * block, block, name=name, sync=False)
-        return cls(device, pool, host_pages, ssd, owns_pool=True)
+            slots = max(1, ssd_bytes // pool.page_size)
+            ssd = SsdStore(ssd_dir, slots * pool.page_size, pool.page_size, name=name, sync=False)
+        host_pages = max(1, host_bytes // (_page_nbytes(device) if owns_pool else pool.page_size))
+        return cls(device, pool, host_pages, ssd, owns_pool=owns_pool)
 
     # ------------------------------------------------------------ capacity
 
@@ -129,12 +138,16 @@ class KVTiers:
         if self.ssd is None or len(leases) > self.ssd.free_slots:
             return None
         blocks = [self.ssd.spill(self._host_view(lease)) for lease in leases]
-        self.drop(HOST, leases)
-        self.counts["dropped"] -= len(leases)  # moved down, not lost
+        self._free(HOST, leases)
         self.counts["spilled"] += len(blocks)
         return blocks
 
     def drop(self, tier: str, handles: Sequence[Any]) -> None:
+        """Let go of pages for good (evicted past the last tier, or superseded)."""
+        self._free(tier, handles)
+        self.counts["dropped"] += len(handles)
+
+    def _free(self, tier: str, handles: Sequence[Any]) -> None:
         for handle in handles:
             if tier == HOST:
                 handle.release()
@@ -142,7 +155,6 @@ class KVTiers:
             else:
                 assert self.ssd is not None
                 self.ssd.free(handle)
-        self.counts["dropped"] += len(handles)
 
     # ------------------------------------------------------------ promotion
 
@@ -175,8 +187,7 @@ class KVTiers:
     def finish(self, job: Promotion) -> None:
         """After a promotion's copy: free its lower-tier sources."""
         for tier, handle in job.sources:
-            self.drop(tier, [handle])
-        self.counts["dropped"] -= len(job.sources)
+            self._free(tier, [handle])
         self.counts["promoted"] += len(job.sources)
 
     # ------------------------------------------------------------ helpers
@@ -190,6 +201,10 @@ class KVTiers:
             self.ssd.close()
         if self._owns_pool:
             self.pool.close()
+
+
+def _page_nbytes(device: DevicePages) -> int:
+    return int(torch.Size(device.page_shape).numel()) * device.dtype.itemsize
 
 
 _ids = itertools.count()

@@ -295,15 +295,7 @@ class RadixPrefixCache:
         return root
 
     def _page_keys(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> list[PageKey]:
-        num_tokens = len(token_ids) // self.page_size * self.page_size
-        if extra_keys is not None and len(extra_keys) < num_tokens:
-            raise ValueError(f"extra_keys has {len(extra_keys)} entries for {num_tokens} tokens")
-        extras = itertools.repeat(None) if extra_keys is None else extra_keys
-        flat = list(zip((int(t) for t in token_ids[:num_tokens]), extras, strict=False))
-        return [
-            tuple(flat[start : start + self.page_size])
-            for start in range(0, num_tokens, self.page_size)
-        ]
+        return page_keys(token_ids, extra_keys, self.page_size)
 
     def _acquire(self, page: int) -> None:
         if self.ref_counts[page] == 0:
@@ -457,6 +449,18 @@ class RadixPrefixCache:
             self.blank_pages.append(page)
 
 
+def page_keys(
+    token_ids: Sequence[int], extra_keys: ExtraKeys | None, page_size: int
+) -> list[PageKey]:
+    """The keys of the full pages of token_ids: one (token id, extra key) per position."""
+    num_tokens = len(token_ids) // page_size * page_size
+    if extra_keys is not None and len(extra_keys) < num_tokens:
+        raise ValueError(f"extra_keys has {len(extra_keys)} entries for {num_tokens} tokens")
+    extras = itertools.repeat(None) if extra_keys is None else extra_keys
+    flat = list(zip((int(t) for t in token_ids[:num_tokens]), extras, strict=False))
+    return [tuple(flat[start : start + page_size]) for start in range(0, num_tokens, page_size)]
+
+
 def chain_hashes(
     token_ids: Sequence[int],
     extra_keys: ExtraKeys | None,
@@ -464,9 +468,8 @@ def chain_hashes(
     namespace: Hashable = "omniflow",
 ) -> list[int]:
     """The chained hashes of a prompt's full pages: hash i names pages 0..i together."""
-    tree = RadixPrefixCache(1, page_size, namespace)
     running, hashes = _namespace_hash(namespace), []
-    for page_key in tree._page_keys(token_ids, extra_keys):
+    for page_key in page_keys(token_ids, extra_keys, page_size):
         running = _chain(running, page_key)
         hashes.append(int.from_bytes(running[:8], "little"))
     return hashes

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,6 @@ from omniflow.cache.kv_share import KVLease, LeaseBook
 from omniflow.cache.lease import Lease
 from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
-from omniflow.cache.ssd import SsdStore
 from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.model_runner import ModelRunner
 from omniflow.engine.page_allocator import PageAllocator
@@ -70,21 +68,9 @@ def _kv_tiers(config: EngineConfig, cache: KVCache, pool: PagePool | None) -> KV
             f"engine config field host_kv_bytes needs prefix_cache='radix', "
             f"not {config.prefix_cache!r}"
         )
-    pages = KVCachePages(cache)
-    if pool is None:
-        return KVTiers.private(pages, config.host_kv_bytes, config.ssd_kv_dir, config.ssd_kv_bytes)
-    ssd = None
-    if config.ssd_kv_dir and config.ssd_kv_bytes > 0:
-        name = f"omniflow-kv-{os.getpid()}"
-        slots = max(1, config.ssd_kv_bytes // pool.page_size)
-        ssd = SsdStore(config.ssd_kv_dir, slots * pool.page_size, pool.page_size, name=name)
-    tiers = KVTiers(pages, pool, max(1, config.host_kv_bytes // pool.page_size), ssd)
-    if tiers.page_nbytes > pool.page_size:
-        raise ValueError(
-            f"engine: a KV page ({tiers.page_nbytes} bytes) is larger than the pool's pages "
-            f"({pool.page_size}); lower page_size or raise [cache] page_size"
-        )
-    return tiers
+    return KVTiers.create(
+        KVCachePages(cache), config.host_kv_bytes, config.ssd_kv_dir, config.ssd_kv_bytes, pool
+    )
 
 
 class LLMEngine:

@@ -178,8 +178,7 @@ class Scheduler:
                 self.allocator.insert(sequence.token_ids[:computed], sequence.page_ids, extra)
 
     def finish(self, sequence: Sequence, reason: str) -> None:
-        if sequence in self.promoting:
-            self.promoting[sequence].future.exception()  # its pages are being written: wait
+        if sequence in self.promoting:  # waits for the copy into its pages to end
             self._finish_promotion(sequence)
         if sequence in self.running:
             self.running.remove(sequence)
