@@ -82,16 +82,21 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     import transformers
 
     transformers.logging.set_verbosity_error()
     folder = build_tiny_model(tempfile.mkdtemp(prefix="omniflow-bench-"), "llama-bench-30m")
-    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=64)
+    config = EngineConfig(device="cpu", dtype=args.dtype, max_num_seqs=64)
     engine = LLMEngine(folder, config)
-    uncached_engine = LLMEngine(folder, EngineConfig(device="cpu", enable_prefix_caching=False))
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    uncached_engine = LLMEngine(
+        folder, EngineConfig(device="cpu", dtype=args.dtype, enable_prefix_caching=False)
+    )
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=getattr(torch, args.dtype)
+    )
     hf_model.eval()
     parameters = sum(p.numel() for p in engine.model.parameters())
     vocab = engine.vocab_size
