@@ -7,8 +7,13 @@ Baselines, measured in the same run and interleaved in rounds (A B C D A B ...):
 ``asyncio_floor`` — the least two asyncio peers can do: uvloop on both sides, a
 reader on each socket's FD, echo the header (no codec, no routing): what any
 event-loop design pays over ``floor`` before doing anything;
+``zmq_asyncio`` — the naive design the actor loop must beat: a zmq.asyncio DEALER
+awaiting ``send``/``recv`` against a zmq.asyncio ROUTER echo (uvloop, no codec);
 ``mp_pipe`` — multiprocessing.Pipe with pickle; ``ray`` — a Ray async actor call.
-Also ``pipeline_rps``: a two-role pipeline driven by 64 concurrent clients.
+Also ``pipeline_rps``: a two-role pipeline driven by 64 concurrent clients, and
+``*_after_idle``: the hop and the floor when each call follows a 5 ms idle gap (as a
+pipeline hop follows a role's compute): on a VM, waking idle threads costs more than
+the hop itself, and back-to-back calls never see it.
 
     python benchmarks/hop.py [--calls 5000] [--rounds 10]
 """
@@ -23,6 +28,7 @@ import sys
 import time
 
 import zmq
+import zmq.asyncio
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import emit, have_ray, pct, short_run_root  # noqa: E402
@@ -33,6 +39,7 @@ from omniflow.messages import Call  # noqa: E402
 from omniflow.transport.codec import encode  # noqa: E402
 
 PAYLOAD = {"text": "x" * 64}
+IDLE_GAP_S = 0.005
 
 
 def _rep_server(address: str, ready) -> None:
@@ -99,6 +106,22 @@ class _AsyncPing:
         self.sock.close(0)
 
 
+def _zmq_asyncio_server(address: str, ready) -> None:
+    import uvloop
+
+    async def serve() -> None:
+        sock = zmq.asyncio.Context().socket(zmq.ROUTER)
+        sock.bind(address)
+        ready.set()
+        while True:
+            identity, msg = await sock.recv_multipart()
+            await sock.send_multipart([identity, msg])
+            if msg == b"stop":
+                break
+
+    uvloop.run(serve())
+
+
 def _pipe_server(conn) -> None:
     while True:
         msg = conn.recv()
@@ -145,6 +168,17 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
     async_ready.wait(30)
     aping = _AsyncPing(zctx, async_address)
 
+    naive_address = f"ipc:///tmp/ofb-naive-{os.getpid()}.sock"
+    naive_ready = spawn.Event()
+    naive = spawn.Process(
+        target=_zmq_asyncio_server, args=(naive_address, naive_ready), daemon=True
+    )
+    naive.start()
+    naive_ready.wait(30)
+
+    naive_sock = zmq.asyncio.Context().socket(zmq.DEALER)
+    naive_sock.connect(naive_address)
+
     parent, child = spawn.Pipe()
     piper = spawn.Process(target=_pipe_server, args=(child,), daemon=True)
     piper.start()
@@ -167,15 +201,21 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         "hop": [],
         "floor": [],
         "asyncio_floor": [],
+        "zmq_asyncio": [],
         "mp_pipe": [],
         "ray": [],
+        "hop_after_idle": [],
+        "floor_after_idle": [],
     }
+    idle_calls = max(1, per_round // 20)
     async with omniflow.Runtime(config(1)) as rt:
         for _ in range(200):  # warm up every path
             await rt.call(PAYLOAD)
             req.send(header)
             req.recv()
             await aping.ping(header)
+            await naive_sock.send(header)
+            await naive_sock.recv()
         for _ in range(rounds):
             for _ in range(per_round):
                 t = time.perf_counter()
@@ -190,6 +230,21 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
                 t = time.perf_counter()
                 await aping.ping(header)
                 samples["asyncio_floor"].append(time.perf_counter() - t)
+            for _ in range(per_round):
+                t = time.perf_counter()
+                await naive_sock.send(header)
+                await naive_sock.recv()
+                samples["zmq_asyncio"].append(time.perf_counter() - t)
+            for _ in range(idle_calls):
+                await asyncio.sleep(IDLE_GAP_S)
+                t = time.perf_counter()
+                await rt.call(PAYLOAD)
+                samples["hop_after_idle"].append(time.perf_counter() - t)
+                time.sleep(IDLE_GAP_S)
+                t = time.perf_counter()
+                req.send(header)
+                req.recv()
+                samples["floor_after_idle"].append(time.perf_counter() - t)
             for _ in range(per_round):
                 t = time.perf_counter()
                 parent.send(PAYLOAD)
@@ -221,6 +276,10 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
     await aping.ping(b"stop")
     aping.close()
     echo.join(5)
+    await naive_sock.send(b"stop")
+    await naive_sock.recv()
+    naive_sock.close(0)
+    naive.join(5)
     parent.send(None)
     rep.join(5)
     piper.join(5)
@@ -237,12 +296,19 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         "pipeline_rps": round(rps, 1),
         "floor_p50_us": round(pct(us["floor"], 50), 1),
         "asyncio_floor_p50_us": round(pct(us["asyncio_floor"], 50), 1),
+        "zmq_asyncio_p50_us": round(pct(us["zmq_asyncio"], 50), 1),
+        "hop_after_idle_p50_us": round(pct(us["hop_after_idle"], 50), 1),
+        "floor_after_idle_p50_us": round(pct(us["floor_after_idle"], 50), 1),
         "mp_pipe_p50_us": round(pct(us["mp_pipe"], 50), 1),
         "ray_p50_us": round(pct(us["ray"], 50), 1) if us["ray"] else None,
     }
     result["hop_over_floor"] = round(result["hop_p50_us"] / result["floor_p50_us"], 2)
     result["asyncio_floor_over_floor"] = round(
         result["asyncio_floor_p50_us"] / result["floor_p50_us"], 2
+    )
+    result["hop_over_zmq_asyncio"] = round(result["hop_p50_us"] / result["zmq_asyncio_p50_us"], 2)
+    result["hop_after_idle_over_floor_after_idle"] = round(
+        result["hop_after_idle_p50_us"] / result["floor_after_idle_p50_us"], 2
     )
     if result["ray_p50_us"]:
         result["ray_over_hop"] = round(result["ray_p50_us"] / result["hop_p50_us"], 2)
