@@ -130,6 +130,19 @@ def _pipe_server(conn) -> None:
         conn.send(msg)
 
 
+async def timed(call, count: int, into: list[float], gap: float = 0.0) -> None:
+    """Time ``count`` calls of ``call`` (a plain function, or one returning an awaitable),
+    each after ``gap`` seconds idle."""
+    for _ in range(count):
+        if gap:
+            await asyncio.sleep(gap)
+        t = time.perf_counter()
+        pending = call()
+        if pending is not None:
+            await pending
+        into.append(time.perf_counter() - t)
+
+
 def config(roles: int):
     names = [f"noop{i}" for i in range(roles)]
     edges = [{"from": "input", "to": names[0]}]
@@ -208,53 +221,37 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         "floor_after_idle": [],
     }
     idle_calls = max(1, per_round // 20)
+
+    def floor_call() -> None:
+        req.send(header)
+        req.recv()
+
+    async def zmq_asyncio_call() -> None:
+        await naive_sock.send(header)
+        await naive_sock.recv()
+
+    def pipe_call() -> None:
+        parent.send(PAYLOAD)
+        parent.recv()
+
     async with omniflow.Runtime(config(1)) as rt:
-        for _ in range(200):  # warm up every path
-            await rt.call(PAYLOAD)
-            req.send(header)
-            req.recv()
-            await aping.ping(header)
-            await naive_sock.send(header)
-            await naive_sock.recv()
+        subjects = {  # (call, calls per round); interleaved in this order every round
+            "hop": (lambda: rt.call(PAYLOAD), per_round),
+            "floor": (floor_call, per_round),
+            "asyncio_floor": (lambda: aping.ping(header), per_round),
+            "zmq_asyncio": (zmq_asyncio_call, per_round),
+            "mp_pipe": (pipe_call, per_round),
+        }
+        if ray_actor is not None:
+            subjects["ray"] = (lambda: ray_actor.call.remote(PAYLOAD), max(1, per_round // 5))
+        for name, (call, _) in subjects.items():  # warm up every path
+            if name != "ray":
+                await timed(call, 200, [])
         for _ in range(rounds):
-            for _ in range(per_round):
-                t = time.perf_counter()
-                await rt.call(PAYLOAD)
-                samples["hop"].append(time.perf_counter() - t)
-            for _ in range(per_round):
-                t = time.perf_counter()
-                req.send(header)
-                req.recv()
-                samples["floor"].append(time.perf_counter() - t)
-            for _ in range(per_round):
-                t = time.perf_counter()
-                await aping.ping(header)
-                samples["asyncio_floor"].append(time.perf_counter() - t)
-            for _ in range(per_round):
-                t = time.perf_counter()
-                await naive_sock.send(header)
-                await naive_sock.recv()
-                samples["zmq_asyncio"].append(time.perf_counter() - t)
-            for _ in range(idle_calls):
-                await asyncio.sleep(IDLE_GAP_S)
-                t = time.perf_counter()
-                await rt.call(PAYLOAD)
-                samples["hop_after_idle"].append(time.perf_counter() - t)
-                time.sleep(IDLE_GAP_S)
-                t = time.perf_counter()
-                req.send(header)
-                req.recv()
-                samples["floor_after_idle"].append(time.perf_counter() - t)
-            for _ in range(per_round):
-                t = time.perf_counter()
-                parent.send(PAYLOAD)
-                parent.recv()
-                samples["mp_pipe"].append(time.perf_counter() - t)
-            if ray_actor is not None:
-                for _ in range(max(1, per_round // 5)):
-                    t = time.perf_counter()
-                    await ray_actor.call.remote(PAYLOAD)
-                    samples["ray"].append(time.perf_counter() - t)
+            for name, (call, count) in subjects.items():
+                await timed(call, count, samples[name])
+            await timed(subjects["hop"][0], idle_calls, samples["hop_after_idle"], IDLE_GAP_S)
+            await timed(floor_call, idle_calls, samples["floor_after_idle"], IDLE_GAP_S)
 
     async with omniflow.Runtime(config(2)) as rt:
         await asyncio.gather(*(rt.call(PAYLOAD) for _ in range(clients)))

@@ -227,8 +227,7 @@ class Client:
         # Every request gets a deadline: a branch lost with a dead replica ends in
         # `deadline` instead of a wait without end.
         timeout = timeout or self.config.runtime.request_timeout_s
-        now = time.time()
-        deadline = now + timeout if timeout else 0.0
+        deadline = time.time() + timeout if timeout else 0.0
         call = Call(
             request_id,
             "",
@@ -247,11 +246,10 @@ class Client:
                     Code.BAD_REQUEST.value, "no role accepts this input", "client", request_id
                 )
             await fanout.finish(FULL_CREDIT, [], {})
-        except RouteError as e:
+        except BaseException as e:
             self._end(request_id, fanout, False)
-            raise RequestFailed(e.code, str(e), "client", request_id) from None
-        except BaseException:
-            self._end(request_id, fanout, False)
+            if isinstance(e, RouteError):
+                raise RequestFailed(e.code, str(e), "client", request_id) from None
             raise
         return request_id, deadline, fanout
 

@@ -90,16 +90,17 @@ class KVTiers:
         at once: nothing to clean up if the process dies."""
         name = f"omniflow-kv-{os.getpid()}-{next(_ids)}"
         owns_pool = pool is None
+        page_nbytes = _page_nbytes(device)
+        # One pool page per KV page: a private pool is sized in whole KV pages.
+        host_pages = max(1, host_bytes // (page_nbytes if pool is None else pool.page_size))
         if pool is None:
-            block = max(4096, 1 << (_page_nbytes(device) - 1).bit_length())
-            pages = max(1, host_bytes // _page_nbytes(device))
-            pool = PagePool.create(name, pages * block, block, populate=False, pin=False)
+            block = max(4096, 1 << (page_nbytes - 1).bit_length())
+            pool = PagePool.create(name, host_pages * block, block, populate=False, pin=False)
             pool.unlink()
         ssd = None
         if ssd_dir and ssd_bytes > 0:
             slots = max(1, ssd_bytes // pool.page_size)
             ssd = SsdStore(ssd_dir, slots * pool.page_size, pool.page_size, name=name, sync=False)
-        host_pages = max(1, host_bytes // (_page_nbytes(device) if owns_pool else pool.page_size))
         return cls(device, pool, host_pages, ssd, owns_pool=owns_pool)
 
     # ------------------------------------------------------------ capacity

@@ -164,7 +164,7 @@ class Outbox:
         deadline = loop.time() + (self.send_timeout if timeout is None else timeout)
         fd = fd_of(sock)
         while True:
-            if int(sock.getsockopt(_EVENTS)) & _POLLOUT and self.try_send(address, parts):
+            if int(sock.get(_EVENTS)) & _POLLOUT and self.try_send(address, parts):
                 return
             remaining = deadline - loop.time()
             if remaining <= 0:
