@@ -10,6 +10,7 @@ one ``Fail`` to the client and a ``Cancel`` to everything downstream.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
@@ -125,6 +126,7 @@ class ActorHost:
         self._joins = JoinBuffer(self.role)
         self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
         self._is_gen = inspect.isasyncgenfunction(actor.handle)
+        self._eager = actor.eager and not self._is_gen
         self.accepting = True
         self.served = 0
         self.bad_messages = 0
@@ -182,22 +184,31 @@ class ActorHost:
                 return self._reject(call, Code.OVERLOADED, f"{self.role} queue is full")
             if call.deadline and call.deadline <= time.time():
                 return self._reject(call, Code.DEADLINE, "deadline passed before it started")
-            stream = self._open(call, key)
             if call.seq == 0 and call.last:
-                if self.actor.eager:
-                    self._start(stream, self._run_single(stream, call, parts))
+                if self._eager and self._slots.take():
+                    return self._run_eager(call, key, parts)
+                stream = self._open(call, key)
+                run = self._run_single(stream, call, parts)
+                if self.actor.eager:  # an eager generator: no Task until it suspends
+                    self._start(stream, run)
                 else:
-                    stream.task = asyncio.create_task(self._run_single(stream, call, parts))
+                    stream.task = asyncio.create_task(run)
                 return
+            stream = self._open(call, key)
             stream.queue = asyncio.Queue()
             stream.task = asyncio.create_task(self._run_stream(stream))
         assert stream.queue is not None, "a single-chunk request got a second chunk"
         stream.queue.put_nowait((call, parts))
 
-    def _open(self, call: Call, key: tuple[str, int]) -> _Stream:
-        ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, None)
-        stream = _Stream(call, Fanout(self.router, self.role, call), ctx)
-        ctx._sink = stream.fanout.output
+    def _open(
+        self, call: Call, key: tuple[str, int], fanout: Fanout | None = None, ctx: Any = None
+    ) -> _Stream:
+        if ctx is None:
+            fanout = Fanout(self.router, self.role, call)
+            ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, None)
+            ctx._sink = fanout.output
+        assert fanout is not None
+        stream = _Stream(call, fanout, ctx)
         self._streams[key] = stream
         self._idle.clear()
         return stream
@@ -223,6 +234,102 @@ class ActorHost:
 
     # ------------------------------------------------------------------ running
 
+    def _run_eager(self, call: Call, key: tuple[str, int], parts: list[Any]) -> None:
+        """A single-chunk request to an eager actor, run inside the reader callback.
+
+        It holds a slot already. A handler that returns without suspending, and whose
+        output leaves with one send, costs no Task, no ``_Stream`` and no coroutine
+        besides the handler's own: the Done (or the next hop's Call) goes out from
+        here. Anything else (a suspension, an exception, a finish that must wait)
+        moves the request into the general path from where it stands.
+        """
+        arrived = time.time()
+        fanout = Fanout(self.router, self.role, call)
+        ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, fanout.output)
+        tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
+        request = Request(call.request_id, call.data, tensors, call.params, call.session, 0, True)
+        started = time.perf_counter()
+        coro = self.actor.handle(request, ctx)
+        try:
+            suspended = coro.send(None)
+        except StopIteration as stop:
+            out = stop.value
+        except Exception as e:
+            self._slots.release()
+            stream = self._adopt(call, key, fanout, ctx, arrived)
+            self._start(stream, self._end_failed(stream, e))
+            return
+        else:  # it waits for something: the rest runs in a Task, under the same slot
+            stream = self._adopt(call, key, fanout, ctx, arrived)
+            work = functools.partial(self._continue, stream, coro, suspended, started)
+            self._start(stream, self._run_with_limits(stream, work, slotted=True))
+            return
+        compute = time.perf_counter() - started
+        self._slots.release()
+        usage = call.usage
+        if ctx.usage:
+            usage = dict(usage)
+            for k, v in ctx.usage.items():
+                usage[k] = usage.get(k, 0) + v
+        timings = [
+            *call.timings,
+            Timing(self.role, self.actor.replica, compute * 1e3, arrived, time.time()),
+        ]
+        try:
+            rest = fanout.finish_now(call.credit, timings, usage, out)
+        except Exception as e:
+            stream = self._adopt(call, key, fanout, ctx, arrived)
+            self._start(stream, self._end_failed(stream, e))
+            return
+        if rest is not None:  # the peer's queue is full, or the finish is not a plain one
+            stream = self._adopt(call, key, fanout, ctx, arrived)
+            self._start(stream, self._end_after(stream, rest))
+            return
+        self.served += 1
+        if call.tensors:
+            release_all([ref for ref in call.tensors.values() if not isinstance(ref, Frame)])
+        for lease in ctx.held:
+            lease.release()
+        if fanout.addresses:  # a late Cancel must still reach the next hop
+            self._remember(key, fanout.addresses)
+
+    def _adopt(
+        self, call: Call, key: tuple[str, int], fanout: Fanout, ctx: Context, arrived: float
+    ) -> _Stream:
+        """The general path's state for an eager request that could not end inline."""
+        stream = self._open(call, key, fanout, ctx)
+        stream.arrived = arrived
+        self._account(stream, call)
+        return stream
+
+    async def _continue(self, stream: _Stream, coro: Any, suspended: Any, started: float) -> None:
+        try:
+            out = await _carry_on(coro, suspended)
+        finally:
+            stream.compute += time.perf_counter() - started
+        if stream.ctx.usage:
+            for k, v in stream.ctx.usage.items():
+                stream.usage[k] = stream.usage.get(k, 0) + v
+            stream.ctx.usage = {}
+        stream.last_output = out
+
+    async def _end_after(self, stream: _Stream, rest: Any) -> None:
+        """Await what an inline finish left to wait for (usually a full send queue)."""
+        stream.finishing = True
+        try:
+            await rest
+            self.served += 1
+        except (asyncio.CancelledError, Exception) as e:
+            await self._failed(stream, e)
+        finally:
+            self._close(stream)
+
+    async def _end_failed(self, stream: _Stream, error: BaseException) -> None:
+        try:
+            await self._failed(stream, error)
+        finally:
+            self._close(stream)
+
     def _start(self, stream: _Stream, coro: Any) -> None:
         """Run a request now, up to its first suspension; it gets a Task only if it suspends.
 
@@ -239,8 +346,11 @@ class ActorHost:
         stream.task = asyncio.get_running_loop().create_task(resumed)
 
     async def _run_single(self, stream: _Stream, call: Call, parts: list[Any]) -> None:
+        await self._run_with_limits(stream, lambda: self._handle_chunk(stream, call, parts))
+
+    async def _run_with_limits(self, stream: _Stream, work: Any, slotted: bool = False) -> None:
         try:
-            await self._with_limits(stream, lambda: self._handle_chunk(stream, call, parts))
+            await self._with_limits(stream, work, slotted)
         finally:
             self._close(stream)
 
@@ -262,13 +372,16 @@ class ActorHost:
         finally:
             self._close(stream)
 
-    async def _with_limits(self, stream: _Stream, work: Any) -> None:
-        """Run ``work()`` under the concurrency slots and the deadline, then finish."""
+    async def _with_limits(self, stream: _Stream, work: Any, slotted: bool = False) -> None:
+        """Run ``work()`` under the concurrency slots and the deadline, then finish.
+
+        ``slotted``: the request holds its slot already.
+        """
         call = stream.call
         try:
             if call.deadline and self._sweeper is None:
                 self._watch_deadlines()
-            if not self._slots.take():
+            if not slotted and not self._slots.take():
                 await self._slots.wait()
             try:
                 await work()
@@ -284,18 +397,28 @@ class ActorHost:
                 stream.credit, stream.timings, stream.usage, stream.last_output
             )
             self.served += 1
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, Exception) as e:
+            await self._failed(stream, e)
+
+    async def _failed(self, stream: _Stream, error: BaseException) -> None:
+        """End a request that raised ``error``: one Fail to the client, Cancels downstream."""
+        if isinstance(error, asyncio.CancelledError):
             if stream.expired:
                 await self._fail(stream, Code.DEADLINE, f"deadline exceeded in {self.role}")
-                return
-            self._cancel_downstream(stream, "cancelled")
-        except BadRequest as e:
-            await self._fail(stream, Code.BAD_REQUEST, str(e))
-        except (TensorError, RouteError) as e:
-            await self._fail(stream, getattr(e, "code", Code.BAD_REQUEST), str(e))
-        except Exception as e:  # the handler's bug fails this request, not the actor
-            log.exception("%s: request %s failed", self.role, call.request_id)
-            await self._fail(stream, Code.ERROR, f"{type(e).__name__}: {e}")
+            else:
+                self._cancel_downstream(stream, "cancelled")
+        elif isinstance(error, BadRequest):
+            await self._fail(stream, Code.BAD_REQUEST, str(error))
+        elif isinstance(error, (TensorError, RouteError)):
+            await self._fail(stream, getattr(error, "code", Code.BAD_REQUEST), str(error))
+        else:  # the handler's bug fails this request, not the actor
+            log.error(
+                "%s: request %s failed",
+                self.role,
+                stream.call.request_id,
+                exc_info=(type(error), error, error.__traceback__),
+            )
+            await self._fail(stream, Code.ERROR, f"{type(error).__name__}: {error}")
 
     @staticmethod
     def _account(stream: _Stream, call: Call) -> None:
@@ -390,11 +513,14 @@ class ActorHost:
             stream.ctx.held = []
         key = (stream.call.request_id, stream.call.hops)
         self._streams.pop(key, None)
-        self._finished[key] = stream.fanout.addresses
-        while len(self._finished) > _FINISHED_MEMORY:
-            self._finished.popitem(last=False)
+        self._remember(key, stream.fanout.addresses)
         if not self._streams:
             self._idle.set()
+
+    def _remember(self, key: tuple[str, int], addresses: set[str]) -> None:
+        self._finished[key] = addresses
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
 
     def _watch_deadlines(self) -> None:
         """One timer for every deadline in flight: cheaper than a timeout per request."""
@@ -431,6 +557,21 @@ class ActorHost:
                 if stream.task is not None:
                     stream.task.cancel()
             return False
+
+
+@types.coroutine
+def _carry_on(coro: Any, suspended: Any) -> Any:
+    """Go on with ``coro`` from where ``coro.send`` left it: waiting on ``suspended``."""
+    while True:
+        try:
+            arg = yield suspended
+            step = coro.send
+        except BaseException as e:  # a cancel (or any throw) goes on to the coroutine
+            step, arg = coro.throw, e
+        try:
+            suspended = step(arg)
+        except StopIteration as stop:
+            return stop.value
 
 
 @types.coroutine

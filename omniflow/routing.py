@@ -12,7 +12,7 @@ share is split over the branches it opened, or returned to the client in a
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from omniflow.actor import split_output
@@ -203,8 +203,20 @@ class Fanout:
         timings: list[Timing] | None = None,
         usage: dict[str, int] | None = None,
     ) -> None:
+        msg = self._chunk(branch, data, last, credit, timings, usage)
+        await self._deliver(branch, msg, tensors)
+
+    def _chunk(
+        self,
+        branch: _Branch,
+        data: dict,
+        last: bool,
+        credit: int,
+        timings: list[Timing] | None,
+        usage: dict[str, int] | None,
+    ) -> Call:
         c = self.call
-        msg = Call(
+        return Call(
             c.request_id,
             branch.role,
             c.reply_to,
@@ -223,6 +235,8 @@ class Fanout:
             c.hops + 1,
             branch.loops,
         )
+
+    async def _deliver(self, branch: _Branch, msg: Call, tensors: dict) -> None:
         while True:
             try:
                 link = self.router.link(branch.record) if tensors else _NO_LINK
@@ -237,6 +251,9 @@ class Fanout:
                         "unavailable", f"replica {branch.record.actor_id} did not take the request"
                     ) from None
                 branch.record = self._pick(branch.role, frozenset({branch.record.actor_id}))
+        self._sent(branch)
+
+    def _sent(self, branch: _Branch) -> None:
         self.addresses.add(branch.record.endpoint)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -244,10 +261,63 @@ class Fanout:
                 self.src,
                 branch.record.actor_id,
                 branch.record.pid,
-                c.request_id,
+                self.call.request_id,
                 branch.seq,
             )
         branch.seq += 1
+
+    def finish_now(
+        self,
+        credit: int,
+        timings: list[Timing],
+        usage: dict[str, int],
+        last_output: Mapping[str, Any] | None = None,
+    ) -> Awaitable[None] | None:
+        """``finish`` from synchronous code; None when it ended with no wait.
+
+        The common ends (a Done back to the client, or one plain Call to the next
+        role, with no tensors) go out at once when the peer's queue takes them.
+        Otherwise this returns what is left to await, with nothing of it started.
+        """
+        if self.branches:
+            return self.finish(credit, timings, usage, last_output)
+        routes: list = []
+        data: dict[str, Any] = {}
+        if last_output is not None:
+            data, tensors = split_output(last_output)
+            if tensors:
+                return self.finish(credit, timings, usage, last_output)
+            routes = self.router.plan.route(
+                self.src, self.call.params, last_output, self.call.loops
+            )
+        outbox = self.router.outbox
+        if not routes:
+            if last_output is None:
+                done = Done(self.call.request_id, self.src, credit, timings, usage)
+            else:
+                done = Done(
+                    self.call.request_id, self.src, credit, timings, usage, self.emitted, data
+                )
+                self.emitted += 1
+            frames = [encode(done)]
+            if outbox.try_send(self.call.reply_to, frames):
+                return None
+            return outbox.send(self.call.reply_to, frames)
+        route = routes[0]
+        if len(routes) > 1 or route.join is not None or self.call.join or route.edge.stream:
+            return self.finish(credit, timings, usage, last_output)
+        branch = self._open(route.edge, None, data)
+        branch.data = data
+        msg = self._chunk(branch, data, True, credit, timings, usage)
+        if not outbox.try_send(branch.record.endpoint, [encode(msg)]):
+            return self._deliver_last(branch, msg)
+        self._sent(branch)
+        self.router.policies[branch.role].on_done(branch.record.actor_id)
+        return None
+
+    async def _deliver_last(self, branch: _Branch, msg: Call) -> None:
+        await self._deliver(branch, msg, {})
+        self.router.policies[branch.role].on_done(branch.record.actor_id)
 
     async def finish(
         self,

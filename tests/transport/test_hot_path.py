@@ -10,28 +10,37 @@ from omniflow.actor import Actor, Context, Request
 from omniflow.balance import make_policy
 from omniflow.graph import Graph
 from omniflow.host import ActorHost
-from omniflow.messages import Call, Cancel, Done, Fail
+from omniflow.messages import ActorRecord, Call, Cancel, Done, Fail
 from omniflow.routing import Router
 from omniflow.transport.codec import decode, encode
 
 
 class _View:
     def replicas(self, role: str) -> list:
-        return []
+        return [ActorRecord(role, 0, 1, f"ipc://{role}", "host")] if role == "next" else []
 
     def find(self, actor_id: str) -> None:
         return None
 
 
 class _Outbox:
+    """Records what was sent, and to where; ``full`` makes every try_send refuse."""
+
     def __init__(self) -> None:
         self.sent: list[Any] = []
+        self.to: list[str] = []
+        self.full = False
 
     def try_send(self, address: str, parts: list[Any]) -> bool:
+        if self.full:
+            return False
         self.sent.append(decode(parts[0]))
+        self.to.append(address)
         return True
 
     async def send(self, address: str, parts: list[Any], timeout: float | None = None) -> None:
+        await asyncio.sleep(0.01)  # the peer's queue drains
+        self.full = False
         self.try_send(address, parts)
 
     def post(self, address: str, parts: list[Any]) -> None:
@@ -60,11 +69,17 @@ class _TimedRole(Actor):
             return {"task": asyncio.current_task() is not None}
 
 
-def _host(actor: Actor | None = None) -> tuple[ActorHost, _Outbox]:
+def _host(actor: Actor | None = None, onward: bool = False) -> tuple[ActorHost, _Outbox]:
+    """A host for ``role``; with ``onward``, its outputs go on to a role ``next``."""
     graph = Graph()
     graph.edge("input", "role")
+    roles = {"role"}
+    if onward:
+        graph.edge("role", "next")
+        roles.add("next")
     outbox = _Outbox()
-    router = Router(graph.compile({"role"}), _View(), outbox, {"role": make_policy("round_robin")})
+    policies = {r: make_policy("round_robin") for r in roles}
+    router = Router(graph.compile(roles), _View(), outbox, policies)
     actor = actor or _Role("role", 0)
     return ActorHost(actor, router, max_concurrency=1), outbox  # type: ignore[arg-type]
 
@@ -117,6 +132,52 @@ async def _a_default_actor_starts_in_a_task() -> None:
     await asyncio.wait_for(host._idle.wait(), 5)
     (done,) = outbox.sent
     assert isinstance(done, Done) and done.data == {"task": True}
+
+
+async def _a_failure_before_suspending_is_one_fail_and_frees_the_slot() -> None:
+    host, outbox = _host()
+    host.on_message(b"id", _call("f", fail=True))
+    await asyncio.wait_for(host._idle.wait(), 5)
+    host.on_message(b"id", _call("g", text="after"))  # the only slot is free again
+    fail, done = outbox.sent
+    assert isinstance(fail, Fail) and fail.code == "error" and fail.request_id == "f"
+    assert isinstance(done, Done) and done.data == {"text": "after!"} and host.inflight == 0
+
+
+async def _an_inline_hop_carries_credit_timings_and_takes_late_cancels() -> None:
+    host, outbox = _host(onward=True)
+    host.on_message(b"id", _call("h", text="on"))
+    (call,) = outbox.sent  # the next hop's Call left from the reader
+    assert isinstance(call, Call) and outbox.to == ["ipc://next"]
+    assert call.role == "next" and call.data == {"text": "on!"} and call.last
+    assert call.credit == 5 and call.hops == 1 and call.origin == "role"
+    assert [t.role for t in call.timings] == ["role"] and host.inflight == 0
+    host.on_message(b"id", [encode(Cancel("h"))])  # after it ended here: forwarded onward
+    await asyncio.sleep(0)
+    assert isinstance(outbox.sent[-1], Cancel) and outbox.to[-1] == "ipc://next"
+
+
+async def _a_full_peer_queue_moves_the_finish_into_a_task() -> None:
+    for onward, expect in ((False, Done), (True, Call)):
+        host, outbox = _host(onward=onward)
+        outbox.full = True
+        host.on_message(b"id", _call("q", text="wait"))
+        assert not outbox.sent and host.inflight == 1  # held until the queue takes it
+        await asyncio.wait_for(host._idle.wait(), 5)
+        (msg,) = outbox.sent
+        assert isinstance(msg, expect) and msg.data == {"text": "wait!"} and msg.credit == 5
+
+
+def test_a_failure_before_suspending_is_one_fail_and_frees_the_slot() -> None:
+    asyncio.run(_a_failure_before_suspending_is_one_fail_and_frees_the_slot())
+
+
+def test_an_inline_hop_carries_credit_timings_and_takes_late_cancels() -> None:
+    asyncio.run(_an_inline_hop_carries_credit_timings_and_takes_late_cancels())
+
+
+def test_a_full_peer_queue_moves_the_finish_into_a_task() -> None:
+    asyncio.run(_a_full_peer_queue_moves_the_finish_into_a_task())
 
 
 def test_a_default_actor_starts_in_a_task() -> None:
