@@ -14,10 +14,10 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 
@@ -25,6 +25,7 @@ from omniflow.balance import make_policy
 from omniflow.config import Config
 from omniflow.discovery import open_registry
 from omniflow.discovery.view import RegistryView
+from omniflow.graph import INPUT
 from omniflow.messages import Call, Cancel, Code, DataMessage, Done, Emit, Fail, Timing
 from omniflow.routing import FULL_CREDIT, Fanout, RouteError, Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
@@ -189,9 +190,11 @@ class Client:
         cancels the request everywhere it went.
         """
         queue: asyncio.Queue = asyncio.Queue()
-        request_id, deadline, fanout = await self._send(
+        request_id, deadline, fanout, rest = self._open(
             inputs, params, session, timeout, request_id, queue.put_nowait
         )
+        if rest is not None:
+            await self._sent(request_id, fanout, rest)
         finished = False
         try:
             while True:
@@ -213,7 +216,7 @@ class Client:
         finally:
             self._end(request_id, fanout, finished)
 
-    async def _send(
+    def _open(
         self,
         inputs: Mapping[str, Any] | None,
         params: Mapping[str, Any] | None,
@@ -221,8 +224,12 @@ class Client:
         timeout: float | None,
         request_id: str | None,
         push: Any,
-    ) -> tuple[str, float, Fanout]:
-        """Route a new request's first hop; its events go to ``push``."""
+    ) -> tuple[str, float, Fanout, Awaitable[None] | None]:
+        """Start a new request: route its first hop; its events go to ``push``.
+
+        The first hop leaves from here when the entry replica's queue takes it; else
+        the last item is what is left to await (``_sent`` it).
+        """
         request_id = request_id or f"{self._id_prefix}{next(self._ids):x}"
         # Every request gets a deadline: a branch lost with a dead replica ends in
         # `deadline` instead of a wait without end.
@@ -238,20 +245,24 @@ class Client:
             origin="client",
         )
         self._pending[request_id] = _Pending(push, deadline + 1.0 if deadline else 0.0)
-        fanout = Fanout(self.router, "input", call)
+        fanout = Fanout(self.router, INPUT, call)
         try:
-            await fanout.output(dict(inputs or {}))
-            if not fanout.branches:
-                raise RequestFailed(
-                    Code.BAD_REQUEST.value, "no role accepts this input", "client", request_id
-                )
-            await fanout.finish(FULL_CREDIT, [], {})
+            rest = fanout.finish_now(FULL_CREDIT, [], {}, dict(inputs or {}))
         except BaseException as e:
-            self._end(request_id, fanout, False)
-            if isinstance(e, RouteError):
-                raise RequestFailed(e.code, str(e), "client", request_id) from None
-            raise
-        return request_id, deadline, fanout
+            self._failed_to_send(request_id, fanout, e)
+        return request_id, deadline, fanout, rest
+
+    async def _sent(self, request_id: str, fanout: Fanout, rest: Awaitable[None]) -> None:
+        try:
+            await rest
+        except BaseException as e:
+            self._failed_to_send(request_id, fanout, e)
+
+    def _failed_to_send(self, request_id: str, fanout: Fanout, error: BaseException) -> NoReturn:
+        self._end(request_id, fanout, False)
+        if isinstance(error, RouteError):
+            raise RequestFailed(error.code, str(error), "client", request_id) from None
+        raise error
 
     def _end(self, request_id: str, fanout: Fanout, finished: bool) -> None:
         """Forget a request; one left unfinished is cancelled everywhere it went."""
@@ -278,9 +289,11 @@ class Client:
         wait is bounded by one sweep timer per client, not a timer per call.
         """
         collect = _Collect(asyncio.get_running_loop().create_future())
-        request_id, deadline, fanout = await self._send(
+        request_id, deadline, fanout, rest = self._open(
             inputs, params, session, timeout, request_id, collect
         )
+        if rest is not None:
+            await self._sent(request_id, fanout, rest)
         finished = False
         if deadline and self._sweeper is None:
             self._watch_patience()

@@ -18,8 +18,8 @@ from typing import Any
 from omniflow.actor import split_output
 from omniflow.balance import NoReplicaError, PickKey, prefix_chain
 from omniflow.discovery.view import RegistryView
-from omniflow.graph import Plan
-from omniflow.messages import ActorRecord, Call, Done, Emit, Join, Timing
+from omniflow.graph import INPUT, Plan
+from omniflow.messages import ActorRecord, Call, Code, Done, Emit, Join, Timing
 from omniflow.transport.codec import encode, export_tensors
 from omniflow.transport.endpoint import Outbox, PeerUnavailable
 from omniflow.transport.tensors import Link
@@ -118,7 +118,7 @@ class Fanout:
     async def output(self, output: Mapping[str, Any]) -> None:
         data, tensors = split_output(output)
         routes = self.router.plan.route(self.src, self.call.params, output, self.call.loops)
-        if not routes and self.src == "input":
+        if not routes and self.src == INPUT:
             return  # the client checks that some role took the request
         if not routes:
             emit = Emit(self.call.request_id, self.src, self.emitted, data)
@@ -292,6 +292,8 @@ class Fanout:
             )
         outbox = self.router.outbox
         if not routes:
+            if self.src == INPUT:
+                raise RouteError(Code.BAD_REQUEST.value, "no role accepts this input")
             if last_output is None:
                 done = Done(self.call.request_id, self.src, credit, timings, usage)
             else:
@@ -337,6 +339,8 @@ class Fanout:
                 self.src, self.call.params, last_output, self.call.loops
             ):
                 await self.output(last_output)
+            elif self.src == INPUT:
+                raise RouteError(Code.BAD_REQUEST.value, "no role accepts this input")
             else:
                 data, tensors = split_output(last_output)
                 done = Done(
