@@ -14,11 +14,11 @@ import functools
 import inspect
 import logging
 import time
-import types
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any
 
 from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.inflight import Slots, Stream, carry_on, resume
 from omniflow.join import JoinBuffer
 from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing
 from omniflow.routing import Fanout, RouteError, Router
@@ -29,84 +29,6 @@ log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
 _FINISHED_MEMORY = 4096  # finished requests whose downstream a late Cancel must still reach
 _DEADLINE_TICK = 0.02  # seconds: how late past its deadline a request may be failed
-
-
-class _Stream:
-    """A request in flight at this actor."""
-
-    __slots__ = (
-        "call",
-        "queue",
-        "task",
-        "fanout",
-        "credit",
-        "ctx",
-        "compute",
-        "timings",
-        "usage",
-        "last_output",
-        "arrived",
-        "refs",
-        "expired",
-        "finishing",
-    )
-
-    def __init__(self, call: Call, fanout: Fanout, ctx: Context) -> None:
-        self.call = call
-        self.queue: asyncio.Queue | None = None
-        self.task: asyncio.Task | None = None
-        self.fanout = fanout
-        self.ctx = ctx
-        self.credit = 0
-        self.compute = 0.0
-        self.timings: list[Timing] = []
-        self.usage: dict[str, int] = {}
-        self.last_output: Any = None
-        self.arrived = time.time()
-        self.refs: list[Any] = []  # pool handles of its inputs, released when it ends
-        self.expired = False  # cancelled by the deadline sweep
-        self.finishing = False
-
-
-class _Slots:
-    """How many requests may run the handler at once; a Future only when none is free.
-
-    asyncio.Semaphore costs a few microseconds per request even uncontended (two
-    coroutines and a scan of its waiters); this is an integer on the fast path.
-    """
-
-    __slots__ = ("free", "_waiters")
-
-    def __init__(self, n: int) -> None:
-        self.free = n
-        self._waiters: deque[asyncio.Future] = deque()
-
-    def take(self) -> bool:
-        if self.free > 0 and not self._waiters:
-            self.free -= 1
-            return True
-        return False
-
-    async def wait(self) -> None:
-        """Wait for a slot, in arrival order; ``release`` hands it over directly."""
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release()  # handed a slot as the cancel came in: pass it on
-            elif fut in self._waiters:
-                self._waiters.remove(fut)
-            raise
-
-    def release(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self.free += 1
 
 
 class ActorHost:
@@ -120,9 +42,9 @@ class ActorHost:
         self.actor = actor
         self.role = actor.role
         self.router = router
-        self._slots = _Slots(max_concurrency)
+        self._slots = Slots(max_concurrency)
         self._max_pending = max_concurrency + max_queue
-        self._streams: dict[tuple[str, int], _Stream] = {}  # (request id, hops)
+        self._streams: dict[tuple[str, int], Stream] = {}  # (request id, hops)
         self._joins = JoinBuffer(self.role)
         self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
         self._is_gen = inspect.isasyncgenfunction(actor.handle)
@@ -202,13 +124,13 @@ class ActorHost:
 
     def _open(
         self, call: Call, key: tuple[str, int], fanout: Fanout | None = None, ctx: Any = None
-    ) -> _Stream:
+    ) -> Stream:
         if ctx is None:
             fanout = Fanout(self.router, self.role, call)
             ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, None)
             ctx._sink = fanout.output
         assert fanout is not None
-        stream = _Stream(call, fanout, ctx)
+        stream = Stream(call, fanout, ctx)
         self._streams[key] = stream
         self._idle.clear()
         return stream
@@ -238,7 +160,7 @@ class ActorHost:
         """A single-chunk request to an eager actor, run inside the reader callback.
 
         It holds a slot already. A handler that returns without suspending, and whose
-        output leaves with one send, costs no Task, no ``_Stream`` and no coroutine
+        output leaves with one send, costs no Task, no ``Stream`` and no coroutine
         besides the handler's own: the Done (or the next hop's Call) goes out from
         here. Anything else (a suspension, an exception, a finish that must wait)
         moves the request into the general path from where it stands.
@@ -295,16 +217,16 @@ class ActorHost:
 
     def _adopt(
         self, call: Call, key: tuple[str, int], fanout: Fanout, ctx: Context, arrived: float
-    ) -> _Stream:
+    ) -> Stream:
         """The general path's state for an eager request that could not end inline."""
         stream = self._open(call, key, fanout, ctx)
         stream.arrived = arrived
         self._account(stream, call)
         return stream
 
-    async def _continue(self, stream: _Stream, coro: Any, suspended: Any, started: float) -> None:
+    async def _continue(self, stream: Stream, coro: Any, suspended: Any, started: float) -> None:
         try:
-            out = await _carry_on(coro, suspended)
+            out = await carry_on(coro, suspended)
         finally:
             stream.compute += time.perf_counter() - started
         if stream.ctx.usage:
@@ -313,7 +235,7 @@ class ActorHost:
             stream.ctx.usage = {}
         stream.last_output = out
 
-    async def _end_after(self, stream: _Stream, rest: Any) -> None:
+    async def _end_after(self, stream: Stream, rest: Any) -> None:
         """Await what an inline finish left to wait for (usually a full send queue)."""
         stream.finishing = True
         try:
@@ -324,13 +246,13 @@ class ActorHost:
         finally:
             self._close(stream)
 
-    async def _end_failed(self, stream: _Stream, error: BaseException) -> None:
+    async def _end_failed(self, stream: Stream, error: BaseException) -> None:
         try:
             await self._failed(stream, error)
         finally:
             self._close(stream)
 
-    def _start(self, stream: _Stream, coro: Any) -> None:
+    def _start(self, stream: Stream, coro: Any) -> None:
         """Run a request now, up to its first suspension; it gets a Task only if it suspends.
 
         Most hops (a pass-through, a cache hit, a handler that only enqueues work) end
@@ -341,20 +263,20 @@ class ActorHost:
             suspended = coro.send(None)
         except StopIteration:
             return
-        resumed = _resume(coro, suspended)
+        resumed = resume(coro, suspended)
         resumed.send(None)
         stream.task = asyncio.get_running_loop().create_task(resumed)
 
-    async def _run_single(self, stream: _Stream, call: Call, parts: list[Any]) -> None:
+    async def _run_single(self, stream: Stream, call: Call, parts: list[Any]) -> None:
         await self._run_with_limits(stream, lambda: self._handle_chunk(stream, call, parts))
 
-    async def _run_with_limits(self, stream: _Stream, work: Any, slotted: bool = False) -> None:
+    async def _run_with_limits(self, stream: Stream, work: Any, slotted: bool = False) -> None:
         try:
             await self._with_limits(stream, work, slotted)
         finally:
             self._close(stream)
 
-    async def _run_stream(self, stream: _Stream) -> None:
+    async def _run_stream(self, stream: Stream) -> None:
         async def consume() -> None:
             assert stream.queue is not None
             while True:
@@ -372,7 +294,7 @@ class ActorHost:
         finally:
             self._close(stream)
 
-    async def _with_limits(self, stream: _Stream, work: Any, slotted: bool = False) -> None:
+    async def _with_limits(self, stream: Stream, work: Any, slotted: bool = False) -> None:
         """Run ``work()`` under the concurrency slots and the deadline, then finish.
 
         ``slotted``: the request holds its slot already.
@@ -400,7 +322,7 @@ class ActorHost:
         except (asyncio.CancelledError, Exception) as e:
             await self._failed(stream, e)
 
-    async def _failed(self, stream: _Stream, error: BaseException) -> None:
+    async def _failed(self, stream: Stream, error: BaseException) -> None:
         """End a request that raised ``error``: one Fail to the client, Cancels downstream."""
         if isinstance(error, asyncio.CancelledError):
             if stream.expired:
@@ -421,7 +343,7 @@ class ActorHost:
             await self._fail(stream, Code.ERROR, f"{type(error).__name__}: {error}")
 
     @staticmethod
-    def _account(stream: _Stream, call: Call) -> None:
+    def _account(stream: Stream, call: Call) -> None:
         """What a chunk brings besides its input: credit, upstream timings and usage."""
         stream.credit += call.credit
         if call.timings:
@@ -431,7 +353,7 @@ class ActorHost:
         for k, v in call.usage.items():
             stream.usage[k] = stream.usage.get(k, 0) + v
 
-    async def _handle_chunk(self, stream: _Stream, call: Call, parts: list[Any]) -> None:
+    async def _handle_chunk(self, stream: Stream, call: Call, parts: list[Any]) -> None:
         self._account(stream, call)
         tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
         request = Request(
@@ -457,7 +379,7 @@ class ActorHost:
                     stream.usage[k] = stream.usage.get(k, 0) + v
                 stream.ctx.usage = {}
 
-    async def _drive_generator(self, stream: _Stream, gen: Any) -> None:
+    async def _drive_generator(self, stream: Stream, gen: Any) -> None:
         """Forward each yield; time the handler's own work, not the sends."""
         try:
             while True:
@@ -473,7 +395,7 @@ class ActorHost:
         finally:
             await gen.aclose()
 
-    async def _fail(self, stream: _Stream, code: str, message: str) -> None:
+    async def _fail(self, stream: Stream, code: str, message: str) -> None:
         call = stream.call
         self._cancel_downstream(stream, code)
         code = code.value if isinstance(code, Code) else str(code)
@@ -491,7 +413,7 @@ class ActorHost:
         except Exception:
             log.warning("%s: could not reject %s", self.role, call.request_id)
 
-    def _cancel_downstream(self, stream: _Stream, reason: str) -> None:
+    def _cancel_downstream(self, stream: Stream, reason: str) -> None:
         cancel = Cancel(stream.call.request_id, str(reason))
         for address in stream.fanout.addresses:
             self._send_cancel(address, cancel)
@@ -502,7 +424,7 @@ class ActorHost:
         except Exception:
             pass
 
-    def _close(self, stream: _Stream) -> None:
+    def _close(self, stream: Stream) -> None:
         # Outputs that reuse an input's block were shared onward before this release.
         if stream.refs:
             release_all(stream.refs)
@@ -557,44 +479,3 @@ class ActorHost:
                 if stream.task is not None:
                     stream.task.cancel()
             return False
-
-
-@types.coroutine
-def _carry_on(coro: Any, suspended: Any) -> Any:
-    """Go on with ``coro`` from where ``coro.send`` left it: waiting on ``suspended``."""
-    while True:
-        try:
-            arg = yield suspended
-            step = coro.send
-        except BaseException as e:  # a cancel (or any throw) goes on to the coroutine
-            step, arg = coro.throw, e
-        try:
-            suspended = step(arg)
-        except StopIteration as stop:
-            return stop.value
-
-
-@types.coroutine
-def _resume(coro: Any, suspended: Any) -> Any:
-    """Continue ``coro`` inside a Task from where ``coro.send`` left it: at ``suspended``.
-
-    ``_start`` primes this generator, so a cancel that comes before the Task's first
-    step is thrown in at the priming ``yield`` and reaches ``coro`` too.
-    """
-    step: Any = None
-    arg: Any = None
-    try:
-        yield  # primed
-    except BaseException as e:  # cancelled before the Task ever ran
-        step, arg = coro.throw, e
-    while True:
-        if step is not None:
-            try:
-                suspended = step(arg)
-            except StopIteration as stop:
-                return stop.value
-        try:
-            arg = yield suspended
-            step = coro.send
-        except BaseException as e:  # a cancel (or any throw) goes on to the coroutine
-            step, arg = coro.throw, e
