@@ -168,11 +168,11 @@ class ActorHost:
         arrived = time.time()
         fanout = Fanout(self.router, self.role, call)
         ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, fanout.output)
-        tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
-        request = Request(call.request_id, call.data, tensors, call.params, call.session, 0, True)
         started = time.perf_counter()
-        coro = self.actor.handle(request, ctx)
         try:
+            tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
+            request = Request(call.request_id, call.data, tensors, call.params, call.session)
+            coro = self.actor.handle(request, ctx)
             suspended = coro.send(None)
         except StopIteration as stop:
             out = stop.value

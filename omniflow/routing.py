@@ -306,7 +306,7 @@ class Fanout:
                 return None
             return outbox.send(self.call.reply_to, frames)
         route = routes[0]
-        if len(routes) > 1 or route.join is not None or self.call.join or route.edge.stream:
+        if len(routes) > 1 or route.join or self.call.join is not None or route.edge.stream:
             return self.finish(credit, timings, usage, last_output)
         branch = self._open(route.edge, None, data)
         branch.data = data

@@ -10,7 +10,7 @@ from omniflow.actor import Actor, Context, Request
 from omniflow.balance import make_policy
 from omniflow.graph import Graph
 from omniflow.host import ActorHost
-from omniflow.messages import ActorRecord, Call, Cancel, Done, Fail
+from omniflow.messages import ActorRecord, Call, Cancel, Done, Fail, Frame
 from omniflow.routing import Router
 from omniflow.transport.codec import decode, encode
 
@@ -144,6 +144,17 @@ async def _a_failure_before_suspending_is_one_fail_and_frees_the_slot() -> None:
     assert isinstance(done, Done) and done.data == {"text": "after!"} and host.inflight == 0
 
 
+async def _a_bad_tensor_ref_is_one_bad_request_fail() -> None:
+    host, outbox = _host()
+    call = Call("r", "role", "ipc://client", tensors={"x": Frame(3, "float32", (2,))}, credit=5)
+    host.on_message(b"id", [encode(call)])  # frame 3 of a one-frame message
+    await asyncio.wait_for(host._idle.wait(), 5)
+    host.on_message(b"id", _call("s", text="after"))  # and its slot was given back
+    fail, done = outbox.sent
+    assert isinstance(fail, Fail) and fail.code == "bad_request" and "frame ref 3" in fail.message
+    assert isinstance(done, Done) and done.request_id == "s"
+
+
 async def _an_inline_hop_carries_credit_timings_and_takes_late_cancels() -> None:
     host, outbox = _host(onward=True)
     host.on_message(b"id", _call("h", text="on"))
@@ -170,6 +181,10 @@ async def _a_full_peer_queue_moves_the_finish_into_a_task() -> None:
 
 def test_a_failure_before_suspending_is_one_fail_and_frees_the_slot() -> None:
     asyncio.run(_a_failure_before_suspending_is_one_fail_and_frees_the_slot())
+
+
+def test_a_bad_tensor_ref_is_one_bad_request_fail() -> None:
+    asyncio.run(_a_bad_tensor_ref_is_one_bad_request_fail())
 
 
 def test_an_inline_hop_carries_credit_timings_and_takes_late_cancels() -> None:
