@@ -157,8 +157,13 @@ def split_output(output: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     data: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
     for key, value in output.items():
-        if isinstance(value, (torch.Tensor, np.ndarray)):
+        # Plain values by exact type first: isinstance against torch.Tensor goes through
+        # its metaclass's __instancecheck__, slower than the rest of a hop's routing.
+        if type(value) not in _PLAIN and isinstance(value, (torch.Tensor, np.ndarray)):
             tensors[key] = value
         else:
             data[key] = value
     return data, tensors
+
+
+_PLAIN = frozenset({str, int, float, bool, bytes, list, dict, tuple, type(None)})

@@ -43,6 +43,7 @@ class Policy:
 
     name = ""
     uses_prefix = False  # whether picks need PickKey.prefix_hashes (producers skip hashing)
+    uses_key = True  # whether picks read the PickKey at all (producers skip building it)
 
     def __init__(self, role: str = "", seed: int | None = None):
         self.role = role
@@ -87,6 +88,7 @@ class Policy:
 
 class RoundRobin(Policy):
     name = "round_robin"
+    uses_key = False
 
     def __init__(self, role: str = "", seed: int | None = None):
         super().__init__(role, seed)
@@ -100,6 +102,7 @@ class RoundRobin(Policy):
 
 class RandomChoice(Policy):
     name = "random"
+    uses_key = False
 
     def _choose(self, replicas: Sequence[ActorRecord], key: PickKey) -> ActorRecord:
         return replicas[self._rng.randrange(len(replicas))]
@@ -107,6 +110,7 @@ class RandomChoice(Policy):
 
 class LeastOutstanding(Policy):
     name = "least_outstanding"
+    uses_key = False
 
     def _choose(self, replicas: Sequence[ActorRecord], key: PickKey) -> ActorRecord:
         return self._least_loaded(replicas)
@@ -116,6 +120,7 @@ class PowerOfTwo(Policy):
     """Two replicas drawn at random; the less loaded wins (no full scan, no herding)."""
 
     name = "power_of_two"
+    uses_key = False
 
     def _choose(self, replicas: Sequence[ActorRecord], key: PickKey) -> ActorRecord:
         if len(replicas) == 1:

@@ -158,6 +158,12 @@ class Plan:
         self._check_cycles()
         self.joins = {r for r, ins in self.in_edges.items() if len(ins) > 1 and not _loop_only(ins)}
         self._join_of: dict[Edge, str | None] = {e: self._follow_to_join(e) for e in self.edges}
+        # Per source: each out edge's predicate and its (immutable) Route, looked up once
+        # here rather than hashed per output.
+        self._routes: dict[str, list[tuple[Edge, Predicate | None, Route]]] = {
+            src: [(e, self._preds[e], Route(e, self._join_of[e])) for e in out]
+            for src, out in self.out_edges.items()
+        }
 
     def entry_roles(self) -> set[str]:
         return {e.dst for e in self.out_edges[INPUT]}
@@ -174,12 +180,11 @@ class Plan:
         A loop edge is taken while its count in ``loops`` is below ``max_iters``.
         """
         taken = []
-        for e in self.out_edges.get(src, ()):
+        for e, pred, route in self._routes.get(src, ()):
             if e.max_iters and (loops or {}).get(e.key, 0) >= e.max_iters:
                 continue
-            pred = self._preds[e]
             if pred is None or pred(params, output):
-                taken.append(Route(e, self._join_of[e]))
+                taken.append(route)
         return taken
 
     def stream_edge(self, src: str, dst: str) -> bool:

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 FULL_CREDIT = 1 << 62
 _NO_LINK = Link()  # what a message without tensors needs to know about its link
+_NO_KEY = PickKey()  # what a policy that keys on nothing is handed
 
 
 class RouteError(RuntimeError):
@@ -177,8 +178,11 @@ class Fanout:
 
     def _key(self, role: str, data: Mapping[str, Any] | None = None) -> PickKey:
         """What ``role``'s policy picks by: the prefix chain only where it is used."""
+        policy = self.router.policies[role]
+        if not getattr(policy, "uses_key", True):
+            return _NO_KEY
         c = self.call
-        uses_prefix = getattr(self.router.policies[role], "uses_prefix", False)
+        uses_prefix = getattr(policy, "uses_prefix", False)
         return PickKey(
             c.request_id, c.session, prefix_chain(c.session, data) if uses_prefix else ()
         )
