@@ -248,7 +248,10 @@ class PagePool:
 
     def _view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         # Outside inference mode even when called inside it (an engine step demoting KV):
-        # a view made there could not be written to later, outside it.
+        # a view made there could not be written to later, outside it. Entering the mode
+        # costs more than the view, so only when it is on.
+        if not torch.is_inference_mode_enabled():
+            return self._typed_view(offset, dtype, shape)
         with torch.inference_mode(False):
             return self._typed_view(offset, dtype, shape)
 
