@@ -315,9 +315,11 @@ class ActorHost:
                     self.role, self.actor.replica, stream.compute * 1e3, stream.arrived, time.time()
                 )
             )
-            await stream.fanout.finish(
+            rest = stream.fanout.finish_now(
                 stream.credit, stream.timings, stream.usage, stream.last_output
             )
+            if rest is not None:
+                await rest
             self.served += 1
         except (asyncio.CancelledError, Exception) as e:
             await self._failed(stream, e)
