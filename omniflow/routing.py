@@ -279,9 +279,10 @@ class Fanout:
     ) -> Awaitable[None] | None:
         """``finish`` from synchronous code; None when it ended with no wait.
 
-        The common ends (a Done back to the client, or one plain Call to the next
-        role, with no tensors) go out at once when the peer's queue takes them.
-        Otherwise this returns what is left to await, with nothing of it started.
+        The common ends (a Done back to the client, or plain Calls to the next roles,
+        with no tensors) go out at once when the peers' queues take them. Otherwise
+        this returns what is left to await: nothing of it started, or (when a peer's
+        queue was full) the sends that did not go out yet.
         """
         if self.branches:
             return self.finish(credit, timings, usage, last_output)
@@ -309,21 +310,29 @@ class Fanout:
             if outbox.try_send(self.call.reply_to, frames):
                 return None
             return outbox.send(self.call.reply_to, frames)
-        route = routes[0]
-        if len(routes) > 1 or route.join or self.call.join is not None or route.edge.stream:
+        if any(route.edge.stream for route in routes):
             return self.finish(credit, timings, usage, last_output)
-        branch = self._open(route.edge, None, data)
-        branch.data = data
-        msg = self._chunk(branch, data, True, credit, timings, usage)
-        if not outbox.try_send(branch.record.endpoint, [encode(msg)]):
-            return self._deliver_last(branch, msg)
-        self._sent(branch)
-        self.router.policies[branch.role].on_done(branch.record.actor_id)
-        return None
+        joins = self._joins_for(routes, data)
+        branches = [self._open(route.edge, joins.get(route), data) for route in routes]
+        share, extra = divmod(credit, len(branches))
+        late: list[tuple[_Branch, Call]] = []
+        for i, branch in enumerate(branches):
+            branch.data = data
+            if i == 0:  # timings and usage ride once, on the first branch, with the extra
+                msg = self._chunk(branch, data, True, share + extra, timings, usage)
+            else:
+                msg = self._chunk(branch, data, True, share, None, None)
+            if late or not outbox.try_send(branch.record.endpoint, [encode(msg)]):
+                late.append((branch, msg))  # in order: after one waits, the rest wait too
+                continue
+            self._sent(branch)
+            self.router.policies[branch.role].on_done(branch.record.actor_id)
+        return self._deliver_late(late) if late else None
 
-    async def _deliver_last(self, branch: _Branch, msg: Call) -> None:
-        await self._deliver(branch, msg, {})
-        self.router.policies[branch.role].on_done(branch.record.actor_id)
+    async def _deliver_late(self, late: list[tuple[_Branch, Call]]) -> None:
+        for branch, msg in late:
+            await self._deliver(branch, msg, {})
+            self.router.policies[branch.role].on_done(branch.record.actor_id)
 
     async def finish(
         self,

@@ -17,7 +17,8 @@ from omniflow.transport.codec import decode, encode
 
 class _View:
     def replicas(self, role: str) -> list:
-        return [ActorRecord(role, 0, 1, f"ipc://{role}", "host")] if role == "next" else []
+        onward = ("next", "other")
+        return [ActorRecord(role, 0, 1, f"ipc://{role}", "host")] if role in onward else []
 
     def find(self, actor_id: str) -> None:
         return None
@@ -69,14 +70,18 @@ class _TimedRole(Actor):
             return {"task": asyncio.current_task() is not None}
 
 
-def _host(actor: Actor | None = None, onward: bool = False) -> tuple[ActorHost, _Outbox]:
-    """A host for ``role``; with ``onward``, its outputs go on to a role ``next``."""
+def _host(
+    actor: Actor | None = None, onward: bool = False, fan: bool = False
+) -> tuple[ActorHost, _Outbox]:
+    """A host for ``role``; with ``onward``, its outputs go on to a role ``next``, and
+    with ``fan`` to a role ``other`` as well."""
     graph = Graph()
     graph.edge("input", "role")
     roles = {"role"}
-    if onward:
-        graph.edge("role", "next")
-        roles.add("next")
+    for dst, wanted in (("next", onward or fan), ("other", fan)):
+        if wanted:
+            graph.edge("role", dst)
+            roles.add(dst)
     outbox = _Outbox()
     policies = {r: make_policy("round_robin") for r in roles}
     router = Router(graph.compile(roles), _View(), outbox, policies)
@@ -181,6 +186,25 @@ async def _a_full_peer_queue_moves_the_finish_into_a_task() -> None:
 
 def test_a_failure_before_suspending_is_one_fail_and_frees_the_slot() -> None:
     asyncio.run(_a_failure_before_suspending_is_one_fail_and_frees_the_slot())
+
+
+async def _a_fan_out_splits_credit_and_sends_in_order_even_when_a_queue_is_full() -> None:
+    for full in (False, True):
+        host, outbox = _host(fan=True)
+        outbox.full = full
+        host.on_message(b"id", _call("u", text="two"))
+        assert (not outbox.sent) == full  # a full queue: the sends wait in a Task
+        await asyncio.wait_for(host._idle.wait(), 5)
+        first, second = outbox.sent
+        assert outbox.to == ["ipc://next", "ipc://other"]
+        assert first.role == "next" and second.role == "other"
+        assert first.data == second.data == {"text": "two!"} and first.last and second.last
+        assert (first.credit, second.credit) == (3, 2)  # 5 split, the extra on the first
+        assert [t.role for t in first.timings] == ["role"] and second.timings == []
+
+
+def test_a_fan_out_splits_credit_and_sends_in_order_even_when_a_queue_is_full() -> None:
+    asyncio.run(_a_fan_out_splits_credit_and_sends_in_order_even_when_a_queue_is_full())
 
 
 def test_a_bad_tensor_ref_is_one_bad_request_fail() -> None:
