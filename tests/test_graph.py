@@ -222,3 +222,24 @@ def test_bounded_loop_runs_exactly_max_iters(run_root):
     outs, result = run(cfg, body)
     assert [o.data["n"] for o in outs] == [5]  # the first visit plus 4 loop iterations
     assert len(result.timings) == 5
+
+
+def test_an_input_no_role_accepts_fails_clearly_and_the_next_request_runs(run_root):
+    cfg = parse(
+        {
+            "name": "texts-only",
+            "roles": {"rev": {"actor": "omniflow.roles.echo:Reverse"}},
+            "graph": {"edges": [{"from": "input", "to": "rev", "when": "has_text"}]},
+        }
+    )
+
+    async def body(rt):
+        with pytest.raises(omniflow.RequestFailed) as failed:
+            await rt.call({"image": b"png"})
+        outs, _ = await rt.call({"text": "ab"})
+        return failed.value, outs
+
+    error, outs = run(cfg, body)
+    assert error.code == "bad_request" and error.role == "client"
+    assert "no role accepts this input" in str(error) and error.request_id
+    assert [o.data["text"] for o in outs] == ["ba"]
