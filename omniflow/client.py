@@ -26,7 +26,17 @@ from omniflow.config import Config
 from omniflow.discovery import open_registry
 from omniflow.discovery.view import RegistryView
 from omniflow.graph import INPUT
-from omniflow.messages import Call, Cancel, Code, DataMessage, Done, Emit, Fail, Timing
+from omniflow.messages import (
+    Call,
+    Cancel,
+    Code,
+    DataMessage,
+    Done,
+    Emit,
+    Fail,
+    Timing,
+    add_usage,
+)
 from omniflow.routing import FULL_CREDIT, Fanout, RouteError, Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
 from omniflow.transport.endpoint import Inbox, Outbox
@@ -167,8 +177,7 @@ class Client:
                 pending.push(Output(msg.role, msg.seq, msg.data, tensors))
             pending.credit += msg.credit
             pending.timings += msg.timings
-            for k, v in msg.usage.items():
-                pending.usage[k] = pending.usage.get(k, 0) + v
+            add_usage(pending.usage, msg.usage)
             if pending.credit >= FULL_CREDIT:
                 latency = (time.perf_counter() - pending.started) * 1e3
                 pending.push(Result(msg.request_id, pending.usage, pending.timings, latency))

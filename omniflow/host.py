@@ -15,12 +15,13 @@ import inspect
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from omniflow.actor import Actor, BadRequest, Context, Request
 from omniflow.inflight import Slots, Stream, carry_on, resume
 from omniflow.join import JoinBuffer
-from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing
+from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing, add_usage
 from omniflow.routing import Fanout, RouteError, Router
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
 from omniflow.transport.tensors import TensorError, release_all
@@ -178,35 +179,21 @@ class ActorHost:
             out = stop.value
         except Exception as e:
             self._slots.release()
-            stream = self._adopt(call, key, fanout, ctx, arrived)
-            self._start(stream, self._end_failed(stream, e))
-            return
+            return self._hand_over(call, key, fanout, ctx, arrived, self._end_failed, e)
         else:  # it waits for something: the rest runs in a Task, under the same slot
-            stream = self._adopt(call, key, fanout, ctx, arrived)
-            work = functools.partial(self._continue, stream, coro, suspended, started)
-            self._start(stream, self._run_with_limits(stream, work, slotted=True))
-            return
+            return self._hand_over(
+                call, key, fanout, ctx, arrived, self._continue, coro, suspended, started
+            )
         compute = time.perf_counter() - started
         self._slots.release()
-        usage = call.usage
-        if ctx.usage:
-            usage = dict(usage)
-            for k, v in ctx.usage.items():
-                usage[k] = usage.get(k, 0) + v
-        timings = [
-            *call.timings,
-            Timing(self.role, self.actor.replica, compute * 1e3, arrived, time.time()),
-        ]
+        usage = add_usage(dict(call.usage), ctx.usage) if ctx.usage else call.usage
+        timings = [*call.timings, self._timing(compute, arrived)]
         try:
             rest = fanout.finish_now(call.credit, timings, usage, out)
         except Exception as e:
-            stream = self._adopt(call, key, fanout, ctx, arrived)
-            self._start(stream, self._end_failed(stream, e))
-            return
-        if rest is not None:  # the peer's queue is full, or the finish is not a plain one
-            stream = self._adopt(call, key, fanout, ctx, arrived)
-            self._start(stream, self._end_after(stream, rest))
-            return
+            return self._hand_over(call, key, fanout, ctx, arrived, self._end_failed, e)
+        if rest is not None:  # a peer's queue is full, or tensors must be exported
+            return self._hand_over(call, key, fanout, ctx, arrived, self._end_after, rest)
         self.served += 1
         if call.tensors:
             release_all([ref for ref in call.tensors.values() if not isinstance(ref, Frame)])
@@ -215,24 +202,36 @@ class ActorHost:
         if fanout.addresses:  # a late Cancel must still reach the next hop
             self._remember(key, fanout.addresses)
 
-    def _adopt(
-        self, call: Call, key: tuple[str, int], fanout: Fanout, ctx: Context, arrived: float
-    ) -> Stream:
-        """The general path's state for an eager request that could not end inline."""
+    def _hand_over(
+        self,
+        call: Call,
+        key: tuple[str, int],
+        fanout: Fanout,
+        ctx: Context,
+        arrived: float,
+        then: Callable[..., Coroutine[Any, Any, None]],
+        *args: Any,
+    ) -> None:
+        """Move an eager request that could not end inline into the general path: give it
+        a ``Stream`` and run ``then(stream, *args)`` (a Task only if that suspends)."""
         stream = self._open(call, key, fanout, ctx)
         stream.arrived = arrived
         self._account(stream, call)
-        return stream
+        self._start(stream, then(stream, *args))
 
     async def _continue(self, stream: Stream, coro: Any, suspended: Any, started: float) -> None:
+        """The rest of a handler that suspended inline, under the slot it holds."""
+        work = functools.partial(self._resume_handler, stream, coro, suspended, started)
+        await self._run_with_limits(stream, work, slotted=True)
+
+    async def _resume_handler(
+        self, stream: Stream, coro: Any, suspended: Any, started: float
+    ) -> None:
         try:
             out = await carry_on(coro, suspended)
         finally:
             stream.compute += time.perf_counter() - started
-        if stream.ctx.usage:
-            for k, v in stream.ctx.usage.items():
-                stream.usage[k] = stream.usage.get(k, 0) + v
-            stream.ctx.usage = {}
+        self._take_usage(stream)
         stream.last_output = out
 
     async def _end_after(self, stream: Stream, rest: Any) -> None:
@@ -310,16 +309,10 @@ class ActorHost:
             finally:
                 self._slots.release()
             stream.finishing = True  # past the deadline sweep: its outputs go out whole
-            stream.timings.append(
-                Timing(
-                    self.role, self.actor.replica, stream.compute * 1e3, stream.arrived, time.time()
-                )
-            )
-            rest = stream.fanout.finish_now(
+            stream.timings.append(self._timing(stream.compute, stream.arrived))
+            await stream.fanout.finish(
                 stream.credit, stream.timings, stream.usage, stream.last_output
             )
-            if rest is not None:
-                await rest
             self.served += 1
         except (asyncio.CancelledError, Exception) as e:
             await self._failed(stream, e)
@@ -352,8 +345,7 @@ class ActorHost:
             stream.timings += call.timings
         if call.tensors:
             stream.refs += [ref for ref in call.tensors.values() if not isinstance(ref, Frame)]
-        for k, v in call.usage.items():
-            stream.usage[k] = stream.usage.get(k, 0) + v
+        add_usage(stream.usage, call.usage)
 
     async def _handle_chunk(self, stream: Stream, call: Call, parts: list[Any]) -> None:
         self._account(stream, call)
@@ -376,10 +368,14 @@ class ActorHost:
                     else:
                         await stream.fanout.output(out)
         finally:
-            if stream.ctx.usage:
-                for k, v in stream.ctx.usage.items():
-                    stream.usage[k] = stream.usage.get(k, 0) + v
-                stream.ctx.usage = {}
+            self._take_usage(stream)
+
+    @staticmethod
+    def _take_usage(stream: Stream) -> None:
+        """Move what the handler counted (``ctx.add_usage``) into the request's usage."""
+        if stream.ctx.usage:
+            add_usage(stream.usage, stream.ctx.usage)
+            stream.ctx.usage = {}
 
     async def _drive_generator(self, stream: Stream, gen: Any) -> None:
         """Forward each yield; time the handler's own work, not the sends."""
@@ -445,6 +441,10 @@ class ActorHost:
         self._finished[key] = addresses
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
+
+    def _timing(self, compute: float, arrived: float) -> Timing:
+        """This actor's Timing for a request: ``compute`` seconds, leaving now."""
+        return Timing(self.role, self.actor.replica, compute * 1e3, arrived, time.time())
 
     def _watch_deadlines(self) -> None:
         """One timer for every deadline in flight: cheaper than a timeout per request."""

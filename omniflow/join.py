@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from omniflow.messages import Call, Frame, Timing
+from omniflow.messages import Call, Frame, Timing, add_usage
 
 
 class JoinBuffer:
@@ -57,8 +57,7 @@ class JoinBuffer:
                 refs[name] = ref
             credit += c.credit
             timings += c.timings
-            for k, v in c.usage.items():
-                usage[k] = usage.get(k, 0) + v
+            add_usage(usage, c.usage)
         merged = msgspec.structs.replace(
             buffered[0][0],
             role=self.role,

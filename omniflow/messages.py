@@ -301,3 +301,10 @@ Message = (
 DataMessage = Call | Emit | Done | Fail | Cancel
 RegistryRequest = RegPut | RegKeepalive | RegDelete | RegList | RegWatch | RegBarrier
 RegistryMessage = RegReply | RegEvent
+
+
+def add_usage(into: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
+    """Add usage counters (``Call.usage``, ``Done.usage``) into ``into``; returns it."""
+    for key, n in counts.items():
+        into[key] = into.get(key, 0) + n
+    return into

@@ -71,17 +71,26 @@ class Router:
             return Link()
         return Link(same_host=record.host == self.host, gpus=tuple(record.gpus), pid=record.pid)
 
-    async def send(
-        self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = Link()
-    ) -> None:
+    def send_now(
+        self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = _NO_LINK
+    ) -> Awaitable[None] | None:
+        """Send ``msg`` if the peer's queue takes it now (None); else the send to await."""
         if tensors:
             frames: list[Any] = [b""]
             msg.tensors = export_tensors(dict(tensors), frames, link)
             frames[0] = encode(msg)
         else:
             frames = [encode(msg)]
-        if not self.outbox.try_send(address, frames):  # no coroutine when the peer takes it
-            await self.outbox.send(address, frames)
+        if self.outbox.try_send(address, frames):
+            return None
+        return self.outbox.send(address, frames)
+
+    async def send(
+        self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = _NO_LINK
+    ) -> None:
+        rest = self.send_now(address, msg, tensors, link)
+        if rest is not None:
+            await rest
 
 
 class _Branch:
@@ -126,16 +135,20 @@ class Fanout:
             self.emitted += 1
             await self.router.send(self.call.reply_to, emit, tensors)
             return
-        joins = self._joins_for(routes, data)
-        for route in routes:
-            branch = self.branches.get(route.edge.dst)
-            if branch is None:
-                branch = self._open(route.edge, joins.get(route), data)
+        for branch in self._branches_for(routes, data):
             if branch.stream:
                 await self._send_chunk(branch, data, tensors, last=False, credit=0)
             else:
                 _merge(branch.data, data)
                 branch.tensors.update(tensors)
+
+    def _branches_for(self, routes: list, data: Mapping[str, Any]) -> list[_Branch]:
+        """The branch each route goes down, opened (replica picked) on first use."""
+        joins = self._joins_for(routes, data)
+        return [
+            self.branches.get(route.edge.dst) or self._open(route.edge, joins.get(route), data)
+            for route in routes
+        ]
 
     def _joins_for(self, routes: list, data: Mapping[str, Any]) -> dict:
         """Join tags for routes whose branches meet again downstream."""
@@ -277,62 +290,36 @@ class Fanout:
         usage: dict[str, int],
         last_output: Mapping[str, Any] | None = None,
     ) -> Awaitable[None] | None:
-        """``finish`` from synchronous code; None when it ended with no wait.
+        """Close every branch, splitting ``credit``; with none open, return it to the client.
 
-        The common ends (a Done back to the client, or plain Calls to the next roles,
-        with no tensors) go out at once when the peers' queues take them. Otherwise
-        this returns what is left to await: nothing of it started, or (when a peer's
-        queue was full) the sends that did not go out yet.
+        ``last_output`` is a final output not yet routed: when it goes to the client and
+        no branch is open, it rides inside the Done. Runs in synchronous code: what the
+        peers' queues take goes out here, in order; what is left to await is returned
+        (None when nothing is).
         """
-        if self.branches:
-            return self.finish(credit, timings, usage, last_output)
-        routes: list = []
-        data: dict[str, Any] = {}
         if last_output is not None:
             data, tensors = split_output(last_output)
-            if tensors:
-                return self.finish(credit, timings, usage, last_output)
             routes = self.router.plan.route(
                 self.src, self.call.params, last_output, self.call.loops
             )
-        outbox = self.router.outbox
-        if not routes:
-            if self.src == INPUT:
-                raise RouteError(Code.BAD_REQUEST.value, "no role accepts this input")
-            if last_output is None:
-                done = Done(self.call.request_id, self.src, credit, timings, usage)
-            else:
+            if not routes and not self.branches:
+                if self.src == INPUT:
+                    raise RouteError(Code.BAD_REQUEST.value, "no role accepts this input")
                 done = Done(
                     self.call.request_id, self.src, credit, timings, usage, self.emitted, data
                 )
                 self.emitted += 1
-            frames = [encode(done)]
-            if outbox.try_send(self.call.reply_to, frames):
-                return None
-            return outbox.send(self.call.reply_to, frames)
-        if any(route.edge.stream for route in routes):
-            return self.finish(credit, timings, usage, last_output)
-        joins = self._joins_for(routes, data)
-        branches = [self._open(route.edge, joins.get(route), data) for route in routes]
-        share, extra = divmod(credit, len(branches))
-        late: list[tuple[_Branch, Call]] = []
-        for i, branch in enumerate(branches):
-            branch.data = data
-            if i == 0:  # timings and usage ride once, on the first branch, with the extra
-                msg = self._chunk(branch, data, True, share + extra, timings, usage)
-            else:
-                msg = self._chunk(branch, data, True, share, None, None)
-            if late or not outbox.try_send(branch.record.endpoint, [encode(msg)]):
-                late.append((branch, msg))  # in order: after one waits, the rest wait too
-                continue
-            self._sent(branch)
-            self.router.policies[branch.role].on_done(branch.record.actor_id)
-        return self._deliver_late(late) if late else None
-
-    async def _deliver_late(self, late: list[tuple[_Branch, Call]]) -> None:
-        for branch, msg in late:
-            await self._deliver(branch, msg, {})
-            self.router.policies[branch.role].on_done(branch.record.actor_id)
+                return self.router.send_now(self.call.reply_to, done, tensors)
+            if not routes or any(route.edge.stream for route in routes):
+                # It goes out on its own first: an Emit, or chunks on streaming edges.
+                return self._output_then_finish(last_output, credit, timings, usage)
+            for branch in self._branches_for(routes, data):
+                _merge(branch.data, data)
+                branch.tensors.update(tensors)
+        if not self.branches:
+            done = Done(self.call.request_id, self.src, credit, timings, usage)
+            return self.router.send_now(self.call.reply_to, done, {})
+        return self._close_branches(credit, timings, usage)
 
     async def finish(
         self,
@@ -341,43 +328,43 @@ class Fanout:
         usage: dict[str, int],
         last_output: Mapping[str, Any] | None = None,
     ) -> None:
-        """Close every branch, splitting ``credit``; with none open, return it to the client.
+        """``finish_now``, awaiting what it leaves."""
+        rest = self.finish_now(credit, timings, usage, last_output)
+        if rest is not None:
+            await rest
 
-        ``last_output`` is a final output not yet routed: when it goes to the
-        client and no branch is open, it rides inside the Done.
-        """
-        if last_output is not None:
-            plan = self.router.plan
-            if self.branches or plan.route(
-                self.src, self.call.params, last_output, self.call.loops
-            ):
-                await self.output(last_output)
-            elif self.src == INPUT:
-                raise RouteError(Code.BAD_REQUEST.value, "no role accepts this input")
-            else:
-                data, tensors = split_output(last_output)
-                done = Done(
-                    self.call.request_id, self.src, credit, timings, usage, self.emitted, data
-                )
-                self.emitted += 1
-                await self.router.send(self.call.reply_to, done, tensors)
-                return
-        if not self.branches:
-            done = Done(self.call.request_id, self.src, credit, timings, usage)
-            await self.router.send(self.call.reply_to, done, {})
-            return
-        n = len(self.branches)
-        share, extra = divmod(credit, n)
+    async def _output_then_finish(
+        self, last_output: Mapping[str, Any], credit: int, timings: list[Timing], usage: dict
+    ) -> None:
+        await self.output(last_output)
+        await self.finish(credit, timings, usage)
+
+    def _close_branches(
+        self, credit: int, timings: list[Timing], usage: dict[str, int]
+    ) -> Awaitable[None] | None:
+        """Each branch's last chunk, with its share of ``credit`` (the extra, the timings and
+        the usage ride on the first); sent in order while the peers' queues take them."""
+        share, extra = divmod(credit, len(self.branches))
+        closing: list[tuple[_Branch, Call, dict]] = []
         for i, branch in enumerate(self.branches.values()):
-            part = share + (extra if i == 0 else 0)
-            if branch.stream:
-                await self._send_chunk(branch, {}, {}, True, part, timings, usage)
+            data, tensors = ({}, {}) if branch.stream else (branch.data, branch.tensors)
+            if i == 0:
+                msg = self._chunk(branch, data, True, share + extra, timings, usage)
             else:
-                await self._send_chunk(
-                    branch, branch.data, branch.tensors, True, part, timings, usage
-                )
+                msg = self._chunk(branch, data, True, share, None, None)
+            closing.append((branch, msg, tensors))
+        for i, (branch, msg, tensors) in enumerate(closing):
+            # Tensors are exported by _deliver, which re-exports if it retries elsewhere.
+            if tensors or not self.router.outbox.try_send(branch.record.endpoint, [encode(msg)]):
+                return self._deliver_all(closing[i:])  # in order: after one waits, the rest do
+            self._sent(branch)
             self.router.policies[branch.role].on_done(branch.record.actor_id)
-            timings, usage = [], {}  # carried once, on the first branch
+        return None
+
+    async def _deliver_all(self, closing: list[tuple[_Branch, Call, dict]]) -> None:
+        for branch, msg, tensors in closing:
+            await self._deliver(branch, msg, tensors)
+            self.router.policies[branch.role].on_done(branch.record.actor_id)
 
 
 def _merge(into: dict[str, Any], data: Mapping[str, Any]) -> None:

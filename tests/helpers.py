@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omniflow.config import Config, parse
@@ -35,6 +36,43 @@ def echo_config(
             "restart_backoff_s": 0.1,
             **(runtime or {}),
         },
+    }
+    return parse(raw, "<test>")
+
+
+def vision_llm_config(
+    name: str,
+    models: Path,
+    llm: dict[str, Any] | None = None,
+    cache: dict[str, Any] | None = None,
+    runtime: dict[str, Any] | None = None,
+    **top: Any,
+) -> Config:
+    """The vision encoder feeding the LLM (image in -> encoder -> LLM, joined with the
+    text), tiny models under ``models``; ``llm`` adds to the LLM role's table."""
+    raw = {
+        "name": name,
+        **top,
+        "roles": {
+            "vision_encoder": {
+                "actor": "omniflow.roles.vision_encoder:VisionEncoderRole",
+                "options": {"model_path": str(models / "vision"), "threads": 1},
+            },
+            "llm": {
+                "actor": "omniflow.roles.llm:LLMRole",
+                "options": {"model_path": str(models / "llm"), "kv_cache_mb": 8},
+                **(llm or {}),
+            },
+        },
+        "graph": {
+            "edges": [
+                {"from": "input", "to": "vision_encoder", "when": "has_image"},
+                {"from": "input", "to": "llm"},
+                {"from": "vision_encoder", "to": "llm"},
+            ]
+        },
+        "cache": cache or {},
+        "runtime": {"heartbeat_s": 0.2, "ttl_s": 2.0, "start_timeout_s": 120, **(runtime or {})},
     }
     return parse(raw, "<test>")
 

@@ -17,7 +17,7 @@ import pytest
 
 import omniflow
 from omniflow.cache import PagePool
-from omniflow.config import parse
+from tests.helpers import vision_llm_config
 from tests.roles.media import image_bytes
 
 pytestmark = pytest.mark.slow
@@ -25,38 +25,15 @@ PAGE = 16 << 10
 
 
 def config(models: Path, ssd: Path):
-    return parse(
-        {
-            "name": "enccache",
-            "roles": {
-                "vision_encoder": {
-                    "actor": "omniflow.roles.vision_encoder:VisionEncoderRole",
-                    "options": {"model_path": str(models / "vision"), "threads": 1},
-                },
-                "llm": {
-                    "actor": "omniflow.roles.llm:LLMRole",
-                    "options": {"model_path": str(models / "llm"), "kv_cache_mb": 8},
-                },
-            },
-            "graph": {
-                "edges": [
-                    {"from": "input", "to": "vision_encoder", "when": "has_image"},
-                    {"from": "input", "to": "llm"},
-                    {"from": "vision_encoder", "to": "llm"},
-                ]
-            },
-            # Small frame threshold: the embeddings travel as Shm handles, not frames.
-            "cache": {
-                "host_pool": "4MiB",
-                "page_size": "16KiB",
-                "frame_threshold": "1KiB",
-                "ssd_dir": str(ssd),
-                "ssd_capacity": "1MiB",
-            },
-            "runtime": {"heartbeat_s": 0.2, "ttl_s": 2.0, "start_timeout_s": 120},
-        },
-        "<test>",
-    )
+    # Small frame threshold: the embeddings travel as Shm handles, not frames.
+    cache = {
+        "host_pool": "4MiB",
+        "page_size": "16KiB",
+        "frame_threshold": "1KiB",
+        "ssd_dir": str(ssd),
+        "ssd_capacity": "1MiB",
+    }
+    return vision_llm_config("enccache", models, cache=cache)
 
 
 async def meta_of(rt, role: str, want: dict, timeout: float = 10.0) -> dict:

@@ -19,8 +19,7 @@ import pytest
 
 import omniflow
 from omniflow.cache.content import SUMMARY_META, content_hash, summary_key
-from omniflow.config import parse
-from tests.helpers import cli
+from tests.helpers import cli, vision_llm_config
 from tests.roles.media import image_bytes
 
 pytestmark = pytest.mark.slow
@@ -34,38 +33,13 @@ def models(tmp_path_factory):
 
 
 def config(name, models, registry="embedded"):
-    return parse(
-        {
-            "name": name,
-            "registry": registry,
-            "roles": {
-                "vision_encoder": {
-                    "actor": "omniflow.roles.vision_encoder:VisionEncoderRole",
-                    "options": {"model_path": str(models / "vision"), "threads": 1},
-                },
-                "llm": {
-                    "actor": "omniflow.roles.llm:LLMRole",
-                    "replicas": 2,
-                    "policy": "prefix_aware",
-                    "options": {"model_path": str(models / "llm"), "kv_cache_mb": 8},
-                },
-            },
-            "graph": {
-                "edges": [
-                    {"from": "input", "to": "vision_encoder", "when": "has_image"},
-                    {"from": "input", "to": "llm"},
-                    {"from": "vision_encoder", "to": "llm"},
-                ]
-            },
-            "cache": {"host_pool": "8MiB"},
-            "runtime": {
-                "heartbeat_s": 0.2,
-                "ttl_s": 2.0,
-                "restart_backoff_s": 0.2,
-                "start_timeout_s": 120,
-            },
-        },
-        "<test>",
+    return vision_llm_config(
+        name,
+        models,
+        llm={"replicas": 2, "policy": "prefix_aware"},
+        cache={"host_pool": "8MiB"},
+        runtime={"restart_backoff_s": 0.2},
+        registry=registry,
     )
 
 
