@@ -7,6 +7,14 @@ Prints a JSON object as its last line:
   ttft_uncached_ms  the same request with prefix caching off
   speedup           median over rounds of omniflow / transformers within the round (a paired
                     figure: a burst of load from other processes hits both sides of a round)
+Where the time goes, to read the 2x target against (medians over rounds):
+  prefill_s, decode_step_ms        omniflow: until every request has its first token; one
+                                   decode step of the 32 requests after that
+  hf_prefill_s, hf_decode_step_ms  transformers: generate with 1 new token; (128 - 1) / 127
+  gemm_step_ms                     a decode step's projections alone: every weight of the
+                                   model once, at 32 rows, as a step reads them
+  gemm_bound_tokens_per_s          the throughput if a decode step cost only its projections:
+                                   tokens / (prefill_s + (output_len - 1) * gemm_step_ms)
 Subject and baseline run interleaved (A B A B ...); each figure is a median over rounds.
 """
 
@@ -33,15 +41,38 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
     return torch.randint(3, vocab, (count, length), generator=generator).tolist()
 
 
-def omniflow_throughput(engine: LLMEngine, prompts, output_len: int, tag: str) -> float:
+def omniflow_throughput(engine: LLMEngine, prompts, output_len: int, tag: str):
+    """tokens/s, the time until every request had a token, the median decode step after."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     started = time.perf_counter()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{index}", prompt, params)
-    produced = sum(len(delta.token_ids) for delta in engine.run_to_completion())
+    produced, started_ids, prefill_s, steps = 0, set(), 0.0, []
+    with torch.inference_mode():
+        while engine.has_unfinished_requests():
+            step_started = time.perf_counter()
+            deltas = engine.step()
+            if prefill_s:
+                steps.append(time.perf_counter() - step_started)
+            produced += sum(len(delta.token_ids) for delta in deltas)
+            started_ids.update(delta.request_id for delta in deltas if delta.token_ids)
+            if not prefill_s and len(started_ids) == len(prompts):
+                prefill_s = time.perf_counter() - started
     elapsed = time.perf_counter() - started
     assert produced == len(prompts) * output_len, produced
-    return produced / elapsed
+    return produced / elapsed, prefill_s, statistics.median(steps)
+
+
+def gemm_step_s(model, rows: int, dtype: torch.dtype) -> float:
+    """One decode step's projections alone: each weight once, ``rows`` rows."""
+    weights = [p for name, p in model.named_parameters() if name.endswith("proj.weight")]
+    weights.append(model.output_weight)
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in weights}
+    with torch.inference_mode():
+        started = time.perf_counter()
+        for weight in weights:
+            torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+        return time.perf_counter() - started
 
 
 def hf_throughput(model, prompts, output_len: int) -> float:
@@ -106,11 +137,22 @@ def main() -> None:
     omniflow_throughput(engine, warm, 4, "warmup")
     hf_throughput(hf_model, warm, 4)
 
-    ours, theirs = [], []
+    ours, theirs, prefill, steps, hf_prefill, hf_steps, gemms = [], [], [], [], [], [], []
+    dtype = getattr(torch, args.dtype)
     for round_index in range(args.rounds):
         prompts = random_prompts(args.requests, args.prompt_len, vocab, seed=round_index)
-        ours.append(omniflow_throughput(engine, prompts, args.output_len, f"tp{round_index}"))
+        rate, prefill_s, step_s = omniflow_throughput(
+            engine, prompts, args.output_len, f"tp{round_index}"
+        )
+        ours.append(rate)
+        prefill.append(prefill_s)
+        steps.append(step_s)
         theirs.append(hf_throughput(hf_model, prompts, args.output_len))
+        one = len(prompts) / hf_throughput(hf_model, prompts, 1)  # seconds for 1 new token
+        hf_prefill.append(one)
+        total = len(prompts) * args.output_len / theirs[-1]
+        hf_steps.append((total - one) / (args.output_len - 1))
+        gemms += [gemm_step_s(engine.model, args.requests, dtype) for _ in range(10)]
         print(f"round {round_index}: omniflow {ours[-1]:.1f} tok/s, transformers {theirs[-1]:.1f}")
 
     [prefix] = random_prompts(1, args.prefix_len, vocab, seed=1000)
@@ -129,6 +171,18 @@ def main() -> None:
         "speedup": round(statistics.median(a / b for a, b in zip(ours, theirs, strict=True)), 2),
         "ttft_cached_ms": round(statistics.median(cached), 2),
         "ttft_uncached_ms": round(statistics.median(uncached), 2),
+        "prefill_s": round(statistics.median(prefill), 3),
+        "decode_step_ms": round(statistics.median(steps) * 1e3, 2),
+        "hf_prefill_s": round(statistics.median(hf_prefill), 3),
+        "hf_decode_step_ms": round(statistics.median(hf_steps) * 1e3, 2),
+        "gemm_step_ms": round(statistics.median(gemms) * 1e3, 2),
+        "gemm_bound_tokens_per_s": round(
+            args.requests
+            * args.output_len
+            / (statistics.median(prefill) + (args.output_len - 1) * statistics.median(gemms)),
+            1,
+        ),
+        "dtype": args.dtype,
         "model_params_m": round(parameters / 1e6, 1),
         "requests": args.requests,
         "prompt_len": args.prompt_len,
