@@ -9,7 +9,11 @@ classes as Ray async actors, driven the same way, in the same run; ``hop_p50_us`
 direct omniflow hop measured in the same run, back to back. Every hop of a pipeline
 follows a role's compute, with the receiver idle meanwhile; ``hop_after_idle_p50_us`` is
 the same direct hop after a 5 ms idle gap, the reference for that (on this VM, waking an
-idle receiver costs more than the hop). Rounds alternate omniflow and Ray.
+idle receiver costs more than the hop). ``zmq_transit_after_idle_p50_us`` is the least a
+pipeline transit can cost over ZeroMQ here: one message, sync pyzmq PUSH -> PULL between
+two processes, after the same idle gap, timed one way on the host's monotonic clock; the
+four transits of a request cost at least ``zmq_floor_after_idle_ms``. Rounds alternate
+omniflow and Ray.
 
     python benchmarks/pipeline.py [--requests 64] [--rounds 3]
 """
@@ -19,11 +23,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
+import multiprocessing
 import os
+import struct
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import zmq
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -172,6 +180,46 @@ class RayChain:
         self.ray.shutdown()
 
 
+def _transit_sink(address: str, back: str) -> None:
+    """Answers each stamped message with its one-way delay (perf_counter is the host's
+    CLOCK_MONOTONIC, the same clock in every process)."""
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(address)
+    push.connect(back)
+    while (message := pull.recv()) != b"stop":
+        arrived = time.perf_counter()
+        push.send(struct.pack("d", arrived - struct.unpack_from("d", message)[0]))
+    ctx.destroy(linger=0)
+
+
+class ZmqTransit:
+    """One-way ZeroMQ transits to another process, each after an idle gap."""
+
+    def __init__(self) -> None:
+        base = f"ipc://{os.environ.get('OMNIFLOW_RUN_ROOT', '/tmp')}/transit-{os.getpid()}"
+        self.ctx = zmq.Context()
+        self.back = self.ctx.socket(zmq.PULL)
+        self.back.bind(base + "-back")
+        self.sink = multiprocessing.get_context("spawn").Process(
+            target=_transit_sink, args=(base, base + "-back"), daemon=True
+        )
+        self.sink.start()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(base)
+        self.pad = b"x" * 320  # with the stamp, the size of a pipeline hop's header
+
+    def once(self, gap: float) -> float:
+        time.sleep(gap)  # blocks the loop on purpose: nothing else runs between rounds
+        self.push.send(struct.pack("d", time.perf_counter()) + self.pad)
+        return struct.unpack("d", self.back.recv())[0]
+
+    def close(self) -> None:
+        self.push.send(b"stop")
+        self.sink.join(timeout=10)
+        self.ctx.destroy(linger=0)
+
+
 async def drive(once, n: int, concurrency: int) -> tuple[list[float], float]:
     overheads: list[float] = []
     counter = iter(range(n))
@@ -204,6 +252,10 @@ async def main(requests: int, rounds: int) -> dict:
     }
     hops: list[float] = []
     idle_hops: list[float] = []
+    transits: list[float] = []
+    transit = ZmqTransit()
+    for _ in range(20):
+        transit.once(0.0)  # connected and warm
     async with omniflow.Runtime(cfg) as rt, omniflow.Runtime(hop_config(1)) as hop_rt:
         chain = RayChain(models) if have_ray() else None
         if chain is not None:
@@ -230,13 +282,16 @@ async def main(requests: int, rounds: int) -> dict:
                 t = time.perf_counter()
                 await hop_rt.call(PAYLOAD)
                 idle_hops.append(time.perf_counter() - t)
+                transits.append(transit.once(IDLE_GAP_S))
         if chain is not None:
             chain.close()
     out: dict = {
         "hop_p50_us": round(pct(hops, 50) * 1e6, 1),
         "hop_after_idle_p50_us": round(pct(idle_hops, 50) * 1e6, 1),
+        "zmq_transit_after_idle_p50_us": round(pct(transits, 50) * 1e6, 1),
         "hops_per_request": HOPS,
     }
+    transit.close()
     for name in ("omniflow", "ray"):
         if name == "ray" and chain is None:
             continue
@@ -244,6 +299,7 @@ async def main(requests: int, rounds: int) -> dict:
     budget_ms = 1.5 * HOPS * out["hop_p50_us"] / 1e3
     out["target_overhead_ms"] = round(budget_ms, 3)
     out["target_after_idle_ms"] = round(1.5 * HOPS * out["hop_after_idle_p50_us"] / 1e3, 3)
+    out["zmq_floor_after_idle_ms"] = round(HOPS * out["zmq_transit_after_idle_p50_us"] / 1e3, 3)
     return out
 
 
