@@ -25,6 +25,7 @@ from omniflow.engine.llm_engine import EngineConfig, LLMEngine
 from omniflow.engine.protocol import EngineBackend, TokenDelta
 from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.sequence import EmbeddingSpan
+from omniflow.priority import lower_thread_priority
 
 
 class EngineDeadError(RuntimeError):
@@ -52,8 +53,10 @@ _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, backend: EngineBackend):
+    def __init__(self, backend: EngineBackend, thread_nice: int = 0):
+        """thread_nice: added to the engine thread's nice value (omniflow/priority.py)."""
         self.backend = backend
+        self._thread_nice = thread_nice
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._streams_lock = threading.Lock()
@@ -153,6 +156,7 @@ class AsyncEngine:
         return True
 
     def _run(self) -> None:
+        lower_thread_priority(self._thread_nice)
         try:
             with torch.inference_mode():
                 while True:

@@ -11,6 +11,7 @@ import torch
 
 from omniflow.actor import Actor
 from omniflow.cache import CacheConfig, PagePool
+from omniflow.priority import DEFAULT_MODEL_NICE, check_nice, lower_thread_priority
 
 T = TypeVar("T")
 
@@ -20,7 +21,9 @@ class ModelActor(Actor):
 
     Requests reach the model one at a time, in arrival order. The ``threads``
     option sets torch's intra-op threads for the process (each replica is its own
-    process, so this is per replica).
+    process, so this is per replica). The model thread runs ``model_nice`` (default 10,
+    0 turns it off) nice levels below the event loop, so the loop moves requests first
+    when the CPU is short (see omniflow/priority.py).
     """
 
     _executor: ThreadPoolExecutor | None = None
@@ -36,7 +39,17 @@ class ModelActor(Actor):
         if "threads" in self.options:
             torch.set_num_threads(int(self.options["threads"]))
         label = name or f"{self.role}-{self.replica}"
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=label)
+        self._executor = ThreadPoolExecutor(
+            1,
+            thread_name_prefix=label,
+            initializer=lower_thread_priority,
+            initargs=(self.model_nice,),
+        )
+
+    @property
+    def model_nice(self) -> int:
+        value = self.options.get("model_nice", DEFAULT_MODEL_NICE)
+        return check_nice(value, f"{self.role}: option model_nice")
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._executor is None:

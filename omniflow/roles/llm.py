@@ -101,7 +101,9 @@ class LLMRole(ModelActor):
             share_kv=bool(self.options.get("share_kv", False)) and self.pool is not None,
         )
         self.tokenizer = load_tokenizer(self.path)
-        self.engine = AsyncEngine(LLMEngine(self.path, config, kv_pool=self.pool))
+        self.engine = AsyncEngine(
+            LLMEngine(self.path, config, kv_pool=self.pool), thread_nice=self.model_nice
+        )
         self.model = self.engine.backend.model  # type: ignore[attr-defined]  # shared weights
         omni = self.path / "omni"
         self.image_head = load_depth_head(omni / "image_head", device)
