@@ -25,7 +25,6 @@ from omniflow.engine.llm_engine import EngineConfig, LLMEngine
 from omniflow.engine.protocol import EngineBackend, TokenDelta
 from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.sequence import EmbeddingSpan
-from omniflow.priority import lower_thread_priority
 
 
 class EngineDeadError(RuntimeError):
@@ -53,10 +52,11 @@ _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, backend: EngineBackend, thread_nice: int = 0):
-        """thread_nice: added to the engine thread's nice value (omniflow/priority.py)."""
+    def __init__(self, backend: EngineBackend, thread_setup: Callable[[], None] | None = None):
+        """thread_setup: called on the engine thread before anything else (a role lowers the
+        thread's priority with it, see omniflow/priority.py)."""
         self.backend = backend
-        self._thread_nice = thread_nice
+        self._thread_setup = thread_setup
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._streams_lock = threading.Lock()
@@ -156,7 +156,8 @@ class AsyncEngine:
         return True
 
     def _run(self) -> None:
-        lower_thread_priority(self._thread_nice)
+        if self._thread_setup is not None:
+            self._thread_setup()
         try:
             with torch.inference_mode():
                 while True:

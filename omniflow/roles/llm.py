@@ -37,6 +37,7 @@ here, and a request opening with the same image to where its KV is.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from pathlib import Path
@@ -51,6 +52,7 @@ from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
 from omniflow.models.tiny import build_tiny_model
+from omniflow.priority import lower_thread_priority
 from omniflow.roles.base import ModelActor
 
 AUDIO_CODEBOOKS = [8192, 4096, 2048] + [1024] * 5
@@ -102,7 +104,8 @@ class LLMRole(ModelActor):
         )
         self.tokenizer = load_tokenizer(self.path)
         self.engine = AsyncEngine(
-            LLMEngine(self.path, config, kv_pool=self.pool), thread_nice=self.model_nice
+            LLMEngine(self.path, config, kv_pool=self.pool),
+            thread_setup=functools.partial(lower_thread_priority, self.model_nice),
         )
         self.model = self.engine.backend.model  # type: ignore[attr-defined]  # shared weights
         omni = self.path / "omni"

@@ -4,6 +4,7 @@ when the CPU is short (omniflow/priority.py). Real threads, read back from the k
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from omniflow.engine import AsyncEngine, LLMEngine
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.models import build_tiny_model
-from omniflow.priority import DEFAULT_MODEL_NICE, thread_nice
+from omniflow.priority import DEFAULT_MODEL_NICE, lower_thread_priority, thread_nice
 from omniflow.roles.base import ModelActor
 
 linux_only = pytest.mark.skipif(
@@ -44,11 +45,14 @@ def test_a_bad_model_nice_names_the_role_and_option(value):
 
 
 @linux_only
-def test_engine_thread_runs_thread_nice_levels_below_the_loop(tmp_path):
+def test_engine_thread_runs_its_setup_first(tmp_path):
     folder = build_tiny_model(tmp_path / "llm", "llama-mha")
 
     async def main() -> tuple[int, int]:
-        engine = AsyncEngine(LLMEngine(folder, EngineConfig(device="cpu")), thread_nice=4)
+        engine = AsyncEngine(
+            LLMEngine(folder, EngineConfig(device="cpu")),
+            thread_setup=functools.partial(lower_thread_priority, 4),
+        )
         try:
             return thread_nice(), await engine.call(thread_nice)
         finally:
