@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from omniflow.config import Config, parse
 
 ECHO = "omniflow.roles.echo"
+
+
+def run_in_loop(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    """A test written as a coroutine, run to the end in a fresh event loop."""
+
+    def run() -> None:
+        asyncio.run(test())
+
+    run.__name__ = run.__qualname__ = test.__name__
+    run.__doc__ = test.__doc__
+    return run
 
 
 def echo_config(

@@ -13,6 +13,7 @@ from omniflow.host import ActorHost
 from omniflow.messages import ActorRecord, Call, Cancel, Done, Fail, Frame
 from omniflow.routing import Router
 from omniflow.transport.codec import decode, encode
+from tests.helpers import run_in_loop
 
 
 class _View:
@@ -94,7 +95,8 @@ def _call(rid: str, **data: Any) -> list[Any]:
     return [encode(call)]
 
 
-async def _a_handler_that_never_suspends_answers_from_the_reader() -> None:
+@run_in_loop
+async def test_a_handler_that_never_suspends_answers_from_the_reader() -> None:
     host, outbox = _host()
     host.on_message(b"id", _call("a", text="hi"))
     (done,) = outbox.sent  # sent before the loop ran anything: no Task
@@ -102,7 +104,8 @@ async def _a_handler_that_never_suspends_answers_from_the_reader() -> None:
     assert host.inflight == 0
 
 
-async def _a_suspending_handler_continues_in_a_task() -> None:
+@run_in_loop
+async def test_a_suspending_handler_continues_in_a_task() -> None:
     host, outbox = _host()
     host.on_message(b"id", _call("b", text="x", wait="sleep"))
     assert not outbox.sent and host.inflight == 1
@@ -111,7 +114,8 @@ async def _a_suspending_handler_continues_in_a_task() -> None:
     assert isinstance(done, Done) and done.data == {"text": "x!"}
 
 
-async def _a_failure_after_suspending_is_one_fail() -> None:
+@run_in_loop
+async def test_a_failure_after_suspending_is_one_fail() -> None:
     host, outbox = _host()
     host.on_message(b"id", _call("c", wait="sleep", fail=True))
     await asyncio.wait_for(host._idle.wait(), 5)
@@ -119,7 +123,8 @@ async def _a_failure_after_suspending_is_one_fail() -> None:
     assert isinstance(fail, Fail) and fail.code == "error" and "asked to" in fail.message
 
 
-async def _cancel_reaches_a_suspended_handler_and_frees_its_slot() -> None:
+@run_in_loop
+async def test_cancel_reaches_a_suspended_handler_and_frees_its_slot() -> None:
     host, outbox = _host()
     host.on_message(b"id", _call("d", wait="forever"))
     host.on_message(b"id", _call("e", text="next"))  # waits for the only slot
@@ -130,7 +135,8 @@ async def _cancel_reaches_a_suspended_handler_and_frees_its_slot() -> None:
     assert outbox.sent[0].data == {"text": "next!"}
 
 
-async def _a_default_actor_starts_in_a_task() -> None:
+@run_in_loop
+async def test_a_default_actor_starts_in_a_task() -> None:
     host, outbox = _host(_TimedRole("role", 0))
     host.on_message(b"id", _call("t"))
     assert not outbox.sent  # not answered from the reader
@@ -139,7 +145,8 @@ async def _a_default_actor_starts_in_a_task() -> None:
     assert isinstance(done, Done) and done.data == {"task": True}
 
 
-async def _a_failure_before_suspending_is_one_fail_and_frees_the_slot() -> None:
+@run_in_loop
+async def test_a_failure_before_suspending_is_one_fail_and_frees_the_slot() -> None:
     host, outbox = _host()
     host.on_message(b"id", _call("f", fail=True))
     await asyncio.wait_for(host._idle.wait(), 5)
@@ -149,7 +156,8 @@ async def _a_failure_before_suspending_is_one_fail_and_frees_the_slot() -> None:
     assert isinstance(done, Done) and done.data == {"text": "after!"} and host.inflight == 0
 
 
-async def _a_bad_tensor_ref_is_one_bad_request_fail() -> None:
+@run_in_loop
+async def test_a_bad_tensor_ref_is_one_bad_request_fail() -> None:
     host, outbox = _host()
     call = Call("r", "role", "ipc://client", tensors={"x": Frame(3, "float32", (2,))}, credit=5)
     host.on_message(b"id", [encode(call)])  # frame 3 of a one-frame message
@@ -160,7 +168,8 @@ async def _a_bad_tensor_ref_is_one_bad_request_fail() -> None:
     assert isinstance(done, Done) and done.request_id == "s"
 
 
-async def _an_inline_hop_carries_credit_timings_and_takes_late_cancels() -> None:
+@run_in_loop
+async def test_an_inline_hop_carries_credit_timings_and_takes_late_cancels() -> None:
     host, outbox = _host(onward=True)
     host.on_message(b"id", _call("h", text="on"))
     (call,) = outbox.sent  # the next hop's Call left from the reader
@@ -173,7 +182,8 @@ async def _an_inline_hop_carries_credit_timings_and_takes_late_cancels() -> None
     assert isinstance(outbox.sent[-1], Cancel) and outbox.to[-1] == "ipc://next"
 
 
-async def _a_full_peer_queue_moves_the_finish_into_a_task() -> None:
+@run_in_loop
+async def test_a_full_peer_queue_moves_the_finish_into_a_task() -> None:
     for onward, expect in ((False, Done), (True, Call)):
         host, outbox = _host(onward=onward)
         outbox.full = True
@@ -184,11 +194,8 @@ async def _a_full_peer_queue_moves_the_finish_into_a_task() -> None:
         assert isinstance(msg, expect) and msg.data == {"text": "wait!"} and msg.credit == 5
 
 
-def test_a_failure_before_suspending_is_one_fail_and_frees_the_slot() -> None:
-    asyncio.run(_a_failure_before_suspending_is_one_fail_and_frees_the_slot())
-
-
-async def _a_fan_out_splits_credit_and_sends_in_order_even_when_a_queue_is_full() -> None:
+@run_in_loop
+async def test_a_fan_out_splits_credit_and_sends_in_order_even_when_a_queue_is_full() -> None:
     for full in (False, True):
         host, outbox = _host(fan=True)
         outbox.full = full
@@ -201,39 +208,3 @@ async def _a_fan_out_splits_credit_and_sends_in_order_even_when_a_queue_is_full(
         assert first.data == second.data == {"text": "two!"} and first.last and second.last
         assert (first.credit, second.credit) == (3, 2)  # 5 split, the extra on the first
         assert [t.role for t in first.timings] == ["role"] and second.timings == []
-
-
-def test_a_fan_out_splits_credit_and_sends_in_order_even_when_a_queue_is_full() -> None:
-    asyncio.run(_a_fan_out_splits_credit_and_sends_in_order_even_when_a_queue_is_full())
-
-
-def test_a_bad_tensor_ref_is_one_bad_request_fail() -> None:
-    asyncio.run(_a_bad_tensor_ref_is_one_bad_request_fail())
-
-
-def test_an_inline_hop_carries_credit_timings_and_takes_late_cancels() -> None:
-    asyncio.run(_an_inline_hop_carries_credit_timings_and_takes_late_cancels())
-
-
-def test_a_full_peer_queue_moves_the_finish_into_a_task() -> None:
-    asyncio.run(_a_full_peer_queue_moves_the_finish_into_a_task())
-
-
-def test_a_default_actor_starts_in_a_task() -> None:
-    asyncio.run(_a_default_actor_starts_in_a_task())
-
-
-def test_a_handler_that_never_suspends_answers_from_the_reader() -> None:
-    asyncio.run(_a_handler_that_never_suspends_answers_from_the_reader())
-
-
-def test_a_suspending_handler_continues_in_a_task() -> None:
-    asyncio.run(_a_suspending_handler_continues_in_a_task())
-
-
-def test_a_failure_after_suspending_is_one_fail() -> None:
-    asyncio.run(_a_failure_after_suspending_is_one_fail())
-
-
-def test_cancel_reaches_a_suspended_handler_and_frees_its_slot() -> None:
-    asyncio.run(_cancel_reaches_a_suspended_handler_and_frees_its_slot())
