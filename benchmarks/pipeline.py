@@ -36,7 +36,7 @@ import zmq
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import emit, have_ray, pct, short_run_root  # noqa: E402
-from hop import PAYLOAD  # noqa: E402
+from hop import IDLE_GAP_S, PAYLOAD, timed  # noqa: E402
 from hop import config as hop_config  # noqa: E402
 
 import omniflow  # noqa: E402
@@ -46,7 +46,6 @@ from tests.roles.media import image_bytes  # noqa: E402
 CONCURRENCY = (1, 8, 32)
 PARAMS = {"want": "image", "image_grid": [1, 1]}
 HOPS = 4
-IDLE_GAP_S = 0.005
 
 
 def role_specs(models: Path) -> dict[str, dict]:
@@ -273,15 +272,9 @@ async def main(requests: int, rounds: int) -> dict:
                     over, rps = await drive(once, max(requests, c), c)
                     results[name][c][0].extend(over)
                     results[name][c][1].append(rps)
-            for _ in range(300):
-                t = time.perf_counter()
-                await hop_rt.call(PAYLOAD)
-                hops.append(time.perf_counter() - t)
-            for _ in range(30):
-                await asyncio.sleep(IDLE_GAP_S)
-                t = time.perf_counter()
-                await hop_rt.call(PAYLOAD)
-                idle_hops.append(time.perf_counter() - t)
+            await timed(lambda: hop_rt.call(PAYLOAD), 300, hops)
+            for _ in range(30):  # alternated: a hop after idle, a bare transit after idle
+                await timed(lambda: hop_rt.call(PAYLOAD), 1, idle_hops, IDLE_GAP_S)
                 transits.append(transit.once(IDLE_GAP_S))
         if chain is not None:
             chain.close()

@@ -195,10 +195,7 @@ class ActorHost:
         if rest is not None:  # a peer's queue is full, or tensors must be exported
             return self._hand_over(call, key, fanout, ctx, arrived, self._end_after, rest)
         self.served += 1
-        if call.tensors:
-            release_all([ref for ref in call.tensors.values() if not isinstance(ref, Frame)])
-        for lease in ctx.held:
-            lease.release()
+        _release_inputs(_pool_refs(call), ctx)
         if fanout.addresses:  # a late Cancel must still reach the next hop
             self._remember(key, fanout.addresses)
 
@@ -343,8 +340,7 @@ class ActorHost:
         stream.credit += call.credit
         if call.timings:
             stream.timings += call.timings
-        if call.tensors:
-            stream.refs += [ref for ref in call.tensors.values() if not isinstance(ref, Frame)]
+        stream.refs += _pool_refs(call)
         add_usage(stream.usage, call.usage)
 
     async def _handle_chunk(self, stream: Stream, call: Call, parts: list[Any]) -> None:
@@ -424,13 +420,8 @@ class ActorHost:
 
     def _close(self, stream: Stream) -> None:
         # Outputs that reuse an input's block were shared onward before this release.
-        if stream.refs:
-            release_all(stream.refs)
-            stream.refs = []
-        if stream.ctx.held:
-            for lease in stream.ctx.held:
-                lease.release()
-            stream.ctx.held = []
+        _release_inputs(stream.refs, stream.ctx)
+        stream.refs = []
         key = (stream.call.request_id, stream.call.hops)
         self._streams.pop(key, None)
         self._remember(key, stream.fanout.addresses)
@@ -481,3 +472,20 @@ class ActorHost:
                 if stream.task is not None:
                     stream.task.cancel()
             return False
+
+
+def _pool_refs(call: Call) -> list[Any]:
+    """The call's tensor refs that hold a pool block (every kind but an inline Frame)."""
+    if not call.tensors:
+        return []
+    return [ref for ref in call.tensors.values() if not isinstance(ref, Frame)]
+
+
+def _release_inputs(refs: list[Any], ctx: Context) -> None:
+    """Give back what a finished request held: its inputs' pool blocks, its leases."""
+    if refs:
+        release_all(refs)
+    if ctx.held:
+        for lease in ctx.held:
+            lease.release()
+        ctx.held = []

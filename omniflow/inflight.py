@@ -119,20 +119,11 @@ def resume(coro: Any, suspended: Any) -> Any:
     ``_start`` primes this generator, so a cancel that comes before the Task's first
     step is thrown in at the priming ``yield`` and reaches ``coro`` too.
     """
-    step: Any = None
-    arg: Any = None
     try:
         yield  # primed
     except BaseException as e:  # cancelled before the Task ever ran
-        step, arg = coro.throw, e
-    while True:
-        if step is not None:
-            try:
-                suspended = step(arg)
-            except StopIteration as stop:
-                return stop.value
         try:
-            arg = yield suspended
-            step = coro.send
-        except BaseException as e:  # a cancel (or any throw) goes on to the coroutine
-            step, arg = coro.throw, e
+            suspended = coro.throw(e)
+        except StopIteration as stop:
+            return stop.value
+    return (yield from carry_on(coro, suspended))
