@@ -15,6 +15,14 @@ Where the time goes, to read the 2x target against (medians over rounds):
                                    model once, at 32 rows, as a step reads them
   gemm_bound_tokens_per_s          the throughput if a decode step cost only its projections:
                                    tokens / (prefill_s + (output_len - 1) * gemm_step_ms)
+The floor of any engine on this machine, same model, same precision:
+  floor_step_ms                    a decode step cut to what it cannot skip: its projections as
+                                   above, and after each layer's q/k/v projection one read of
+                                   that layer's K and V for 32 contexts of the mean length
+  prefill_floor_s                  the prompts' projections alone (4,096 rows at once), best of two
+  floor_tokens_per_s               tokens / (prefill_floor_s + (output_len - 1) * floor_step_ms)
+  floor_speedup                    median over rounds of floor / transformers within the round:
+                                   the most any engine could show here against transformers
 Subject and baseline run interleaved (A B A B ...); each figure is a median over rounds.
 """
 
@@ -63,16 +71,36 @@ def omniflow_throughput(engine: LLMEngine, prompts, output_len: int, tag: str):
     return produced / elapsed, prefill_s, statistics.median(steps)
 
 
-def gemm_step_s(model, rows: int, dtype: torch.dtype) -> float:
-    """One decode step's projections alone: each weight once, ``rows`` rows."""
+def step_floor_s(model, rows: int, kv=None, head_rows: int | None = None) -> float:
+    """Every projection weight once at ``rows`` rows, the output projection at ``head_rows``
+    (default: rows). With ``kv`` ([(keys, values)] per layer), each layer's K and V are read
+    once right after its q/k/v projection, as attention reads them in a step."""
+    dtype = model.output_weight.dtype
     weights = [p for name, p in model.named_parameters() if name.endswith("proj.weight")]
-    weights.append(model.output_weight)
+    layers = model.config.num_hidden_layers
+    per_layer = len(weights) // layers  # qkv, o, gate_up, down: in registration order
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in weights}
+    head_input = torch.randn(head_rows or rows, model.output_weight.shape[1], dtype=dtype)
     with torch.inference_mode():
         started = time.perf_counter()
-        for weight in weights:
+        for index, weight in enumerate(weights):
             torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+            if kv is not None and index % per_layer == 0:
+                keys, values = kv[index // per_layer]
+                keys.sum()
+                values.sum()
+        torch.nn.functional.linear(head_input, model.output_weight)
         return time.perf_counter() - started
+
+
+def context_kv(config, rows: int, context: int, dtype: torch.dtype):
+    """Per layer, the K and V of ``rows`` contexts of ``context`` tokens, contiguous (as the
+    decode mirror holds them)."""
+    shape = (rows * config.num_key_value_heads, context, config.head_dim)
+    return [
+        (torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
+        for _ in range(config.num_hidden_layers)
+    ]
 
 
 def hf_throughput(model, prompts, output_len: int) -> float:
@@ -138,7 +166,12 @@ def main() -> None:
     hf_throughput(hf_model, warm, 4)
 
     ours, theirs, prefill, steps, hf_prefill, hf_steps, gemms = [], [], [], [], [], [], []
+    floors, prefill_floors, floor_ratios = [], [], []
     dtype = getattr(torch, args.dtype)
+    model = engine.model
+    mean_context = args.prompt_len + args.output_len // 2
+    kv = context_kv(model.config, args.requests, mean_context, dtype)
+    prompt_rows = args.requests * args.prompt_len
     for round_index in range(args.rounds):
         prompts = random_prompts(args.requests, args.prompt_len, vocab, seed=round_index)
         rate, prefill_s, step_s = omniflow_throughput(
@@ -152,7 +185,19 @@ def main() -> None:
         hf_prefill.append(one)
         total = len(prompts) * args.output_len / theirs[-1]
         hf_steps.append((total - one) / (args.output_len - 1))
-        gemms += [gemm_step_s(engine.model, args.requests, dtype) for _ in range(10)]
+        gemms += [step_floor_s(model, args.requests) for _ in range(10)]
+        round_floors = [step_floor_s(model, args.requests, kv) for _ in range(10)]
+        floors += round_floors
+        round_prefill = min(
+            step_floor_s(model, prompt_rows, head_rows=args.requests) for _ in range(2)
+        )
+        prefill_floors.append(round_prefill)
+        floor_rate = (
+            len(prompts)
+            * args.output_len
+            / (round_prefill + (args.output_len - 1) * statistics.median(round_floors))
+        )
+        floor_ratios.append(floor_rate / theirs[-1])
         print(f"round {round_index}: omniflow {ours[-1]:.1f} tok/s, transformers {theirs[-1]:.1f}")
 
     [prefix] = random_prompts(1, args.prefix_len, vocab, seed=1000)
@@ -182,6 +227,18 @@ def main() -> None:
             / (statistics.median(prefill) + (args.output_len - 1) * statistics.median(gemms)),
             1,
         ),
+        "floor_step_ms": round(statistics.median(floors) * 1e3, 2),
+        "prefill_floor_s": round(statistics.median(prefill_floors), 3),
+        "floor_tokens_per_s": round(
+            args.requests
+            * args.output_len
+            / (
+                statistics.median(prefill_floors)
+                + (args.output_len - 1) * statistics.median(floors)
+            ),
+            1,
+        ),
+        "floor_speedup": round(statistics.median(floor_ratios), 2),
         "dtype": args.dtype,
         "model_params_m": round(parameters / 1e6, 1),
         "requests": args.requests,
