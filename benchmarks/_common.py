@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -21,8 +23,16 @@ def median(samples: list[float]) -> float:
     return statistics.median(samples) if samples else float("nan")
 
 
+def scratch_dir(prefix: str, parent: str | None = None) -> Path:
+    """A temporary directory that goes when the benchmark exits: the models and run dirs a
+    run writes (100+ MB) would otherwise pile up in /tmp, run after run."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
 def short_run_root() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="ofb-", dir="/tmp"))
+    root = scratch_dir("ofb-", parent="/tmp")  # short: ipc:// paths must fit in 107 bytes
     os.environ["OMNIFLOW_RUN_ROOT"] = str(root)
     return root
 

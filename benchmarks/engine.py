@@ -32,12 +32,15 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import scratch_dir  # noqa: E402
 
 from omniflow.engine import LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
@@ -147,7 +150,7 @@ def main() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    folder = build_tiny_model(tempfile.mkdtemp(prefix="omniflow-bench-"), "llama-bench-30m")
+    folder = build_tiny_model(scratch_dir("omniflow-bench-"), "llama-bench-30m")
     config = EngineConfig(device="cpu", dtype=args.dtype, max_num_seqs=64)
     engine = LLMEngine(folder, config)
     uncached_engine = LLMEngine(

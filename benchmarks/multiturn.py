@@ -27,14 +27,13 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import emit, median  # noqa: E402
+from _common import emit, median, scratch_dir  # noqa: E402
 
 from omniflow.balance import PickKey, make_policy  # noqa: E402
 from omniflow.cache.prefix import chain_hashes  # noqa: E402
@@ -211,7 +210,7 @@ async def main_async(args) -> dict:
     # not stall the other's step.
     sys.setswitchinterval(args.switch_interval_ms / 1000)
     folder = build_tiny_model(
-        tempfile.mkdtemp(prefix="omniflow-multiturn-"),
+        scratch_dir("omniflow-multiturn-"),
         "llama-mha",
         seed=0,
         hidden_size=args.hidden,

@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import struct
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import emit, have_ray, pct, short_run_root  # noqa: E402
+from _common import emit, have_ray, pct, scratch_dir, short_run_root  # noqa: E402
 from hop import IDLE_GAP_S, PAYLOAD, timed  # noqa: E402
 from hop import config as hop_config  # noqa: E402
 
@@ -243,7 +242,7 @@ def summary(overheads: list[float], rps: list[float]) -> dict:
 
 async def main(requests: int, rounds: int) -> dict:
     short_run_root()
-    models = Path(tempfile.mkdtemp(prefix="ofb-models-"))
+    models = scratch_dir("ofb-models-")
     cfg = longcat_config(models)
     results: dict[str, dict[int, tuple[list[float], list[float]]]] = {
         "omniflow": {c: ([], []) for c in CONCURRENCY},
