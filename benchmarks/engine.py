@@ -74,26 +74,45 @@ def omniflow_throughput(engine: LLMEngine, prompts, output_len: int, tag: str):
     return produced / elapsed, prefill_s, statistics.median(steps)
 
 
-def step_floor_s(model, rows: int, kv=None, head_rows: int | None = None) -> float:
-    """Every projection weight once at ``rows`` rows, the output projection at ``head_rows``
-    (default: rows). With ``kv`` ([(keys, values)] per layer), each layer's K and V are read
-    once right after its q/k/v projection, as attention reads them in a step."""
-    dtype = model.output_weight.dtype
-    weights = [p for name, p in model.named_parameters() if name.endswith("proj.weight")]
-    layers = model.config.num_hidden_layers
-    per_layer = len(weights) // layers  # qkv, o, gate_up, down: in registration order
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in weights}
-    head_input = torch.randn(head_rows or rows, model.output_weight.shape[1], dtype=dtype)
-    with torch.inference_mode():
-        started = time.perf_counter()
-        for index, weight in enumerate(weights):
-            torch.nn.functional.linear(inputs[weight.shape[1]], weight)
-            if kv is not None and index % per_layer == 0:
-                keys, values = kv[index // per_layer]
-                keys.sum()
-                values.sum()
-        torch.nn.functional.linear(head_input, model.output_weight)
-        return time.perf_counter() - started
+class Projections:
+    """A model's projections alone, timed: every weight once, as a step reads them. Random
+    inputs are made once per row count, outside the timing."""
+
+    def __init__(self, model):
+        self.weights = [p for name, p in model.named_parameters() if name.endswith("proj.weight")]
+        # qkv, o, gate_up, down per layer, in registration order
+        self.per_layer = len(self.weights) // model.config.num_hidden_layers
+        self.output = model.output_weight
+        self._inputs: dict[int, dict[int, torch.Tensor]] = {}
+
+    def _inputs_for(self, rows: int) -> dict[int, torch.Tensor]:
+        if rows not in self._inputs:
+            sizes = {w.shape[1] for w in self.weights} | {self.output.shape[1]}
+            dtype = self.output.dtype
+            self._inputs[rows] = {size: torch.randn(rows, size, dtype=dtype) for size in sizes}
+        return self._inputs[rows]
+
+    def step_s(self, rows: int, kv=None, head_rows: int | None = None) -> float:
+        """Every projection at ``rows`` rows, the output projection at ``head_rows`` (default:
+        rows). With ``kv`` ([(keys, values)] per layer), each layer's K and V are read once
+        right after its q/k/v projection, as attention reads them in a step."""
+        inputs = self._inputs_for(rows)
+        head_input = self._inputs_for(head_rows or rows)[self.output.shape[1]]
+        with torch.inference_mode():
+            started = time.perf_counter()
+            for index, weight in enumerate(self.weights):
+                torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+                if kv is not None and index % self.per_layer == 0:
+                    keys, values = kv[index // self.per_layer]
+                    keys.sum()
+                    values.sum()
+            torch.nn.functional.linear(head_input, self.output)
+            return time.perf_counter() - started
+
+
+def projected_tokens_per_s(tokens: int, output_len: int, prefill_s: float, step_s: float):
+    """Throughput if the prompts took ``prefill_s`` and each later decode step ``step_s``."""
+    return tokens / (prefill_s + (output_len - 1) * step_s)
 
 
 def context_kv(config, rows: int, context: int, dtype: torch.dtype):
@@ -170,11 +189,10 @@ def main() -> None:
 
     ours, theirs, prefill, steps, hf_prefill, hf_steps, gemms = [], [], [], [], [], [], []
     floors, prefill_floors, floor_ratios = [], [], []
-    dtype = getattr(torch, args.dtype)
-    model = engine.model
+    tokens = args.requests * args.output_len
+    projections = Projections(engine.model)
     mean_context = args.prompt_len + args.output_len // 2
-    kv = context_kv(model.config, args.requests, mean_context, dtype)
-    prompt_rows = args.requests * args.prompt_len
+    kv = context_kv(engine.model.config, args.requests, mean_context, getattr(torch, args.dtype))
     for round_index in range(args.rounds):
         prompts = random_prompts(args.requests, args.prompt_len, vocab, seed=round_index)
         rate, prefill_s, step_s = omniflow_throughput(
@@ -188,17 +206,16 @@ def main() -> None:
         hf_prefill.append(one)
         total = len(prompts) * args.output_len / theirs[-1]
         hf_steps.append((total - one) / (args.output_len - 1))
-        gemms += [step_floor_s(model, args.requests) for _ in range(10)]
-        round_floors = [step_floor_s(model, args.requests, kv) for _ in range(10)]
+        gemms += [projections.step_s(args.requests) for _ in range(10)]
+        round_floors = [projections.step_s(args.requests, kv) for _ in range(10)]
         floors += round_floors
         round_prefill = min(
-            step_floor_s(model, prompt_rows, head_rows=args.requests) for _ in range(2)
+            projections.step_s(len(prompts) * args.prompt_len, head_rows=args.requests)
+            for _ in range(2)
         )
         prefill_floors.append(round_prefill)
-        floor_rate = (
-            len(prompts)
-            * args.output_len
-            / (round_prefill + (args.output_len - 1) * statistics.median(round_floors))
+        floor_rate = projected_tokens_per_s(
+            tokens, args.output_len, round_prefill, statistics.median(round_floors)
         )
         floor_ratios.append(floor_rate / theirs[-1])
         print(f"round {round_index}: omniflow {ours[-1]:.1f} tok/s, transformers {theirs[-1]:.1f}")
@@ -225,19 +242,19 @@ def main() -> None:
         "hf_decode_step_ms": round(statistics.median(hf_steps) * 1e3, 2),
         "gemm_step_ms": round(statistics.median(gemms) * 1e3, 2),
         "gemm_bound_tokens_per_s": round(
-            args.requests
-            * args.output_len
-            / (statistics.median(prefill) + (args.output_len - 1) * statistics.median(gemms)),
+            projected_tokens_per_s(
+                tokens, args.output_len, statistics.median(prefill), statistics.median(gemms)
+            ),
             1,
         ),
         "floor_step_ms": round(statistics.median(floors) * 1e3, 2),
         "prefill_floor_s": round(statistics.median(prefill_floors), 3),
         "floor_tokens_per_s": round(
-            args.requests
-            * args.output_len
-            / (
-                statistics.median(prefill_floors)
-                + (args.output_len - 1) * statistics.median(floors)
+            projected_tokens_per_s(
+                tokens,
+                args.output_len,
+                statistics.median(prefill_floors),
+                statistics.median(floors),
             ),
             1,
         ),
