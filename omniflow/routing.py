@@ -12,6 +12,7 @@ share is split over the branches it opened, or returned to the client in a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
@@ -29,6 +30,11 @@ log = logging.getLogger(__name__)
 FULL_CREDIT = 1 << 62
 _NO_LINK = Link()  # what a message without tensors needs to know about its link
 _NO_KEY = PickKey()  # what a policy that keys on nothing is handed
+# How long a request waits, once, for a role that has no ready replica in this process's
+# registry view before it fails as unavailable (never past its deadline). Right after a
+# deployment starts, one actor's view may not have seen a neighbour turn ready yet, though
+# the client's has; a replica being restarted is the other case.
+NO_REPLICA_GRACE_S = 5.0
 
 
 class RouteError(RuntimeError):
@@ -124,12 +130,15 @@ class Fanout:
         self.branches: dict[str, _Branch] = {}
         self.emitted = 0
         self.addresses: set[str] = set()
+        self.waited_for_replicas = False
 
     async def output(self, output: Mapping[str, Any]) -> None:
         data, tensors = split_output(output)
         routes = self.router.plan.route(self.src, self.call.params, output, self.call.loops)
         if not routes and self.src == INPUT:
             return  # the client checks that some role took the request
+        if missing := self._roles_without_replicas(routes):
+            await self._wait_for_replicas(missing)
         if not routes:
             emit = Emit(self.call.request_id, self.src, self.emitted, data)
             self.emitted += 1
@@ -149,6 +158,28 @@ class Fanout:
             self.branches.get(route.edge.dst) or self._open(route.edge, joins.get(route), data)
             for route in routes
         ]
+
+    def _roles_without_replicas(self, routes: list) -> list[str]:
+        """Roles a branch must still be opened to, with no ready replica in the view (empty
+        once this request has waited for them)."""
+        if self.waited_for_replicas:
+            return []
+        view = self.router.view
+        return [
+            route.edge.dst
+            for route in routes
+            if route.edge.dst not in self.branches and not view.replicas(route.edge.dst)
+        ]
+
+    async def _wait_for_replicas(self, roles: list[str]) -> None:
+        """Up to NO_REPLICA_GRACE_S (and the deadline) for each role to get a ready replica;
+        whatever is still missing then fails when its branch is opened."""
+        self.waited_for_replicas = True
+        until = time.time() + NO_REPLICA_GRACE_S
+        if self.call.deadline:
+            until = min(until, self.call.deadline)
+        for role in roles:
+            await self.router.view.wait_for(role, until - time.time())
 
     def _joins_for(self, routes: list, data: Mapping[str, Any]) -> dict:
         """Join tags for routes whose branches meet again downstream."""
@@ -313,6 +344,8 @@ class Fanout:
             if not routes or any(route.edge.stream for route in routes):
                 # It goes out on its own first: an Emit, or chunks on streaming edges.
                 return self._output_then_finish(last_output, credit, timings, usage)
+            if missing := self._roles_without_replicas(routes):
+                return self._finish_when_ready(missing, credit, timings, usage, last_output)
             for branch in self._branches_for(routes, data):
                 _merge(branch.data, data)
                 branch.tensors.update(tensors)
@@ -332,6 +365,17 @@ class Fanout:
         rest = self.finish_now(credit, timings, usage, last_output)
         if rest is not None:
             await rest
+
+    async def _finish_when_ready(
+        self,
+        roles: list[str],
+        credit: int,
+        timings: list[Timing],
+        usage: dict[str, int],
+        last_output: Mapping[str, Any],
+    ) -> None:
+        await self._wait_for_replicas(roles)
+        await self.finish(credit, timings, usage, last_output)
 
     async def _output_then_finish(
         self, last_output: Mapping[str, Any], credit: int, timings: list[Timing], usage: dict

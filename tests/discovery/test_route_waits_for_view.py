@@ -1,0 +1,93 @@
+"""A request routed to a role its process's registry view has no ready replica of yet waits,
+once, for the view to catch up (right after a start, one actor's view may lag the
+client's), and fails as unavailable only when none turns up in time. Real registries
+(embedded and etcd), a real RegistryView; the outbox records what would be sent."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from omniflow import routing
+from omniflow.balance import make_policy
+from omniflow.discovery.base import actor_key, encode_record
+from omniflow.discovery.view import RegistryView
+from omniflow.graph import Graph
+from omniflow.messages import ActorRecord, Call
+from omniflow.routing import Fanout, RouteError, Router
+from omniflow.transport.codec import decode
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Any]] = []
+
+    def try_send(self, address: str, parts: list[Any]) -> bool:
+        self.sent.append((address, decode(parts[0])))
+        return True
+
+    async def send(self, address: str, parts: list[Any], timeout: float | None = None) -> None:
+        self.try_send(address, parts)
+
+
+def _fanout(view: RegistryView, outbox: _Outbox) -> Fanout:
+    graph = Graph()
+    graph.edge("input", "fast")
+    graph.edge("fast", "slow")
+    roles = {"fast", "slow"}
+    policies = {role: make_policy("round_robin") for role in roles}
+    router = Router(graph.compile(roles), view, outbox, policies)  # type: ignore[arg-type]
+    call = Call("r1", "fast", "ipc://client", credit=7, deadline=time.time() + 30)
+    return Fanout(router, "fast", call)
+
+
+def test_a_route_waits_for_the_view_to_see_a_ready_replica(registry):
+    async def body(backend) -> None:
+        client = await backend.client()
+        view = RegistryView(client, "grace")
+        await view.start()
+        try:
+            outbox = _Outbox()
+            rest = _fanout(view, outbox).finish_now(7, [], {}, {"text": "x"})
+            assert rest is not None and not outbox.sent  # no replica of slow yet: it waits
+            waiting = asyncio.ensure_future(rest)
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            record = ActorRecord("slow", 0, 1, "ipc://slow-0", "host")
+            await client.put(actor_key("grace", "slow", 0), encode_record(record))
+            await asyncio.wait_for(waiting, 10)
+            ((address, call),) = outbox.sent
+            assert address == "ipc://slow-0" and isinstance(call, Call)
+            assert call.role == "slow" and call.data == {"text": "x"} and call.credit == 7
+        finally:
+            await view.close()
+
+    registry.run(body)
+
+
+def test_a_route_fails_as_unavailable_when_no_replica_turns_up(registry, monkeypatch):
+    monkeypatch.setattr(routing, "NO_REPLICA_GRACE_S", 0.3)
+
+    async def body(backend) -> None:
+        client = await backend.client()
+        view = RegistryView(client, "grace-none")
+        await view.start()
+        try:
+            outbox = _Outbox()
+            fanout = _fanout(view, outbox)
+            rest = fanout.finish_now(7, [], {}, {"text": "x"})
+            assert rest is not None
+            started = time.monotonic()
+            with pytest.raises(RouteError, match="no live replica of role 'slow'"):
+                await rest
+            assert 0.25 < time.monotonic() - started < 5 and not outbox.sent
+            # waited once: a second route in the same request fails at once
+            with pytest.raises(RouteError, match="no live replica"):
+                await fanout.output({"text": "y"})
+        finally:
+            await view.close()
+
+    registry.run(body)
