@@ -6,7 +6,9 @@ client's), and fails as unavailable only when none turns up in time. Real regist
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -44,12 +46,21 @@ def _fanout(view: RegistryView, outbox: _Outbox) -> Fanout:
     return Fanout(router, "fast", call)
 
 
+@contextlib.asynccontextmanager
+async def _view(backend, deployment: str) -> AsyncIterator[tuple[Any, RegistryView]]:
+    """A registry client and a started view of ``deployment`` over it."""
+    client = await backend.client()
+    view = RegistryView(client, deployment)
+    await view.start()
+    try:
+        yield client, view
+    finally:
+        await view.close()
+
+
 def test_a_route_waits_for_the_view_to_see_a_ready_replica(registry):
     async def body(backend) -> None:
-        client = await backend.client()
-        view = RegistryView(client, "grace")
-        await view.start()
-        try:
+        async with _view(backend, "grace") as (client, view):
             outbox = _Outbox()
             rest = _fanout(view, outbox).finish_now(7, [], {}, {"text": "x"})
             assert rest is not None and not outbox.sent  # no replica of slow yet: it waits
@@ -62,8 +73,6 @@ def test_a_route_waits_for_the_view_to_see_a_ready_replica(registry):
             ((address, call),) = outbox.sent
             assert address == "ipc://slow-0" and isinstance(call, Call)
             assert call.role == "slow" and call.data == {"text": "x"} and call.credit == 7
-        finally:
-            await view.close()
 
     registry.run(body)
 
@@ -72,10 +81,7 @@ def test_a_route_fails_as_unavailable_when_no_replica_turns_up(registry, monkeyp
     monkeypatch.setattr(routing, "NO_REPLICA_GRACE_S", 0.3)
 
     async def body(backend) -> None:
-        client = await backend.client()
-        view = RegistryView(client, "grace-none")
-        await view.start()
-        try:
+        async with _view(backend, "grace-none") as (_, view):
             outbox = _Outbox()
             fanout = _fanout(view, outbox)
             rest = fanout.finish_now(7, [], {}, {"text": "x"})
@@ -87,7 +93,5 @@ def test_a_route_fails_as_unavailable_when_no_replica_turns_up(registry, monkeyp
             # waited once: a second route in the same request fails at once
             with pytest.raises(RouteError, match="no live replica"):
                 await fanout.output({"text": "y"})
-        finally:
-            await view.close()
 
     registry.run(body)
