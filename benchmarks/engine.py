@@ -75,21 +75,23 @@ def omniflow_throughput(engine: LLMEngine, prompts, output_len: int, tag: str):
 
 
 class Projections:
-    """A model's projections alone, timed: every weight once, as a step reads them. Random
-    inputs are made once per row count, outside the timing."""
+    """A model's projections alone, timed: every weight once, as a step reads them (through
+    the model's own modules, so in the layout the engine put them in). Random inputs are
+    made once per row count, outside the timing."""
 
     def __init__(self, model):
-        self.weights = [p for name, p in model.named_parameters() if name.endswith("proj.weight")]
         # qkv, o, gate_up, down per layer, in registration order
-        self.per_layer = len(self.weights) // model.config.num_hidden_layers
-        self.output = model.output_weight
+        self.modules = [m for name, m in model.named_modules() if name.endswith("proj")]
+        self.per_layer = len(self.modules) // model.config.num_hidden_layers
+        self.model = model
+        self.hidden = model.config.hidden_size
+        self.dtype = model.model.embed_tokens.weight.dtype
         self._inputs: dict[int, dict[int, torch.Tensor]] = {}
 
     def _inputs_for(self, rows: int) -> dict[int, torch.Tensor]:
         if rows not in self._inputs:
-            sizes = {w.shape[1] for w in self.weights} | {self.output.shape[1]}
-            dtype = self.output.dtype
-            self._inputs[rows] = {size: torch.randn(rows, size, dtype=dtype) for size in sizes}
+            sizes = {m.in_features for m in self.modules} | {self.hidden}
+            self._inputs[rows] = {size: torch.randn(rows, size, dtype=self.dtype) for size in sizes}
         return self._inputs[rows]
 
     def step_s(self, rows: int, kv=None, head_rows: int | None = None) -> float:
@@ -97,16 +99,16 @@ class Projections:
         rows). With ``kv`` ([(keys, values)] per layer), each layer's K and V are read once
         right after its q/k/v projection, as attention reads them in a step."""
         inputs = self._inputs_for(rows)
-        head_input = self._inputs_for(head_rows or rows)[self.output.shape[1]]
+        head_input = self._inputs_for(head_rows or rows)[self.hidden]
         with torch.inference_mode():
             started = time.perf_counter()
-            for index, weight in enumerate(self.weights):
-                torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+            for index, module in enumerate(self.modules):
+                module(inputs[module.in_features])
                 if kv is not None and index % self.per_layer == 0:
                     keys, values = kv[index // self.per_layer]
                     keys.sum()
                     values.sum()
-            torch.nn.functional.linear(head_input, self.output)
+            self.model.logits(head_input)
             return time.perf_counter() - started
 
 

@@ -12,6 +12,7 @@ from omniflow.engine.paged_attention import KVCache, PagedAttention, build_atten
 from omniflow.engine.scheduler import ScheduledChunk
 from omniflow.engine.sequence import Sequence
 from omniflow.models import DecoderLM
+from omniflow.models.decoder import packed_weights_supported
 
 
 class StepLogits(NamedTuple):
@@ -24,8 +25,11 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.mirror = DecodeMirror(cache, mirror_bytes)
-        self.device = next(model.parameters()).device
-        if self.device.type == "cpu":
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        if packed_weights_supported(self.device, parameter.dtype):
+            model.use_packed_weights()
+        elif self.device.type == "cpu":
             model.use_input_major_weights()
         self.scale = model.config.head_dim**-0.5
 

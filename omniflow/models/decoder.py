@@ -93,6 +93,32 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def packed_weights_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `DecoderLM.use_packed_weights` applies: bf16 on a CPU whose oneDNN runs bf16."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class PackedLinear(nn.Module):
+    """A Linear whose weight lives in oneDNN's blocked layout (AMX/VNNI tiles for bf16),
+    re-laid once here instead of by oneDNN on every call, as it does for a plain weight.
+    Same parameter names; the weight is an opaque mkldnn tensor (``.to_dense()`` reads it)."""
+
+    def __init__(self, linear: nn.Linear, rows_hint: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
 class DecoderBody(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -123,10 +149,21 @@ class DecoderLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The tied output projection in oneDNN's layout, once use_packed_weights ran (the
+        # embedding lookup keeps the plain table).
+        self._packed_output: torch.Tensor | None = None
 
     @property
-    def output_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def packed(self) -> bool:
+        return any(isinstance(module, PackedLinear) for module in self.modules())
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output projection: hidden states [rows, hidden] -> logits [rows, vocab]."""
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        if self._packed_output is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed_output, None, "none", [], "")
+        return nn.functional.linear(x, self.model.embed_tokens.weight)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -155,8 +192,7 @@ class DecoderLM(nn.Module):
             x = layer(x, cos, sin, attention)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
-        x = self.model.norm(x)
-        return nn.functional.linear(x, self.output_weight)
+        return self.logits(self.model.norm(x))
 
     def hidden_states(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states [T, hidden] of one causal sequence of input embeddings.
@@ -185,8 +221,27 @@ class DecoderLM(nn.Module):
                 if weight.is_contiguous():
                     weight.data = weight.data.t().contiguous().t()
 
+    def use_packed_weights(self, rows_hint: int = 32) -> None:
+        """Store every projection weight in oneDNN's blocked layout (see PackedLinear), for
+        bf16 on CPU (`packed_weights_supported`). Measured on a 2-core AMX CPU, llama-bench-30m
+        at decode batch 32: the projections 4.1 vs 6.5 ms a step, the step -11%. Not for
+        float32: MKL's GEMM on input-major weights is as fast there, and rounds like
+        transformers'. A tied output projection gets a packed copy of the embedding table
+        (the lookup keeps the plain one). Weights cannot be loaded after this."""
+        if self.packed:
+            return
+        for module in list(self.modules()):
+            for name, child in module.named_children():
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, PackedLinear(child, rows_hint))
+        if self.lm_head is None:
+            table = self.model.embed_tokens.weight.detach()
+            self._packed_output = torch.ops.mkldnn._reorder_linear_weight(table, rows_hint)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this module; returns the names loaded."""
+        if self.packed:
+            raise RuntimeError("load_weights after use_packed_weights: load into a new model")
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:

@@ -1,0 +1,72 @@
+"""bf16 weights packed in oneDNN's layout (CPU): same names and shapes, the same logits as
+plain bf16 weights, used by the engine, and no loading into them afterwards."""
+
+import os
+
+import pytest
+import torch
+
+from omniflow.engine import LLMEngine, SamplingParams
+from omniflow.engine.llm_engine import EngineConfig
+from omniflow.models import build_tiny_model, load_decoder
+from omniflow.models.decoder import PackedLinear, packed_weights_supported
+from omniflow.models.loader import iter_checkpoint_tensors
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytestmark = pytest.mark.skipif(
+    not packed_weights_supported(torch.device("cpu"), torch.bfloat16),
+    reason="this CPU's oneDNN has no bf16",
+)
+
+
+def causal_attention(layer_index, q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    ).transpose(0, 1)
+
+
+def logits(model, token_ids):
+    with torch.inference_mode():
+        return model(torch.tensor(token_ids), torch.arange(len(token_ids)), causal_attention)
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tied-odd-heads", "llama-gqa"])
+def test_packed_weights_give_the_plain_logits(tmp_path, preset):
+    path = build_tiny_model(tmp_path / "m", preset, seed=5)
+    model = load_decoder(path, device="cpu", dtype="bfloat16")
+    plain = {name: p.detach().clone() for name, p in model.named_parameters()}
+    tokens = [5, 9, 2, 7, 11, 3, 8]
+    expected = logits(model, tokens)
+    model.use_packed_weights()
+    assert model.packed
+    packed = dict(model.named_parameters())
+    assert packed.keys() == plain.keys()
+    projections = [n for n in packed if n.endswith("proj.weight")]
+    assert projections and all(packed[n].layout == torch._mkldnn for n in projections)
+    for name, parameter in packed.items():
+        dense = parameter.to_dense() if parameter.layout == torch._mkldnn else parameter
+        assert torch.equal(dense, plain[name]), name
+    assert (model.lm_head is None) == (model._packed_output is not None)
+    # bf16 GEMMs in another layout may round differently: equal up to bf16 noise.
+    torch.testing.assert_close(logits(model, tokens), expected, rtol=2e-2, atol=2e-2)
+    with pytest.raises(RuntimeError, match="after use_packed_weights"):
+        model.load_weights(iter_checkpoint_tensors(path))
+
+
+def test_bf16_engine_runs_on_packed_weights(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[4, 8, 15, 16, 23, 42], [7, 7, 3]]
+    runs = []
+    for _ in range(2):
+        engine = LLMEngine(path, EngineConfig(device="cpu", dtype="bfloat16"))
+        assert isinstance(engine.model.model.layers[0].self_attn.qkv_proj, PackedLinear)
+        for index, prompt in enumerate(prompts):
+            engine.add_request(f"r{index}", prompt, params)
+        produced = {f"r{index}": [] for index in range(len(prompts))}
+        for delta in engine.run_to_completion():
+            produced[delta.request_id] += delta.token_ids
+        runs.append(produced)
+    assert all(len(tokens) == 12 for tokens in runs[0].values())
+    assert runs[0] == runs[1]
