@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from omniflow.engine.paged_attention import DecodeRows, KVCache, decode_dtype
+from omniflow.engine.paged_attention import DecodeRows, KVCache
 from omniflow.engine.sequence import Sequence
 
 DEFAULT_MIN_BYTES = 64 << 20
@@ -49,11 +49,8 @@ class DecodeMirror:
         self.max_bytes = max(pool_bytes // 4, DEFAULT_MIN_BYTES) if max_bytes is None else max_bytes
         layers, kv_heads, _, _, head_dim = cache.keys.shape
         self._shape = (layers, kv_heads, head_dim)
-        # In the dtype decode attention computes in (float32 for a half-precision CPU cache).
-        dtype = decode_dtype(cache.keys.dtype, cache.keys.device)
-        self.keys = self.values = cache.keys.new_zeros(
-            (layers, 0, kv_heads, 0, head_dim), dtype=dtype
-        )
+        # In the cache's dtype: decode attention reads it in place.
+        self.keys = self.values = cache.keys.new_zeros((layers, 0, kv_heads, 0, head_dim))
         self.slots: list[_Slot] = []
 
     def _bytes(self, num_slots: int, capacity: int) -> int:

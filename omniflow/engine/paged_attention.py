@@ -18,16 +18,13 @@ import torch
 import torch.nn.functional as F
 
 
-def decode_dtype(cache_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype decode attention computes in: float32 for a half-precision cache on CPU.
-
-    Batched decode attention is thousands of tiny matmuls per step; CPU bmm kernels take
-    them in float32 at about twice the bf16 speed (bf16 copies strided operands first).
-    The conversion is exact: every bf16/fp16 value is a float32.
-    """
-    if device.type == "cpu" and cache_dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return cache_dtype
+def sdpa_decode(cache: torch.Tensor) -> bool:
+    """Whether decode attention over this K/V runs as SDPA (half precision on CPU) rather
+    than as batched matmuls. On CPU, bmm copies strided bf16 operands first (it runs them at
+    half its float32 speed), while SDPA's CPU kernel reads bf16/fp16 K/V in place and
+    accumulates in float32: half the bytes of a float32 copy. With one query row per
+    sequence and a mask, SDPA is no faster than bmm in float32."""
+    return cache.device.type == "cpu" and cache.dtype in (torch.bfloat16, torch.float16)
 
 
 class KVCache:
@@ -127,7 +124,7 @@ def build_attention_batch(
         decode_pages = torch.tensor(tables, dtype=torch.long, device=device).view(-1)
         lengths = torch.tensor([length for _, length in decodes], device=device)
         valid = torch.arange(widest * size, device=device)[None, :] < lengths[:, None]
-        bias = torch.zeros(valid.shape, dtype=decode_dtype(dtype, device), device=device)
+        bias = torch.zeros(valid.shape, dtype=dtype, device=device)
         bias.masked_fill_(~valid, float("-inf"))
         decode_bias = bias.repeat(cache.num_kv_heads, 1)[:, None, :]
     for page_ids, length in decodes:
@@ -193,18 +190,27 @@ class PagedAttention:
     def _decode(self, q, layer_keys, layer_values) -> torch.Tensor:
         decodes, heads, head_dim = q.shape
         kv_heads = layer_keys.shape[0]
-        dtype = decode_dtype(layer_keys.dtype, layer_keys.device)
-        keys = layer_keys.index_select(1, self.batch.decode_pages).to(dtype)
-        values = layer_values.index_select(1, self.batch.decode_pages).to(dtype)
-        keys = keys.view(kv_heads * decodes, -1, head_dim)  # [kv_heads * decodes, ctx, dim]
-        values = values.view(keys.shape)
-        grouped_q = (q.to(dtype) * self.scale).view(decodes, kv_heads, -1, head_dim)
-        grouped_q = grouped_q.transpose(0, 1).reshape(kv_heads * decodes, -1, head_dim)
         decode_bias = self.batch.decode_bias
         if decode_bias is None:
             raise RuntimeError("decode rows in an attention batch built without decode_bias")
+        keys = layer_keys.index_select(1, self.batch.decode_pages)
+        values = layer_values.index_select(1, self.batch.decode_pages)
+        if sdpa_decode(layer_keys):
+            shape = (kv_heads, decodes, -1, head_dim)
+            # decode_bias repeats its rows per kv head, kv-head-major: the first `decodes`.
+            return _sdpa_decode(
+                q,
+                keys.view(shape).transpose(0, 1),
+                values.view(shape).transpose(0, 1),
+                decode_bias[:decodes],
+                self.scale,
+            )
+        keys = keys.view(kv_heads * decodes, -1, head_dim)  # [kv_heads * decodes, ctx, dim]
+        values = values.view(keys.shape)
+        grouped_q = (q * self.scale).view(decodes, kv_heads, -1, head_dim)
+        grouped_q = grouped_q.transpose(0, 1).reshape(kv_heads * decodes, -1, head_dim)
         out = _attend(grouped_q, keys, values, decode_bias).view(kv_heads, decodes, -1, head_dim)
-        return out.transpose(0, 1).reshape(decodes, heads, head_dim).to(q.dtype)
+        return out.transpose(0, 1).reshape(decodes, heads, head_dim)
 
     def _decode_mirrored(self, layer_index: int, q, k, v) -> torch.Tensor:
         # Slot-major mirror: rows' contexts are one strided batch [rows * kv_heads, ctx, dim],
@@ -215,17 +221,25 @@ class PagedAttention:
         decodes, heads, head_dim = q.shape
         layer_keys, layer_values = rows.keys[layer_index], rows.values[layer_index]
         slots, kv_heads, capacity, _ = layer_keys.shape
-        dtype = layer_keys.dtype  # the mirror is kept in decode_dtype
         new = (decodes * kv_heads, head_dim)
-        layer_keys.view(-1, head_dim).index_copy_(0, rows.write_index, k.reshape(new).to(dtype))
-        layer_values.view(-1, head_dim).index_copy_(0, rows.write_index, v.reshape(new).to(dtype))
+        layer_keys.view(-1, head_dim).index_copy_(0, rows.write_index, k.reshape(new))
+        layer_values.view(-1, head_dim).index_copy_(0, rows.write_index, v.reshape(new))
         widest = rows.bias.shape[-1]
+        if sdpa_decode(layer_keys):
+            # rows.bias repeats its rows per kv head, row-major: every kv_heads-th.
+            return _sdpa_decode(
+                q,
+                layer_keys[:decodes, :, :widest],
+                layer_values[:decodes, :, :widest],
+                rows.bias.view(decodes, kv_heads, widest)[:, :1],
+                self.scale,
+            )
         batch = (slots * kv_heads, capacity, head_dim)
         keys = layer_keys.view(batch)[: decodes * kv_heads, :widest]
         values = layer_values.view(batch)[: decodes * kv_heads, :widest]
-        grouped_q = (q.to(dtype) * self.scale).view(decodes * kv_heads, -1, head_dim)
+        grouped_q = (q * self.scale).view(decodes * kv_heads, -1, head_dim)
         out = _attend(grouped_q, keys, values, rows.bias)
-        return out.view(decodes, heads, head_dim).to(q.dtype)
+        return out.view(decodes, heads, head_dim)
 
     def _prefill(self, segment: PrefillSegment, q, k, v, layer_keys, layer_values):
         if segment.context_pages is None:
@@ -257,6 +271,22 @@ class PagedAttention:
             enable_gqa=True,
         )
         return out.transpose(1, 2).reshape(q.shape)
+
+
+def _sdpa_decode(q, keys, values, bias, scale: float) -> torch.Tensor:
+    """One new token per sequence: q [rows, heads, dim] over keys/values [rows, kv_heads,
+    ctx, dim] (any strides), bias [rows, 1, ctx] (0 / -inf). Grouped-query heads share a
+    kv head as transformers' repeat_kv does."""
+    rows, heads, head_dim = q.shape
+    out = F.scaled_dot_product_attention(
+        q.view(rows, heads, 1, head_dim),
+        keys,
+        values,
+        attn_mask=bias.view(rows, 1, 1, -1),
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.view(rows, heads, head_dim)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor):

@@ -135,8 +135,8 @@ def run(engine: LLMEngine, prompts, params, abort_at=None):
     "num_pages,dtype", [(None, "float32"), (14, "float32"), (None, "bfloat16")]
 )
 def test_mirrored_decode_equals_paged_decode(tiny_models, num_pages, dtype):
-    # bfloat16: the mirror holds float32 copies of the bf16 pages, and the paged path
-    # computes decode attention in float32 too, so both still give the same tokens.
+    # bfloat16: the mirror holds bf16 copies of the pages, and both paths run decode
+    # attention as SDPA over bf16 K/V, so both still give the same tokens.
     path = tiny_models["qwen2-tied-odd-heads"]
     prompts = random_prompts((30, 12, 25, 7, 18, 22, 3), seed=21)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -150,5 +150,5 @@ def test_mirrored_decode_equals_paged_decode(tiny_models, num_pages, dtype):
     assert run(mirrored, prompts, params, abort_at=9) == expected
     assert len(expected[1]) < params.max_tokens  # aborted mid-decode
     assert mirrored.runner.mirror.keys.shape[1] > 0  # the mirror did serve the decodes
-    assert mirrored.runner.mirror.keys.dtype == torch.float32
+    assert mirrored.runner.mirror.keys.dtype == getattr(torch, dtype)
     assert paged.runner.mirror.keys.shape[1] == 0
