@@ -204,7 +204,7 @@ class DecoderLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
         x = inputs_embeds
         for layer in self.model.layers:
-            x = layer(x, cos, sin, _causal_attention)
+            x = layer(x, cos, sin, causal_attention)
         return self.model.norm(x)
 
     def use_input_major_weights(self) -> None:
@@ -291,7 +291,7 @@ class DecoderLM(nn.Module):
         return names
 
 
-def _causal_attention(
+def causal_attention(
     layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
     """Causal attention over one sequence; q [T, H, d], k/v [T, KV, d] (GQA repeats k/v)."""

@@ -14,15 +14,10 @@ from omniflow.models import (
     load_decoder,
     load_tokenizer,
 )
+from omniflow.models.decoder import causal_attention
 from omniflow.models.rope import compute_inv_freq
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def causal_attention(layer_index, q, k, v):
-    return torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-    ).transpose(0, 1)
 
 
 def our_logits(path, token_ids):

@@ -1,5 +1,6 @@
-"""bf16 weights packed in oneDNN's layout (CPU): same names and shapes, the same logits as
-plain bf16 weights, used by the engine, and no loading into them afterwards."""
+"""CPU weight layouts change only the memory layout: same names, shapes, values and logits.
+Input-major float32 weights still take checkpoints; bf16 weights packed for oneDNN are used
+by the engine and refuse loading afterwards."""
 
 import os
 
@@ -9,21 +10,10 @@ import torch
 from omniflow.engine import LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.models import build_tiny_model, load_decoder
-from omniflow.models.decoder import PackedLinear, packed_weights_supported
+from omniflow.models.decoder import PackedLinear, causal_attention, packed_weights_supported
 from omniflow.models.loader import iter_checkpoint_tensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-pytestmark = pytest.mark.skipif(
-    not packed_weights_supported(torch.device("cpu"), torch.bfloat16),
-    reason="this CPU's oneDNN has no bf16",
-)
-
-
-def causal_attention(layer_index, q, k, v):
-    return torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-    ).transpose(0, 1)
 
 
 def logits(model, token_ids):
@@ -31,6 +21,37 @@ def logits(model, token_ids):
         return model(torch.tensor(token_ids), torch.arange(len(token_ids)), causal_attention)
 
 
+def test_input_major_weights_keep_values_and_reload(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "qwen2-tied-odd-heads", seed=3)
+    model = load_decoder(path, device="cpu")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    expected = logits(model, [5, 9, 2, 7, 11])
+    model.use_input_major_weights()
+    projections = [
+        p
+        for name, p in model.named_parameters()
+        if name.endswith(("proj.weight", "embed_tokens.weight"))
+    ]
+    assert projections and all(p.t().is_contiguous() for p in projections)
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, before[name]), name
+    # A different GEMM kernel may round differently: equal up to float32 noise.
+    torch.testing.assert_close(logits(model, [5, 9, 2, 7, 11]), expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+    model.load_weights(iter_checkpoint_tensors(path))  # shard views of strided parameters
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, before[name]), name
+
+
+needs_bf16_onednn = pytest.mark.skipif(
+    not packed_weights_supported(torch.device("cpu"), torch.bfloat16),
+    reason="this CPU's oneDNN has no bf16",
+)
+
+
+@needs_bf16_onednn
 @pytest.mark.parametrize("preset", ["qwen2-tied-odd-heads", "llama-gqa"])
 def test_packed_weights_give_the_plain_logits(tmp_path, preset):
     path = build_tiny_model(tmp_path / "m", preset, seed=5)
@@ -54,6 +75,7 @@ def test_packed_weights_give_the_plain_logits(tmp_path, preset):
         model.load_weights(iter_checkpoint_tensors(path))
 
 
+@needs_bf16_onednn
 def test_bf16_engine_runs_on_packed_weights(tmp_path):
     path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
