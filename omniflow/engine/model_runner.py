@@ -14,6 +14,8 @@ from omniflow.engine.sequence import Sequence
 from omniflow.models import DecoderLM
 from omniflow.models.decoder import packed_weights_supported
 
+CPU_BF16_MLP_ROW_BLOCK = 512
+
 
 class StepLogits(NamedTuple):
     sequences: list[Sequence]  # the sequences that sample after this step, in logits order
@@ -29,6 +31,7 @@ class ModelRunner:
         self.device = parameter.device
         if packed_weights_supported(self.device, parameter.dtype):
             model.use_packed_weights()
+            model.set_mlp_row_block(CPU_BF16_MLP_ROW_BLOCK)
         elif self.device.type == "cpu":
             model.use_input_major_weights()
         self.scale = model.config.head_dim**-0.5

@@ -75,7 +75,19 @@ class SwiGLU(nn.Module):
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
 
+        # Rows per pass over the MLP, or None for all at once (see DecoderLM.set_mlp_row_block).
+        self.row_block: int | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.row_block
+        if block is None or x.shape[0] <= block:
+            return self._rows(x)
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[0], block):
+            out[start : start + block] = self._rows(x[start : start + block])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
@@ -237,6 +249,16 @@ class DecoderLM(nn.Module):
         if self.lm_head is None:
             table = self.model.embed_tokens.weight.detach()
             self._packed_output = torch.ops.mkldnn._reorder_linear_weight(table, rows_hint)
+
+    def set_mlp_row_block(self, rows: int | None) -> None:
+        """Run the MLPs over at most ``rows`` rows at a time (None: all at once). For bf16 on
+        CPU: a long prefill's MLP intermediates ([tokens, 2 x intermediate]) are tens of MB,
+        fresh memory the allocator maps and faults in on every call, and then streamed
+        through the cache by each elementwise op; blocks of 512 rows reuse a few MB. Measured
+        on llama-bench-30m, 32 prompts of 128 tokens: the prefill step 5-30% shorter in five
+        paired runs, same tokens. Not for float32, where the GEMMs dominate (+1%)."""
+        for layer in self.model.layers:
+            layer.mlp.row_block = rows
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this module; returns the names loaded."""

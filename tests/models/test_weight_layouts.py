@@ -9,6 +9,7 @@ import torch
 
 from omniflow.engine import LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
+from omniflow.engine.model_runner import CPU_BF16_MLP_ROW_BLOCK
 from omniflow.models import build_tiny_model, load_decoder
 from omniflow.models.decoder import PackedLinear, causal_attention, packed_weights_supported
 from omniflow.models.loader import iter_checkpoint_tensors
@@ -84,6 +85,7 @@ def test_bf16_engine_runs_on_packed_weights(tmp_path):
     for _ in range(2):
         engine = LLMEngine(path, EngineConfig(device="cpu", dtype="bfloat16"))
         assert isinstance(engine.model.model.layers[0].self_attn.qkv_proj, PackedLinear)
+        assert engine.model.model.layers[0].mlp.row_block == CPU_BF16_MLP_ROW_BLOCK
         for index, prompt in enumerate(prompts):
             engine.add_request(f"r{index}", prompt, params)
         produced = {f"r{index}": [] for index in range(len(prompts))}
@@ -92,3 +94,16 @@ def test_bf16_engine_runs_on_packed_weights(tmp_path):
         runs.append(produced)
     assert all(len(tokens) == 12 for tokens in runs[0].values())
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_mlp_row_blocks_give_the_whole_batch_logits(tmp_path, dtype, tolerance):
+    path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=8)
+    model = load_decoder(path, device="cpu", dtype=dtype)
+    tokens = list(range(3, 14))  # 11 rows: blocks of 4, 4 and 3
+    expected = logits(model, tokens)
+    model.set_mlp_row_block(4)
+    assert all(layer.mlp.row_block == 4 for layer in model.model.layers)
+    torch.testing.assert_close(logits(model, tokens), expected, rtol=tolerance, atol=tolerance)
+    model.set_mlp_row_block(None)
+    assert torch.equal(logits(model, tokens), expected)
