@@ -74,7 +74,6 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
-
         # Rows per pass over the MLP, or None for all at once (see DecoderLM.set_mlp_row_block).
         self.row_block: int | None = None
 
