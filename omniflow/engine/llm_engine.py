@@ -47,6 +47,9 @@ class EngineConfig:
     # K/V tensors in the given kv_pool (CPU), so requests can lend their KV to other
     # processes on the host (add_request's lend_kv_to).
     share_kv: bool = False
+    # bf16 on CPU: run norms, rotary, silu, K/V writes and decode attention on omniflow's
+    # C kernels (omniflow.kernels, built on first use); PyTorch ops where they are unavailable.
+    cpu_kernels: bool = True
 
 
 PREFIX_CACHES = ("hash", "radix")
@@ -142,7 +145,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.enable_prefix_caching,
         )
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, kernels=config.cpu_kernels)
         self.sampler = Sampler(config.seed)
         self.sequences: dict[str, Sequence] = {}
         self.pending_aborts: list[TokenDelta] = []

@@ -11,10 +11,16 @@ from omniflow.engine.decode_mirror import DecodeMirror
 from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
 from omniflow.engine.scheduler import ScheduledChunk
 from omniflow.engine.sequence import Sequence
+from omniflow.kernels import CpuKernels, cpu_kernels
 from omniflow.models import DecoderLM
 from omniflow.models.decoder import packed_weights_supported
 
-CPU_BF16_MLP_ROW_BLOCK = 512
+# Rows per pass of a long bf16 prefill on CPU (DecoderLM.set_row_block): over the MLPs on
+# PyTorch ops, over every projection on the CPU kernels. Measured on llama-bench-30m, 32
+# prompts of 128 tokens: 512 is best for the former; with the kernels (no silu * up
+# intermediates to keep in cache), 2,048 beat 512, 1,024 and one pass.
+CPU_BF16_ROW_BLOCK = 512
+CPU_KERNELS_ROW_BLOCK = 2048
 
 
 class StepLogits(NamedTuple):
@@ -23,25 +29,47 @@ class StepLogits(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, cache: KVCache, mirror_bytes: int | None = None):
+    def __init__(
+        self,
+        model: DecoderLM,
+        cache: KVCache,
+        mirror_bytes: int | None = None,
+        kernels: CpuKernels | None | bool = True,
+    ):
+        """kernels: omniflow's CPU kernels for a bf16 model on CPU (True: build or load them
+        here, falling back to PyTorch ops where they are unavailable; False: PyTorch ops)."""
         self.model = model
         self.cache = cache
-        self.mirror = DecodeMirror(cache, mirror_bytes)
         parameter = next(model.parameters())
         self.device = parameter.device
+        bf16_cpu = self.device.type == "cpu" and parameter.dtype == torch.bfloat16
+        if kernels is True:
+            kernels = cpu_kernels() if bf16_cpu else None
+        self.kernels = kernels or None
+        if self.kernels is not None:
+            model.use_cpu_kernels(self.kernels)
+        config = model.config
+        # Decode attention on the kernel reads the pages in place; only other decodes need
+        # the mirror's contiguous copies.
+        self.kernel_decode = self.kernels is not None and self.kernels.decode_attention_supported(
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        )
+        self.mirror = DecodeMirror(cache, 0 if self.kernel_decode else mirror_bytes)
         if packed_weights_supported(self.device, parameter.dtype):
             model.use_packed_weights()
-            model.set_mlp_row_block(CPU_BF16_MLP_ROW_BLOCK)
+            model.set_row_block(
+                CPU_KERNELS_ROW_BLOCK if self.kernels is not None else CPU_BF16_ROW_BLOCK
+            )
         elif self.device.type == "cpu":
             model.use_input_major_weights()
-        self.scale = model.config.head_dim**-0.5
+        self.scale = config.head_dim**-0.5
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepLogits:
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
         mirrored = None
-        if decodes:
+        if decodes and not self.kernel_decode:
             mirrored = self.mirror.prepare([(c.sequence, c.start) for c in decodes])
             if mirrored is not None:
                 decodes = [decodes[i] for i in mirrored.order]
@@ -74,12 +102,13 @@ class ModelRunner:
             self.device,
             self.cache.keys.dtype,
             None if mirrored is None else mirrored.rows,
+            decode_masks=not self.kernel_decode,
         )
         device = self.device
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
-            PagedAttention(self.cache, batch, self.scale),
+            PagedAttention(self.cache, batch, self.scale, self.kernels),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
             embed_rows=torch.tensor(embed_rows, dtype=torch.long, device=device)
             if embed_rows

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from omniflow.kernels import CpuKernels
 
 
 def sdpa_decode(cache: torch.Tensor) -> bool:
@@ -99,6 +102,7 @@ class AttentionBatch(NamedTuple):
     decode_bias: torch.Tensor | None  # [kv_heads * decodes, 1, widest * page_size]: 0 / -inf
     prefills: list[PrefillSegment]
     mirrored: DecodeRows | None = None  # set: decodes read the mirror, not decode_pages
+    decode_lengths: torch.Tensor | None = None  # [decodes] context lengths, with the new token
 
 
 def build_attention_batch(
@@ -108,13 +112,16 @@ def build_attention_batch(
     device: torch.device,
     dtype: torch.dtype,
     mirrored: DecodeRows | None = None,
+    decode_masks: bool = True,
 ) -> AttentionBatch:
     """decodes: (page_ids, context length including the new token) per decode row;
     prefills: (page_ids, context_start, chunk length) per prefill chunk, rows after decodes;
-    mirrored: the decode rows' mirror, if they read one instead of gathering pages."""
+    mirrored: the decode rows' mirror, if they read one instead of gathering pages;
+    decode_masks: False when decode attention reads tables and lengths (the CPU kernel), so
+    no mask is built."""
     size = cache.page_size
     slot_mapping: list[int] = []
-    decode_pages = decode_bias = None
+    decode_pages = decode_bias = decode_lengths = None
     if decodes and mirrored is None:
         widest = max(-(-length // size) for _, length in decodes)
         # Padding points at page 0: its values are finite and their scores are masked.
@@ -122,11 +129,12 @@ def build_attention_batch(
             page_ids[:widest] + [0] * (widest - len(page_ids[:widest])) for page_ids, _ in decodes
         ]
         decode_pages = torch.tensor(tables, dtype=torch.long, device=device).view(-1)
-        lengths = torch.tensor([length for _, length in decodes], device=device)
-        valid = torch.arange(widest * size, device=device)[None, :] < lengths[:, None]
-        bias = torch.zeros(valid.shape, dtype=dtype, device=device)
-        bias.masked_fill_(~valid, float("-inf"))
-        decode_bias = bias.repeat(cache.num_kv_heads, 1)[:, None, :]
+        decode_lengths = torch.tensor([length for _, length in decodes], device=device)
+        if decode_masks:
+            valid = torch.arange(widest * size, device=device)[None, :] < decode_lengths[:, None]
+            bias = torch.zeros(valid.shape, dtype=dtype, device=device)
+            bias.masked_fill_(~valid, float("-inf"))
+            decode_bias = bias.repeat(cache.num_kv_heads, 1)[:, None, :]
     for page_ids, length in decodes:
         slot_mapping.append(page_ids[(length - 1) // size] * size + (length - 1) % size)
     segments: list[PrefillSegment] = []
@@ -153,32 +161,56 @@ def build_attention_batch(
         decode_bias,
         segments,
         mirrored,
+        decode_lengths,
     )
 
 
 class PagedAttention:
     """The `AttentionFn` the decoder calls per layer, bound to one step's AttentionBatch."""
 
-    def __init__(self, cache: KVCache, batch: AttentionBatch, scale: float):
+    def __init__(
+        self,
+        cache: KVCache,
+        batch: AttentionBatch,
+        scale: float,
+        kernels: CpuKernels | None = None,
+    ):
+        """kernels: omniflow's CPU kernels, for a bf16 CPU cache: they write the new K/V, and
+        run decode attention over the pages in place where `decode_attention_supported`."""
         self.cache = cache
         self.batch = batch
         self.scale = scale
         # Decode attention's kernel, fixed by the cache (the mirror shares its dtype/device).
         self.sdpa_decode = sdpa_decode(cache.keys)
+        self.kernels = kernels
 
     def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         batch = self.batch
         layer_keys = self.cache.keys[layer_index]  # [kv_heads, pages, page_size, head_dim]
         layer_values = self.cache.values[layer_index]
         kv_heads, pages, size, head_dim = layer_keys.shape
-        flat = (kv_heads, pages * size, head_dim)
-        layer_keys.view(flat).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-        layer_values.view(flat).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+        kernels = self.kernels
+        if kernels is not None:
+            kernels.kv_write(k, v, layer_keys, layer_values, batch.slot_mapping)
+        else:
+            flat = (kv_heads, pages * size, head_dim)
+            layer_keys.view(flat).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+            layer_values.view(flat).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
         outputs = []
         decodes = batch.num_decode_rows
         if decodes and batch.mirrored is not None:
             outputs.append(
                 self._decode_mirrored(layer_index, q[:decodes], k[:decodes], v[:decodes])
+            )
+        elif decodes and batch.decode_bias is None:
+            # Built without masks: the CPU kernel reads the block tables and lengths.
+            if kernels is None or batch.decode_pages is None or batch.decode_lengths is None:
+                raise RuntimeError("decode rows without masks need the CPU kernels and tables")
+            tables = batch.decode_pages.view(decodes, -1)
+            outputs.append(
+                kernels.decode_attention(
+                    q[:decodes], layer_keys, layer_values, tables, batch.decode_lengths, self.scale
+                )
             )
         elif decodes:
             outputs.append(self._decode(q[:decodes], layer_keys, layer_values))

@@ -7,14 +7,20 @@ serves prefill, chunked prefill and batched decode.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
 
 from omniflow.models.decoder_config import DecoderConfig
 from omniflow.models.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from omniflow.kernels import CpuKernels
+
+# In place over the first `heads` heads of each row of a fused q/k/v output.
+RotaryInPlace = Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], None]
 
 
 class AttentionFn(Protocol):
@@ -53,7 +59,11 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
 
-    def forward(self, x, cos, sin, attention: AttentionFn) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, attention: AttentionFn, rotary_: RotaryInPlace | None = None
+    ) -> torch.Tensor:
+        if rotary_ is not None:
+            return self.o_proj(self.attend_qkv(self.qkv_proj(x), cos, sin, attention, rotary_))
         tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k are adjacent in the fused output: one rotary pass over both heads' sets.
@@ -62,6 +72,18 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = attention(self.layer_index, q, k, v)
         return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def attend_qkv(
+        self, qkv: torch.Tensor, cos, sin, attention: AttentionFn, rotary_: RotaryInPlace
+    ) -> torch.Tensor:
+        """From the q/k/v projection's output [tokens, q + 2 kv] (rotated in place) to the
+        attention output [tokens, q_size], before o_proj."""
+        tokens = qkv.shape[0]
+        rotary_(qkv, self.num_heads + self.num_kv_heads, cos, sin)
+        q, k, v = qkv.view(tokens, -1, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1
+        )
+        return attention(self.layer_index, q, k, v).reshape(tokens, self.q_size)
 
 
 class SwiGLU(nn.Module):
@@ -74,8 +96,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
-        # Rows per pass over the MLP, or None for all at once (see DecoderLM.set_mlp_row_block).
+        # Rows per pass over the MLP, or None for all at once (see DecoderLM.set_row_block).
         self.row_block: int | None = None
+        # [rows, 2 * intermediate] -> silu(gate) * up in one pass (DecoderLM.use_cpu_kernels).
+        self.silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         block = self.row_block
@@ -87,7 +111,10 @@ class SwiGLU(nn.Module):
         return out
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_mul is not None:
+            return self.down_proj(self.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -102,6 +129,38 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, attention: AttentionFn) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(
+        self, x, delta, cos, sin, attention: AttentionFn, kernels: CpuKernels
+    ) -> torch.Tensor:
+        """The same layer on the CPU kernels, residual stream kept in place: adds the last
+        layer's output `delta` (None for the first layer) into x, adds this layer's
+        attention too, and returns this layer's MLP output for the next to add.
+
+        With a row block set (DecoderLM.set_row_block) and more rows than that, everything
+        but attention runs block by block: the projections' GEMMs are faster on 512-row
+        blocks than on 4,096 rows at once, and a block's intermediates stay in cache."""
+        block, tokens = self.mlp.row_block, x.shape[0]
+        attn, norm, post_norm = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        if block is None or tokens <= block:
+            h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+            attended = attn(h, cos, sin, attention, kernels.rotary_)
+            return self.mlp._rows(
+                kernels.add_rms_norm(x, attended, post_norm.weight, post_norm.eps)
+            )
+        blocks = [slice(start, start + block) for start in range(0, tokens, block)]
+        qkv = x.new_empty((tokens, attn.qkv_proj.out_features))
+        for rows in blocks:
+            part = None if delta is None else delta[rows]
+            qkv[rows] = attn.qkv_proj(kernels.add_rms_norm(x[rows], part, norm.weight, norm.eps))
+        attended = attn.attend_qkv(qkv, cos, sin, attention, kernels.rotary_)
+        out = torch.empty_like(x)
+        for rows in blocks:
+            h = kernels.add_rms_norm(
+                x[rows], attn.o_proj(attended[rows]), post_norm.weight, post_norm.eps
+            )
+            out[rows] = self.mlp._rows(h)
+        return out
 
 
 def packed_weights_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -163,6 +222,7 @@ class DecoderLM(nn.Module):
         # The tied output projection in oneDNN's layout, once use_packed_weights ran (the
         # embedding lookup keeps the plain table).
         self._packed_output: torch.Tensor | None = None
+        self._kernels: CpuKernels | None = None  # set by use_cpu_kernels
 
     @property
     def packed(self) -> bool:
@@ -199,6 +259,18 @@ class DecoderLM(nn.Module):
                 raise ValueError("embed_rows needs embed_values")
             x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        kernels = self._kernels
+        if kernels is not None:
+            # x is this call's own tensor (the lookup's output): updated in place.
+            delta = None
+            for fused in cast("list[DecoderLayer]", self.model.layers):
+                delta = fused.forward_fused(x, delta, cos, sin, attention, kernels)
+            if delta is not None:
+                x += delta
+            if logits_rows is not None:
+                x = x.index_select(0, logits_rows)
+            norm = self.model.norm
+            return self.logits(kernels.add_rms_norm(x, None, norm.weight, norm.eps))
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
         if logits_rows is not None:
@@ -249,13 +321,31 @@ class DecoderLM(nn.Module):
             table = self.model.embed_tokens.weight.detach()
             self._packed_output = torch.ops.mkldnn._reorder_linear_weight(table, rows_hint)
 
-    def set_mlp_row_block(self, rows: int | None) -> None:
-        """Run the MLPs over at most ``rows`` rows at a time (None: all at once). For bf16 on
-        CPU: a long prefill's MLP intermediates ([tokens, 2 x intermediate]) are tens of MB,
-        fresh memory the allocator maps and faults in on every call, and then streamed
-        through the cache by each elementwise op; blocks of 512 rows reuse a few MB. Measured
-        on llama-bench-30m, 32 prompts of 128 tokens: the prefill step 5-30% shorter in five
-        paired runs, same tokens. Not for float32, where the GEMMs dominate (+1%)."""
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        """Run `forward` on omniflow's CPU kernels (omniflow.kernels, bf16 on CPU only):
+        each layer's norms with their residual adds, rotary and silu * up in one pass each,
+        instead of chains of PyTorch ops. The kernels round where those ops round; only the
+        norm's float32 sum of squares runs in another order, which now and then moves a value
+        by one bf16 step. None: PyTorch ops again. `hidden_states` keeps PyTorch ops."""
+        if kernels is not None:
+            parameter = next(self.parameters())
+            if parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16:
+                raise ValueError(
+                    f"use_cpu_kernels: a bf16 CPU model, not {parameter.dtype} on {parameter.device}"
+                )
+        self._kernels = kernels
+        for module in self.modules():
+            if isinstance(module, SwiGLU):
+                module.silu_mul = None if kernels is None else kernels.silu_mul
+
+    def set_row_block(self, rows: int | None) -> None:
+        """Run the MLPs over at most ``rows`` rows at a time (None: all at once); on the CPU
+        kernels (use_cpu_kernels), every projection. For bf16 on CPU: a long prefill's MLP
+        intermediates ([tokens, 2 x intermediate]) are tens of MB, fresh memory the allocator
+        maps and faults in on every call, and then streamed through the cache by each
+        elementwise op; blocks of 512 rows reuse a few MB. Measured on llama-bench-30m, 32
+        prompts of 128 tokens: the prefill step 5-30% shorter in five paired runs, same
+        tokens. Not for float32, where the GEMMs dominate (+1%)."""
         for module in self.modules():
             if isinstance(module, SwiGLU):
                 module.row_block = rows

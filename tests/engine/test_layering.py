@@ -1,5 +1,6 @@
-"""The engine imports only torch/safetensors/tokenizers/numpy, omniflow.models and
-omniflow.cache (DESIGN.md's layer rule); it never sees sockets or messages."""
+"""The engine imports only torch/safetensors/tokenizers/numpy, omniflow.models,
+omniflow.kernels and omniflow.cache (DESIGN.md's layer rule, with the CPU kernels in the
+compute layer); it never sees sockets or messages."""
 
 import ast
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import omniflow.engine
 
 ALLOWED_THIRD_PARTY = {"torch", "safetensors", "tokenizers", "numpy"}
-ALLOWED_OURS = ("omniflow.engine", "omniflow.models", "omniflow.cache")
+ALLOWED_OURS = ("omniflow.engine", "omniflow.models", "omniflow.kernels", "omniflow.cache")
 
 
 def test_engine_imports_respect_the_layer_rule():

@@ -9,7 +9,7 @@ import torch
 
 from omniflow.engine import LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
-from omniflow.engine.model_runner import CPU_BF16_MLP_ROW_BLOCK
+from omniflow.engine.model_runner import CPU_BF16_ROW_BLOCK, CPU_KERNELS_ROW_BLOCK
 from omniflow.models import build_tiny_model, load_decoder
 from omniflow.models.decoder import PackedLinear, causal_attention, packed_weights_supported
 from omniflow.models.loader import iter_checkpoint_tensors
@@ -77,15 +77,20 @@ def test_packed_weights_give_the_plain_logits(tmp_path, preset):
 
 
 @needs_bf16_onednn
-def test_bf16_engine_runs_on_packed_weights(tmp_path):
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_bf16_engine_runs_on_packed_weights(tmp_path, cpu_kernels):
     path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[4, 8, 15, 16, 23, 42], [7, 7, 3]]
     runs = []
     for _ in range(2):
-        engine = LLMEngine(path, EngineConfig(device="cpu", dtype="bfloat16"))
+        config = EngineConfig(device="cpu", dtype="bfloat16", cpu_kernels=cpu_kernels)
+        engine = LLMEngine(path, config)
         assert isinstance(engine.model.model.layers[0].self_attn.qkv_proj, PackedLinear)
-        assert engine.model.model.layers[0].mlp.row_block == CPU_BF16_MLP_ROW_BLOCK
+        if not cpu_kernels:
+            assert engine.runner.kernels is None and not engine.runner.kernel_decode
+        block = CPU_BF16_ROW_BLOCK if engine.runner.kernels is None else CPU_KERNELS_ROW_BLOCK
+        assert engine.model.model.layers[0].mlp.row_block == block
         for index, prompt in enumerate(prompts):
             engine.add_request(f"r{index}", prompt, params)
         produced = {f"r{index}": [] for index in range(len(prompts))}
@@ -102,8 +107,8 @@ def test_mlp_row_blocks_give_the_whole_batch_logits(tmp_path, dtype, tolerance):
     model = load_decoder(path, device="cpu", dtype=dtype)
     tokens = list(range(3, 14))  # 11 rows: blocks of 4, 4 and 3
     expected = logits(model, tokens)
-    model.set_mlp_row_block(4)
+    model.set_row_block(4)
     assert all(layer.mlp.row_block == 4 for layer in model.model.layers)
     torch.testing.assert_close(logits(model, tokens), expected, rtol=tolerance, atol=tolerance)
-    model.set_mlp_row_block(None)
+    model.set_row_block(None)
     assert torch.equal(logits(model, tokens), expected)

@@ -1,0 +1,288 @@
+"""omniflow's CPU kernels (built here from cpu_kernels.c with the machine's compiler) against
+the PyTorch ops they replace, and the engine and decoder on them against PyTorch ops."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omniflow.engine import LLMEngine, SamplingParams
+from omniflow.engine.llm_engine import EngineConfig
+from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
+from omniflow.kernels import cpu, cpu_kernels, unavailable_reason
+from omniflow.models import build_tiny_model, load_decoder
+from omniflow.models.decoder import causal_attention
+from omniflow.models.rope import apply_rotary
+from omniflow.models.tiny import TinySpec
+
+kernels = cpu_kernels()
+needs_kernels = pytest.mark.skipif(
+    kernels is None, reason=f"CPU kernels unavailable: {unavailable_reason()}"
+)
+BF16 = torch.bfloat16
+
+
+def bf16_randn(*shape, seed=0, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale).to(BF16)
+
+
+@needs_kernels
+def test_add_rms_norm_adds_in_place_and_rounds_as_transformers():
+    # 300 rows of 512: above the size where the rows are split across threads.
+    x, delta = bf16_randn(300, 512, seed=1), bf16_randn(300, 512, seed=2)
+    weight = (1 + bf16_randn(512, seed=3, scale=0.1).float()).to(BF16)
+    expected_x = x + delta
+    xf = expected_x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF16)
+    expected = weight * normed
+    out = kernels.add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(x, expected_x)  # the residual add, in place and rounded alike
+    # The float32 sum of squares runs in another order: at most one bf16 step apart, rarely.
+    torch.testing.assert_close(out, expected, rtol=2**-7, atol=0)
+    assert (out != expected).float().mean() < 0.01
+    alone = kernels.add_rms_norm(expected_x.clone(), None, weight, 1e-6)
+    assert torch.equal(alone, out)
+    with pytest.raises(ValueError, match="delta"):
+        kernels.add_rms_norm(x, delta[:10], weight, 1e-6)
+    with pytest.raises(ValueError, match="x: expected a contiguous bf16"):
+        kernels.add_rms_norm(x.t(), None, weight, 1e-6)
+
+
+@needs_kernels
+def test_rotary_in_place_equals_apply_rotary():
+    tokens, heads, kv_heads, dim = 37, 8, 2, 64
+    qkv = bf16_randn(tokens, (heads + 2 * kv_heads) * dim, seed=4)
+    positions = torch.arange(100, 100 + tokens).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(BF16), emb.sin().to(BF16)
+    rotated = heads + kv_heads
+    expected = apply_rotary(qkv[:, : rotated * dim].reshape(tokens, rotated, dim), cos, sin)
+    out = qkv.clone()
+    kernels.rotary_(out, rotated, cos, sin)
+    assert torch.equal(out[:, : rotated * dim].view(tokens, rotated, dim), expected)
+    assert torch.equal(out[:, rotated * dim :], qkv[:, rotated * dim :])  # v untouched
+
+
+@needs_kernels
+def test_silu_mul_equals_pytorch():
+    gate_up = bf16_randn(70, 2 * 1408, seed=5, scale=3.0)
+    gate, up = gate_up.split(1408, dim=-1)
+    out, expected = kernels.silu_mul(gate_up), F.silu(gate) * up
+    # Rounded where PyTorch rounds; another exp and division may land a float32 silu that
+    # sits on a bf16 rounding tie one step away (seen: 0.06% of these values).
+    torch.testing.assert_close(out, expected, rtol=2**-6, atol=0)  # a step, then * up
+    assert (out != expected).float().mean() < 0.005
+    moderate = bf16_randn(70, 2 * 1408, seed=5)
+    gate, up = moderate.split(1408, dim=-1)
+    assert torch.equal(kernels.silu_mul(moderate), F.silu(gate) * up)
+
+
+@needs_kernels
+def test_kv_write_stores_each_row_at_its_slot():
+    layer_keys = torch.zeros(2, 6, 4, 64, dtype=BF16)  # [kv_heads, pages, page_size, dim]
+    layer_values = torch.zeros_like(layer_keys)
+    qkv = bf16_randn(5, (4 + 2 + 2) * 64, seed=6).view(5, 8, 64)
+    k, v = qkv[:, 4:6], qkv[:, 6:8]  # strided rows, as the decoder passes them
+    slots = torch.tensor([3, 22, 0, 9, 17])
+    kernels.kv_write(k, v, layer_keys, layer_values, slots)
+    flat_keys, flat_values = layer_keys.view(2, 24, 64), layer_values.view(2, 24, 64)
+    assert torch.equal(flat_keys[:, slots].transpose(0, 1), k)
+    assert torch.equal(flat_values[:, slots].transpose(0, 1), v)
+    untouched = [s for s in range(24) if s not in slots.tolist()]
+    assert not flat_keys[:, untouched].any() and not flat_values[:, untouched].any()
+
+
+def attention_reference(q, layer_keys, layer_values, tables, lengths, scale):
+    kv_heads, _, _, dim = layer_keys.shape
+    group = q.shape[1] // kv_heads
+    outputs = []
+    for row, length in enumerate(lengths.tolist()):
+        keys = layer_keys[:, tables[row]].reshape(kv_heads, -1, dim)[:, :length].float()
+        values = layer_values[:, tables[row]].reshape(kv_heads, -1, dim)[:, :length].float()
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        scores = (q[row].float()[:, None, :] @ keys.transpose(1, 2)) * scale
+        outputs.append((scores.softmax(-1) @ values)[:, 0])
+    return torch.stack(outputs)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,page_size",
+    [(8, 4, 64, 16), (6, 2, 64, 4), (2, 1, 128, 16), (16, 2, 32, 8), (8, 8, 64, 5)],
+)
+def test_decode_attention_over_ragged_pages(heads, kv_heads, dim, page_size):
+    # Lengths around the kernel's 16-token blocks, unordered pages.
+    lengths = torch.tensor([1, 2, 15, 16, 17, 33, 190])
+    width = -(-190 // page_size)
+    generator = torch.Generator().manual_seed(heads * dim + page_size)
+    pages = 3 * width
+    tables = torch.stack([torch.randperm(pages, generator=generator)[:width] for _ in lengths])
+    layer_keys = bf16_randn(kv_heads, pages, page_size, dim, seed=7)
+    layer_values = bf16_randn(kv_heads, pages, page_size, dim, seed=8)
+    qkv = bf16_randn(len(lengths), (heads + 2 * kv_heads) * dim, seed=9)
+    q = qkv[:, : heads * dim].view(len(lengths), heads, dim)  # rows strided as in the decoder
+    assert kernels.decode_attention_supported(heads, kv_heads, dim)
+    scale = dim**-0.5
+    out = kernels.decode_attention(q, layer_keys, layer_values, tables, lengths, scale)
+    expected = attention_reference(q, layer_keys, layer_values, tables, lengths, scale)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_decode_attention_refuses_what_it_does_not_build():
+    assert not kernels.decode_attention_supported(6, 2, 8)  # head size 8
+    assert not kernels.decode_attention_supported(18, 1, 64)  # 18 query heads per kv head
+    q = bf16_randn(2, 6, 8)
+    pages = bf16_randn(2, 4, 4, 8)
+    tables, lengths = torch.zeros(2, 1, dtype=torch.long), torch.tensor([3, 4])
+    with pytest.raises(ValueError, match="not supported by this build"):
+        kernels.decode_attention(q, pages, pages, tables, lengths, 1.0)
+
+
+@needs_kernels
+def test_paged_attention_on_the_kernels_equals_sdpa():
+    """Through PagedAttention: a batch built without decode masks writes K/V and decodes on
+    the kernels; the same batch with masks runs PyTorch's SDPA. Same K/V, close outputs."""
+    page, kv_heads, heads, dim = 4, 2, 6, 64
+    decodes = [([3, 5, 7], 10), ([1], 3), ([2, 8, 9, 10], 16), ([4, 6], 5)]
+    outputs, caches = [], []
+    for use_kernels in (True, False):
+        cache = KVCache(1, 12, page, kv_heads, dim, BF16, torch.device("cpu"))
+        cache.keys.copy_(bf16_randn(*cache.keys.shape, seed=10))
+        cache.values.copy_(bf16_randn(*cache.values.shape, seed=11))
+        qkv = bf16_randn(len(decodes), (heads + 2 * kv_heads) * dim, seed=12)
+        q, k, v = qkv.view(len(decodes), -1, dim).split([heads, kv_heads, kv_heads], dim=1)
+        batch = build_attention_batch(
+            cache, decodes, [], cache.keys.device, BF16, decode_masks=not use_kernels
+        )
+        assert (batch.decode_bias is None) == use_kernels
+        attention = PagedAttention(cache, batch, dim**-0.5, kernels if use_kernels else None)
+        outputs.append(attention(0, q, k, v))
+        caches.append(cache)
+    assert torch.equal(caches[0].keys, caches[1].keys)  # the same new K/V, at the same slots
+    assert torch.equal(caches[0].values, caches[1].values)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("row_block", [None, 4])
+def test_decoder_on_the_kernels_gives_the_pytorch_logits(tmp_path, row_block):
+    path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=13)
+    model = load_decoder(path, device="cpu", dtype="bfloat16")
+    tokens = torch.tensor([5, 9, 2, 7, 11, 3, 8, 4, 6, 10, 12])  # 11 rows: blocks of 4, 4, 3
+    positions = torch.arange(len(tokens))
+    with torch.inference_mode():
+        expected = model(tokens, positions, causal_attention)
+        model.set_row_block(row_block)
+        model.use_cpu_kernels(kernels)
+        out = model(tokens, positions, causal_attention)
+        model.use_cpu_kernels(None)
+        again = model(tokens, positions, causal_attention)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    assert (out == expected).float().mean() > 0.9  # mostly bit-equal
+    torch.testing.assert_close(again, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_float32_models_refuse_the_kernels(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=14)
+    model = load_decoder(path, device="cpu", dtype="float32")
+    if kernels is None:
+        pytest.skip(f"CPU kernels unavailable: {unavailable_reason()}")
+    with pytest.raises(ValueError, match="bf16 CPU model"):
+        model.use_cpu_kernels(kernels)
+
+
+def test_unavailable_compiler_or_switch_gives_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(cpu.ENV_SWITCH, "0")
+    with pytest.raises(cpu._Unavailable, match="OMNIFLOW_CPU_KERNELS=0"):
+        cpu._build()
+    monkeypatch.delenv(cpu.ENV_SWITCH)
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang either
+    with pytest.raises(cpu._Unavailable, match="no C compiler"):
+        cpu._build()
+    assert not any(tmp_path.iterdir())  # nothing half-built left behind
+
+
+def test_a_failing_build_gives_the_compiler_output(monkeypatch, tmp_path):
+    if cpu.platform.machine() not in ("x86_64", "AMD64") or not cpu.shutil.which("cc"):
+        pytest.skip("needs x86-64 and a C compiler")
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C;\n")
+    monkeypatch.setattr(cpu, "SOURCE", broken)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(cpu._Unavailable, match="failed"):
+        cpu._build()
+    assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+# Head size 32, two query heads per kv head: a shape the decode kernel runs.
+KERNEL_SPEC = TinySpec(
+    hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def staggered_run(engine, prompts, params):
+    """Requests arrive over the first steps (steps mix prefills and decodes); r1 is aborted
+    mid-decode. Returns each request's tokens, and the preemptions they went through."""
+    produced = {i: [] for i in range(len(prompts))}
+    pending, steps, sequences = list(range(len(prompts))), 0, []
+    while pending or engine.has_unfinished_requests():
+        steps += 1
+        if pending:
+            index = pending.pop(0)
+            engine.add_request(f"r{index}", prompts[index], params)
+            sequences.append(engine.sequences[f"r{index}"])
+        if steps == 9 and "r1" in engine.sequences:
+            engine.abort("r1")
+        for delta in engine.step():
+            produced[int(delta.request_id[1:])] += delta.token_ids
+    return produced, sum(sequence.num_preemptions for sequence in sequences)
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_pages", [None, 14])
+def test_engine_picks_the_float32_tokens_on_kernels_and_pytorch_ops(tmp_path, num_pages):
+    """The bf16 engine on the kernels (decode attention over the pages in place) and on
+    PyTorch ops (SDPA over the decode mirror), batched and ragged, with an abort and, with 14
+    pages of 4 tokens, preemption: every greedy token is the float32 model's choice, up to
+    bf16 noise. (The two bf16 paths can split on a near-tie: seen 2 of 100 tokens, where the
+    float32 top two logits were 0.008 and 0.018 apart.)"""
+    path = build_tiny_model(tmp_path / "m", KERNEL_SPEC, seed=15)
+    generator = torch.Generator().manual_seed(16)
+    prompts = [
+        torch.randint(3, 500, (n,), generator=generator).tolist() for n in (30, 12, 25, 7, 18)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    runs = []
+    for use_kernels in (True, False):
+        config = EngineConfig(
+            device="cpu",
+            dtype="bfloat16",
+            page_size=4,
+            num_pages=num_pages,
+            max_num_batched_tokens=32,
+            cpu_kernels=use_kernels,
+        )
+        engine = LLMEngine(path, config)
+        assert engine.runner.kernel_decode == use_kernels
+        produced, preemptions = staggered_run(engine, prompts, params)
+        runs.append(produced)
+        if use_kernels:
+            assert engine.runner.mirror.keys.shape[1] == 0  # decodes read the pages in place
+        assert (preemptions > 0) == (num_pages is not None)
+    assert len(runs[0][1]) < params.max_tokens  # aborted mid-decode
+    reference = load_decoder(path, device="cpu", dtype="float32")
+    for produced in runs:
+        for index, tokens in produced.items():
+            assert tokens, index
+            full = torch.tensor(prompts[index] + tokens)
+            with torch.inference_mode():
+                logits = reference(full, torch.arange(len(full)), causal_attention)
+            chosen = logits[len(prompts[index]) - 1 : -1]  # the logits each token came from
+            picked = chosen.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            # A wrong context (table, length, K/V slot) picks tokens whole logits below.
+            assert (chosen.max(-1).values - picked).max() < 0.05, index
