@@ -17,10 +17,22 @@ if ! command -v etcd >/dev/null 2>&1; then
   fi
 fi
 
+# A C compiler for omniflow's CPU kernels (built on first use; without one the engine keeps
+# PyTorch ops).
+if ! command -v cc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
+fi
+
 # An unpinned torch resolves to a multi-GB CUDA build; without a GPU take the CPU one.
 CONSTRAINTS=()
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   CONSTRAINTS=(-c constraints-cpu.txt)
 fi
 $PY -m pip install -q --disable-pip-version-check "${CONSTRAINTS[@]}" -e ".[${EXTRAS}]" rust-just
-echo "setup: done ($($PY -c 'import torch; print("torch", torch.__version__)'), $(etcd --version 2>/dev/null | head -1))"
+# Build the CPU kernels now rather than in the first engine that wants them.
+KERNELS=$($PY -c 'from omniflow.kernels import cpu_kernels, unavailable_reason as why
+print("built" if cpu_kernels() else f"off ({why()})")')
+echo "setup: done ($($PY -c 'import torch; print("torch", torch.__version__)'), $(etcd --version 2>/dev/null | head -1), CPU kernels $KERNELS)"
