@@ -38,6 +38,31 @@ static inline bf16 f2bf(float f)
     return (bf16)(u >> 16);
 }
 
+#if defined(__AVX512BF16__)
+/* Sixteen lanes at a time, for rows a multiple of 16 long: bf16 loads widen exactly, and
+ * stores round to nearest even in one instruction (vcvtneps2bf16), as f2bf does. */
+#define VECTOR_ROWS 1
+__m512 _ZGVeN16v_expf(__m512); /* glibc's vector expf (libmvec) */
+
+static inline __attribute__((always_inline)) __m512 load16(const bf16 *p)
+{
+    return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const void *)p));
+}
+
+static inline __attribute__((always_inline)) void store16(bf16 *p, __m512 v)
+{
+    _mm256_storeu_si256((void *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* v rounded to bf16 and widened back: where PyTorch's op chain stores a bf16 tensor. */
+static inline __attribute__((always_inline)) __m512 rounded(__m512 v)
+{
+    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+}
+#else
+#define VECTOR_ROWS 0
+#endif
+
 /* Rows above this many elements in all run on `threads` threads; below, one thread (forking
  * costs more than it saves on a decode step's 32 rows). */
 #define PARALLEL_ELEMENTS (1 << 16)
@@ -52,6 +77,25 @@ void omniflow_add_rms_norm_bf16(bf16 *x, const bf16 *delta, const bf16 *weight, 
 #pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         bf16 *xr = x + r * hidden;
+#if VECTOR_ROWS
+        if (hidden % 16 == 0) {
+            __m512 squares = _mm512_setzero_ps();
+            for (int64_t i = 0; i < hidden; i += 16) {
+                __m512 v = load16(xr + i);
+                if (delta) {
+                    v = rounded(_mm512_add_ps(v, load16(delta + r * hidden + i)));
+                    store16(xr + i, v);
+                }
+                squares = _mm512_fmadd_ps(v, v, squares);
+            }
+            const __m512 inv = _mm512_set1_ps(
+                1.f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps));
+            for (int64_t i = 0; i < hidden; i += 16)
+                store16(out + r * hidden + i,
+                        _mm512_mul_ps(load16(weight + i), rounded(_mm512_mul_ps(load16(xr + i), inv))));
+            continue;
+        }
+#endif
         float sum = 0.f;
         if (delta) {
             const bf16 *dr = delta + r * hidden;
@@ -88,6 +132,23 @@ void omniflow_rotary_bf16(bf16 *x, int64_t row_stride, int64_t rows, int64_t hea
 #pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const bf16 *c = cos + r * dim, *s = sin + r * dim;
+#if VECTOR_ROWS
+        if (half % 16 == 0) {
+            for (int64_t h = 0; h < heads; h++) {
+                bf16 *v = x + r * row_stride + h * dim;
+                for (int64_t i = 0; i < half; i += 16) {
+                    const __m512 lo = load16(v + i), hi = load16(v + half + i);
+                    const __m512 a = rounded(_mm512_mul_ps(lo, load16(c + i)));
+                    const __m512 b = rounded(_mm512_mul_ps(hi, load16(s + i)));
+                    const __m512 a2 = rounded(_mm512_mul_ps(hi, load16(c + half + i)));
+                    const __m512 b2 = rounded(_mm512_mul_ps(lo, load16(s + half + i)));
+                    store16(v + i, _mm512_sub_ps(a, b)); /* a + (-hi * sin) */
+                    store16(v + half + i, _mm512_add_ps(a2, b2));
+                }
+            }
+            continue;
+        }
+#endif
         for (int64_t h = 0; h < heads; h++) {
             bf16 *v = x + r * row_stride + h * dim;
             float lo[256], hi[256]; /* dim <= 512: checked by the caller */
@@ -134,6 +195,19 @@ void omniflow_silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_
     for (int64_t r = 0; r < rows; r++) {
         const bf16 *g = gate_up + r * 2 * inter, *u = g + inter;
         bf16 *o = out + r * inter;
+#if VECTOR_ROWS
+        if (inter % 16 == 0) {
+            const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+            for (int64_t i = 0; i < inter; i += 16) {
+                const __m512 x = load16(g + i);
+                const __m512 d = _mm512_add_ps(one, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+                __m512 inv = _mm512_rcp14_ps(d); /* one Newton step: float32-accurate 1 / d */
+                inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, two));
+                store16(o + i, _mm512_mul_ps(rounded(_mm512_mul_ps(x, inv)), load16(u + i)));
+            }
+            continue;
+        }
+#endif
 #pragma omp simd
         for (int64_t i = 0; i < inter; i++) {
             const float x = bf2f(g[i]);
