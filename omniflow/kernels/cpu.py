@@ -220,7 +220,7 @@ def cpu_kernels() -> CpuKernels | None:
             _tried = True
             try:
                 _loaded = CpuKernels(ctypes.CDLL(str(_build())))
-            except _Unavailable as error:
+            except (_Unavailable, OSError) as error:  # OSError: an unwritable cache, a bad .so
                 _reason = str(error)
                 log.info("CPU kernels off, PyTorch ops instead: %s", _reason)
         return _loaded

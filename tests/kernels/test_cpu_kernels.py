@@ -286,3 +286,14 @@ def test_engine_picks_the_float32_tokens_on_kernels_and_pytorch_ops(tmp_path, nu
             picked = chosen.gather(1, torch.tensor(tokens)[:, None])[:, 0]
             # A wrong context (table, length, K/V slot) picks tokens whole logits below.
             assert (chosen.max(-1).values - picked).max() < 0.05, index
+
+
+def test_an_unwritable_cache_leaves_the_kernels_off(monkeypatch, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # the cache folder would have to be created under a file
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu, "_loaded", None)
+    monkeypatch.setattr(cpu, "_reason", None)
+    assert cpu.cpu_kernels() is None
+    assert cpu.unavailable_reason()
