@@ -239,14 +239,6 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *v)
                          _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-static inline __attribute__((always_inline)) __m256i round_bf16(__m512 x)
-{
-    __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-
 /* A cursor over a row's context, token by token through its block table. */
 typedef struct {
     const int64_t *table;
@@ -341,7 +333,7 @@ static inline __attribute__((always_inline)) void attend(
         if (t + AHEAD < n) prefetch_token(&ahead, values);
         __m512 vf[8];
         for (int l = 0; l < L; l++)
-            vf[l] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const void *)(v + l * 16)));
+            vf[l] = load16(v + l * 16);
         for (int g = 0; g < G; g++) {
             const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
             for (int l = 0; l < L; l++) acc[g][l] = _mm512_fmadd_ps(p, vf[l], acc[g][l]);
@@ -349,7 +341,7 @@ static inline __attribute__((always_inline)) void attend(
     }
     for (int g = 0; g < G; g++)
         for (int l = 0; l < L; l++)
-            _mm256_storeu_si256((void *)(out + g * D + l * 16), round_bf16(acc[g][l]));
+            store16(out + g * D + l * 16, acc[g][l]);
 }
 
 #define ATTEND(G, D)                                                                  \

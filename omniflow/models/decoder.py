@@ -59,11 +59,7 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
 
-    def forward(
-        self, x, cos, sin, attention: AttentionFn, rotary_: RotaryInPlace | None = None
-    ) -> torch.Tensor:
-        if rotary_ is not None:
-            return self.o_proj(self.attend_qkv(self.qkv_proj(x), cos, sin, attention, rotary_))
+    def forward(self, x, cos, sin, attention: AttentionFn) -> torch.Tensor:
         tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k are adjacent in the fused output: one rotary pass over both heads' sets.
@@ -98,8 +94,6 @@ class SwiGLU(nn.Module):
         )
         # Rows per pass over the MLP, or None for all at once (see DecoderLM.set_row_block).
         self.row_block: int | None = None
-        # [rows, 2 * intermediate] -> silu(gate) * up in one pass (DecoderLM.use_cpu_kernels).
-        self.silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         block = self.row_block
@@ -111,11 +105,13 @@ class SwiGLU(nn.Module):
         return out
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.silu_mul is not None:
-            return self.down_proj(self.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor, kernels: CpuKernels) -> torch.Tensor:
+        """The same rows, silu * up in one pass on the CPU kernels; the projections' forward
+        called directly (no nn.Module call machinery on a decode step's hot path)."""
+        return self.down_proj.forward(kernels.silu_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -138,21 +134,19 @@ class DecoderLayer(nn.Module):
         attention too, and returns this layer's MLP output for the next to add.
 
         With a row block set (DecoderLM.set_row_block) and more rows than that, everything
-        but attention runs block by block: the projections' GEMMs are faster on 512-row
-        blocks than on 4,096 rows at once, and a block's intermediates stay in cache."""
+        but attention runs block by block (the engine's blocks: CPU_KERNELS_ROW_BLOCK rows).
+        Otherwise (a decode step) the modules' forward is called directly: no nn.Module call
+        machinery, ~40 calls a step."""
         block, tokens = self.mlp.row_block, x.shape[0]
         attn, norm, post_norm = self.self_attn, self.input_layernorm, self.post_attention_layernorm
         if block is None or tokens <= block:
-            # A decode step: the modules' forward called directly (no nn.Module call
-            # machinery, ~40 calls a step).
             h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
             qkv = attn.qkv_proj.forward(h)
             attended = attn.o_proj.forward(
                 attn.attend_qkv(qkv, cos, sin, attention, kernels.rotary_)
             )
             h = kernels.add_rms_norm(x, attended, post_norm.weight, post_norm.eps)
-            mlp = self.mlp
-            return mlp.down_proj.forward(kernels.silu_mul(mlp.gate_up_proj.forward(h)))
+            return self.mlp.forward_fused(h, kernels)
         blocks = [slice(start, start + block) for start in range(0, tokens, block)]
         qkv = x.new_empty((tokens, attn.qkv_proj.out_features))
         for rows in blocks:
@@ -164,7 +158,7 @@ class DecoderLayer(nn.Module):
             h = kernels.add_rms_norm(
                 x[rows], attn.o_proj(attended[rows]), post_norm.weight, post_norm.eps
             )
-            out[rows] = self.mlp._rows(h)
+            out[rows] = self.mlp.forward_fused(h, kernels)
         return out
 
 
@@ -339,9 +333,6 @@ class DecoderLM(nn.Module):
                     f"use_cpu_kernels: a bf16 CPU model, not {parameter.dtype} on {parameter.device}"
                 )
         self._kernels = kernels
-        for module in self.modules():
-            if isinstance(module, SwiGLU):
-                module.silu_mul = None if kernels is None else kernels.silu_mul
 
     def set_row_block(self, rows: int | None) -> None:
         """Run the MLPs over at most ``rows`` rows at a time (None: all at once); on the CPU
