@@ -1,29 +1,26 @@
 #!/usr/bin/env bash
 # Set up omniflow on a fresh Debian/Ubuntu machine: Python deps (CPU torch unless a GPU
-# is present), `just`, and the etcd server that the registry tests start.
+# is present), `just`, the etcd server that the registry tests start, and a C compiler.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 EXTRAS=${OMNIFLOW_EXTRAS:-dev,etcd}
 
-if ! command -v etcd >/dev/null 2>&1; then
+# Debian packages: the etcd server the registry tests start, and a C compiler for
+# omniflow's CPU kernels (without one the engine keeps PyTorch ops). One apt run for both.
+PACKAGES=()
+command -v etcd >/dev/null 2>&1 || PACKAGES+=(etcd-server)
+command -v cc >/dev/null 2>&1 || PACKAGES+=(gcc libc6-dev)
+if [ ${#PACKAGES[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq etcd-server >/dev/null
+    $SUDO apt-get install -y -qq "${PACKAGES[@]}" >/dev/null
   else
-    echo "setup: no etcd and no apt-get; the etcd registry tests will fail under CI=true" >&2
+    echo "setup: no apt-get to install ${PACKAGES[*]}; without etcd the registry tests" \
+      "fail under CI=true, without a compiler the CPU kernels stay off" >&2
   fi
-fi
-
-# A C compiler for omniflow's CPU kernels (built on first use; without one the engine keeps
-# PyTorch ops).
-if ! command -v cc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
 fi
 
 # An unpinned torch resolves to a multi-GB CUDA build; without a GPU take the CPU one.
