@@ -56,7 +56,7 @@ class ModelRunner:
         )
         self.mirror = DecodeMirror(cache, 0 if self.kernel_decode else mirror_bytes)
         if packed_weights_supported(self.device, parameter.dtype):
-            model.use_packed_weights()
+            model.use_packed_weights(kernels=self.kernels)
             model.set_row_block(
                 CPU_KERNELS_ROW_BLOCK if self.kernels is not None else CPU_BF16_ROW_BLOCK
             )

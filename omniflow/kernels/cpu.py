@@ -31,6 +31,8 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC"]
 ENV_SWITCH = "OMNIFLOW_CPU_KERNELS"
 MAX_HEAD_DIM = 512  # the rotary kernel's per-head buffer
+# One block of a packed weight (see CpuKernels.pack_linear): k-blocks x 2 halves x 16 x 16 x 2.
+PACKED_TILE = (2, 16, 16, 2)
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -42,6 +44,11 @@ _SIGNATURES = {
     ),
     "omniflow_silu_mul_bf16": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "omniflow_decode_attention_supported": (_INT, [_I64, _I64]),
+    "omniflow_amx_supported": (_INT, []),
+    "omniflow_linear_bf16": (
+        _INT,
+        [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT, _PTR, _PTR, _I64, _INT],
+    ),
     "omniflow_decode_attention_bf16": (
         _INT,
         [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]
@@ -59,6 +66,8 @@ class CpuKernels:
         for name, (restype, argtypes) in _SIGNATURES.items():
             function = getattr(library, name)
             function.restype, function.argtypes = restype, argtypes
+        # Asks the OS for the AMX tile state once: true where the build and the kernel allow.
+        self.amx = bool(library.omniflow_amx_supported())
 
     @staticmethod
     def _threads(rows_elements: int) -> int:
@@ -199,6 +208,98 @@ class CpuKernels:
                 "not supported by this build (check decode_attention_supported first)"
             )
         return out
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        gate_up: int = 0,
+        silu: bool = False,
+    ) -> torch.Tensor:
+        """x @ W.T (+ bias) on AMX tiles for W packed by `pack_linear` (out_features: W's
+        rows). x: [rows, in] bf16, unit stride in a row. gate_up: W is a fused [gate; up]
+        weight of gate_up rows each, packed so; then `silu` returns silu(gate) * up
+        [rows, gate_up], rounded as the unfused ops round. Needs `amx`."""
+        rows, in_features = x.shape
+        blocks, kblocks = packed.shape[:2]
+        wanted = (gate_up + 15) // 16 if gate_up else (out_features + 31) // 32
+        if (
+            x.stride(-1) != 1
+            or x.dtype != torch.bfloat16
+            or packed.shape[2:] != PACKED_TILE
+            or blocks != wanted
+            or kblocks != (in_features + 31) // 32
+            or (gate_up and out_features != 2 * gate_up)
+        ):
+            raise ValueError(
+                f"linear: x {tuple(x.shape)} {x.dtype} does not fit a packed "
+                f"{tuple(packed.shape)} weight of {out_features} rows (gate_up={gate_up})"
+            )
+        if silu and not gate_up:
+            raise ValueError("linear: silu needs a fused gate/up weight (gate_up > 0)")
+        if bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()):
+            raise ValueError(f"linear: bias {tuple(bias.shape)} for {out_features} outputs")
+        out = x.new_empty((rows, gate_up if silu else out_features))
+        status = self._lib.omniflow_linear_bf16(
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            in_features,
+            packed.data_ptr(),
+            out_features,
+            gate_up,
+            int(silu),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads() if rows * out_features > 1 << 14 else 1,
+        )
+        if status != 0:
+            raise RuntimeError("linear: this build has no AMX (check CpuKernels.amx first)")
+        return out
+
+    @staticmethod
+    def pack_linear(weight: torch.Tensor, gate_up: int = 0) -> torch.Tensor:
+        """A [out, in] weight re-laid for `CpuKernels.linear`: blocks of 32 output columns, each
+        k-block of 32 inputs as two 16 x 16 x 2 AMX tiles (VNNI pairs of inputs), zero-padded.
+        gate_up: W is [gate; up] of gate_up rows each; a block then holds 16 gate and the same 16
+        up columns (see cpu_kernels.c). Returns [blocks, k-blocks, 2, 16, 16, 2]."""
+        out_features, in_features = weight.shape
+        kblocks = (in_features + 31) // 32
+        if gate_up:
+            if out_features != 2 * gate_up:
+                raise ValueError(f"pack_linear: {out_features} rows is not gate + up of {gate_up}")
+            blocks = (gate_up + 15) // 16
+            halves = [
+                _padded(weight[:gate_up], blocks * 16, kblocks * 32),
+                _padded(weight[gate_up:], blocks * 16, kblocks * 32),
+            ]
+            grid = torch.stack([h.view(blocks, 16, kblocks, 16, 2) for h in halves], dim=1)
+        else:
+            blocks = (out_features + 31) // 32
+            grid = _padded(weight, blocks * 32, kblocks * 32).view(blocks, 2, 16, kblocks, 16, 2)
+        # (block, half, n, kblock, kk, pair) -> (block, kblock, half, kk, n, pair)
+        return grid.permute(0, 3, 1, 4, 2, 5).contiguous()
+
+    @staticmethod
+    def unpack_linear(
+        packed: torch.Tensor, out_features: int, in_features: int, gate_up: int = 0
+    ) -> torch.Tensor:
+        """The [out, in] weight `pack_linear` was given."""
+        blocks, kblocks = packed.shape[:2]
+        grid = packed.permute(0, 2, 4, 1, 3, 5)  # (block, half, n, kblock, kk, pair)
+        if gate_up:
+            gate, up = (grid[:, h].reshape(blocks * 16, kblocks * 32) for h in (0, 1))
+            return torch.cat([gate[:gate_up], up[:gate_up]])[:, :in_features]
+        return grid.reshape(blocks * 32, kblocks * 32)[:out_features, :in_features]
+
+
+def _padded(weight: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = weight.new_zeros((rows, cols))
+    out[: weight.shape[0], : weight.shape[1]] = weight
+    return out
 
 
 def _check_rows(tensor: torch.Tensor, name: str) -> None:

@@ -6,7 +6,8 @@
  * Every kernel works in float32 and rounds to bf16 (nearest even) where PyTorch's op chain
  * rounds, except that a fused chain keeps float32 between its steps where noted.
  * Decode attention needs AVX-512 BF16; omniflow_decode_attention_supported() says whether
- * this build has it.
+ * this build has it. The projections (omniflow_linear_bf16) need AMX; omniflow_amx_supported()
+ * says whether this build and this kernel have it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +15,13 @@
 #include <string.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+#else
+#define AMX 0
 #endif
 
 typedef uint16_t bf16;
@@ -58,6 +66,17 @@ static inline __attribute__((always_inline)) void store16(bf16 *p, __m512 v)
 static inline __attribute__((always_inline)) __m512 rounded(__m512 v)
 {
     return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+}
+
+/* silu(gate) * up of bf16 values (widened), before the product's rounding: the silu rounded
+ * as PyTorch's op stores it. */
+static inline __attribute__((always_inline)) __m512 silu_mul16(__m512 gate, __m512 up)
+{
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f),
+                                   _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
+    __m512 inv = _mm512_rcp14_ps(d); /* one Newton step: float32-accurate 1 / d */
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
+    return _mm512_mul_ps(rounded(_mm512_mul_ps(gate, inv)), up);
 }
 #else
 #define VECTOR_ROWS 0
@@ -197,14 +216,8 @@ void omniflow_silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t rows, int64_
         bf16 *o = out + r * inter;
 #if VECTOR_ROWS
         if (inter % 16 == 0) {
-            const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
-            for (int64_t i = 0; i < inter; i += 16) {
-                const __m512 x = load16(g + i);
-                const __m512 d = _mm512_add_ps(one, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-                __m512 inv = _mm512_rcp14_ps(d); /* one Newton step: float32-accurate 1 / d */
-                inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, two));
-                store16(o + i, _mm512_mul_ps(rounded(_mm512_mul_ps(x, inv)), load16(u + i)));
-            }
+            for (int64_t i = 0; i < inter; i += 16)
+                store16(o + i, silu_mul16(load16(g + i), load16(u + i)));
             continue;
         }
 #endif
@@ -404,6 +417,154 @@ int omniflow_decode_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *key
     }
     return 0;
 #else
+    return -1;
+#endif
+}
+
+/* Projections on AMX tiles. A weight [N, K] is re-laid once (omniflow/kernels/cpu.py,
+ * pack_linear) as blocks of 32 output columns: block b, k-block kb (32 inputs) holds two
+ * 16 x 16 x 2 tiles, half h's row kk, column n, pair p = W[column(b, h, n)][kb * 32 + 2 kk + p],
+ * zero past N and K. Plain weights: column(b, h, n) = 32 b + 16 h + n. A fused gate/up weight
+ * ([gate; up], `inter` rows each): half 0 is gate row 16 b + n, half 1 up row inter + 16 b + n,
+ * so one block holds both halves of 16 columns of silu(gate) * up. Each block of 32 rows of x
+ * is two A tiles read in place (a padded copy at the edges); four C tiles accumulate in
+ * float32 and are rounded once, as a oneDNN bf16 GEMM does. */
+
+int omniflow_amx_supported(void)
+{
+#if AMX
+    /* Linux grants a process the AMX tile state on request (ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return 0;
+#endif
+}
+
+#if AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Rows of x per task: a task's rows stay in cache while it walks its blocks of columns. */
+#define TASK_ROWS 256
+
+/* The 16 values of one C tile row to out[0..count) (count <= 16), rounded. */
+static inline __attribute__((always_inline)) void store_upto16(bf16 *out, __m512 v, int64_t count)
+{
+    if (count >= 16)
+        store16(out, v);
+    else if (count > 0)
+        _mm256_mask_storeu_epi16(out, (__mmask16)((1u << count) - 1), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+static inline __attribute__((always_inline)) __m512 bias_upto16(const bf16 *bias, int64_t count)
+{
+    if (count <= 0) return _mm512_setzero_ps();
+    const __mmask16 mask = count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1);
+    return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias));
+}
+#endif
+
+/* out = x @ W.T (+ bias), x [rows, K] (row stride lda), out [rows, ldo-strided], W packed as
+ * above (`inter` > 0: a fused gate/up weight; then `silu` writes silu(gate) * up [rows, inter],
+ * else gate | up [rows, 2 * inter]). bias: per output column of W, or NULL. Returns -1, doing
+ * nothing, where omniflow_amx_supported() is false. */
+int omniflow_linear_bf16(const bf16 *x, int64_t lda, int64_t rows, int64_t K, const bf16 *packed,
+                         int64_t N, int64_t inter, int silu, const bf16 *bias, bf16 *out,
+                         int64_t ldo, int threads)
+{
+#if AMX
+    const int64_t kblocks = (K + 31) / 32, padded_k = kblocks * 32;
+    const int64_t blocks = inter > 0 ? (inter + 15) / 16 : (N + 31) / 32;
+    const int64_t tasks = (rows + TASK_ROWS - 1) / TASK_ROWS;
+    const int copy_all = K % 32 != 0;
+#pragma omp parallel num_threads(threads)
+    {
+        tile_config config;
+        memset(&config, 0, sizeof config);
+        config.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            config.colsb[t] = 64;
+            config.rows[t] = 16;
+        }
+        _tile_loadconfig(&config);
+        float c[32 * 32] __attribute__((aligned(64)));
+        bf16 *padded = NULL;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t task = 0; task < tasks; task++)
+            for (int64_t b = 0; b < blocks; b++) {
+                const bf16 *w = packed + b * kblocks * 1024;
+                const int64_t last = (task + 1) * TASK_ROWS < rows ? (task + 1) * TASK_ROWS : rows;
+                for (int64_t m0 = task * TASK_ROWS; m0 < last; m0 += 32) {
+                    const int64_t m = last - m0 < 32 ? last - m0 : 32;
+                    const bf16 *a = x + m0 * lda;
+                    int64_t stride = lda;
+                    if (m < 32 || copy_all) { /* tile loads read 32 x padded_k: copy, zero-padded */
+                        if (!padded) padded = aligned_alloc(64, sizeof(bf16) * 32 * padded_k);
+                        memset(padded, 0, sizeof(bf16) * 32 * padded_k);
+                        for (int64_t r = 0; r < m; r++)
+                            memcpy(padded + r * padded_k, a + r * lda, sizeof(bf16) * K);
+                        a = padded;
+                        stride = padded_k;
+                    }
+                    const int both = m > 16;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t kb = 0; kb < kblocks; kb++) {
+                        _tile_loadd(4, a + kb * 32, stride * sizeof(bf16));
+                        _tile_loadd(6, w + kb * 1024, 64);
+                        _tile_loadd(7, w + kb * 1024 + 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        if (both) {
+                            _tile_loadd(5, a + 16 * stride + kb * 32, stride * sizeof(bf16));
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    /* c: [32 rows][32 columns], half h's columns at 16 h */
+                    _tile_stored(0, c, 128);
+                    _tile_stored(1, c + 16, 128);
+                    _tile_stored(2, c + 16 * 32, 128);
+                    _tile_stored(3, c + 16 * 32 + 16, 128);
+                    if (inter > 0) {
+                        const int64_t col = b * 16, count = inter - col;
+                        const __m512 bg = bias ? bias_upto16(bias + col, count) : _mm512_setzero_ps();
+                        const __m512 bu = bias ? bias_upto16(bias + inter + col, count) : _mm512_setzero_ps();
+                        for (int64_t r = 0; r < m; r++) {
+                            bf16 *o = out + (m0 + r) * ldo;
+                            const __m512 gate = rounded(_mm512_add_ps(_mm512_load_ps(c + r * 32), bg));
+                            const __m512 up = rounded(_mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bu));
+                            if (silu) {
+                                store_upto16(o + col, silu_mul16(gate, up), count);
+                            } else {
+                                store_upto16(o + col, gate, count);
+                                store_upto16(o + inter + col, up, count);
+                            }
+                        }
+                    } else {
+                        const int64_t col = b * 32;
+                        const __m512 b0 = bias ? bias_upto16(bias + col, N - col) : _mm512_setzero_ps();
+                        const __m512 b1 = bias ? bias_upto16(bias + col + 16, N - col - 16) : _mm512_setzero_ps();
+                        for (int64_t r = 0; r < m; r++) {
+                            bf16 *o = out + (m0 + r) * ldo + col;
+                            store_upto16(o, _mm512_add_ps(_mm512_load_ps(c + r * 32), b0), N - col);
+                            store_upto16(o + 16, _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1), N - col - 16);
+                        }
+                    }
+                }
+            }
+        free(padded);
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x, (void)lda, (void)rows, (void)K, (void)packed, (void)N, (void)inter, (void)silu;
+    (void)bias, (void)out, (void)ldo, (void)threads;
     return -1;
 #endif
 }

@@ -109,9 +109,13 @@ class SwiGLU(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor, kernels: CpuKernels) -> torch.Tensor:
-        """The same rows, silu * up in one pass on the CPU kernels; the projections' forward
-        called directly (no nn.Module call machinery on a decode step's hot path)."""
-        return self.down_proj.forward(kernels.silu_mul(self.gate_up_proj.forward(x)))
+        """The same rows, silu * up in one pass on the CPU kernels (in the gate/up projection's
+        own pass where that runs on them); the projections' forward called directly (no
+        nn.Module call machinery on a decode step's hot path)."""
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up, KernelLinear):
+            return self.down_proj.forward(gate_up.silu_mul(x))
+        return self.down_proj.forward(kernels.silu_mul(gate_up.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -188,6 +192,43 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
+class KernelLinear(nn.Module):
+    """A Linear on omniflow's AMX projection kernel (`CpuKernels.linear`), its weight re-laid
+    once in the kernel's tiles (`pack_linear`). Against PackedLinear (oneDNN), measured on a
+    2-core AMX CPU, llama-bench-30m: a decode step's projections (32 rows) about a third
+    shorter, most of it oneDNN's per-call cost; a 2,048-row prefill block's 10-15% longer.
+    gate_up > 0: a fused [gate; up] weight of gate_up rows each, packed so that `silu_mul`
+    runs silu(gate) * up in the projection's own pass. Same parameter names; the weight is
+    [blocks, k-blocks, 2, 16, 16, 2] (``dense_weight()`` reads it back)."""
+
+    def __init__(self, linear: nn.Linear, kernels: CpuKernels, gate_up: int = 0):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.gate_up = gate_up
+        packed = kernels.pack_linear(linear.weight.detach(), gate_up)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = linear.bias
+        self._kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return self._kernels.linear(x, self.weight, self.out_features, self.bias, self.gate_up)
+        rows = x.reshape(-1, self.in_features)
+        out = self._kernels.linear(rows, self.weight, self.out_features, self.bias, self.gate_up)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for rows x [rows, in] (a gate_up weight only)."""
+        return self._kernels.linear(
+            x, self.weight, self.out_features, self.bias, self.gate_up, silu=True
+        )
+
+    def dense_weight(self) -> torch.Tensor:
+        return self._kernels.unpack_linear(
+            self.weight, self.out_features, self.in_features, self.gate_up
+        )
+
+
 class DecoderBody(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -218,20 +259,23 @@ class DecoderLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # The tied output projection in oneDNN's layout, once use_packed_weights ran (the
-        # embedding lookup keeps the plain table).
+        # The tied output projection in oneDNN's layout, or the AMX kernel's with
+        # _output_kernels set, once use_packed_weights ran (the lookup keeps the plain table).
         self._packed_output: torch.Tensor | None = None
+        self._output_kernels: CpuKernels | None = None
         self._kernels: CpuKernels | None = None  # set by use_cpu_kernels
 
     @property
     def packed(self) -> bool:
-        return any(isinstance(module, PackedLinear) for module in self.modules())
+        return any(isinstance(module, PackedLinear | KernelLinear) for module in self.modules())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output projection: hidden states [rows, hidden] -> logits [rows, vocab]."""
         if self.lm_head is not None:
             return self.lm_head(x)
         if self._packed_output is not None:
+            if self._output_kernels is not None:
+                return self._output_kernels.linear(x, self._packed_output, self.config.vocab_size)
             return torch.ops.mkldnn._linear_pointwise(x, self._packed_output, None, "none", [], "")
         return nn.functional.linear(x, self.model.embed_tokens.weight)
 
@@ -303,22 +347,34 @@ class DecoderLM(nn.Module):
                 if weight.is_contiguous():
                     weight.data = weight.data.t().contiguous().t()
 
-    def use_packed_weights(self, rows_hint: int = 32) -> None:
-        """Store every projection weight in oneDNN's blocked layout (see PackedLinear), for
-        bf16 on CPU (`packed_weights_supported`). Measured on a 2-core AMX CPU, llama-bench-30m
-        at decode batch 32: the projections 4.1 vs 6.5 ms a step, the step -11%. Not for
-        float32: MKL's GEMM on input-major weights is as fast there, and rounds like
-        transformers'. A tied output projection gets a packed copy of the embedding table
-        (the lookup keeps the plain one). Weights cannot be loaded after this."""
+    def use_packed_weights(self, rows_hint: int = 32, kernels: CpuKernels | None = None) -> None:
+        """Store every projection weight in a blocked layout for bf16 on CPU
+        (`packed_weights_supported`): the AMX kernel's (KernelLinear) when `kernels` has AMX,
+        else oneDNN's (PackedLinear). Measured on a 2-core AMX CPU, llama-bench-30m at decode
+        batch 32: oneDNN's layout took the projections from 6.5 to 4.1 ms a step (the step
+        -11%), the AMX kernel takes another third off. Not for float32: MKL's GEMM on
+        input-major weights is as fast there, and rounds like transformers'. A tied output
+        projection gets a packed copy of the embedding table (the lookup keeps the plain
+        one). Weights cannot be loaded after this."""
         if self.packed:
             return
+        amx = kernels if kernels is not None and kernels.amx else None
         for module in list(self.modules()):
             for name, child in module.named_children():
-                if isinstance(child, nn.Linear):
+                if not isinstance(child, nn.Linear):
+                    continue
+                if amx is None:
                     setattr(module, name, PackedLinear(child, rows_hint))
+                else:
+                    fused = isinstance(module, SwiGLU) and name == "gate_up_proj"
+                    gate_up = cast("SwiGLU", module).intermediate_size if fused else 0
+                    setattr(module, name, KernelLinear(child, amx, gate_up))
         if self.lm_head is None:
             table = self.model.embed_tokens.weight.detach()
-            self._packed_output = torch.ops.mkldnn._reorder_linear_weight(table, rows_hint)
+            if amx is None:
+                self._packed_output = torch.ops.mkldnn._reorder_linear_weight(table, rows_hint)
+            else:
+                self._packed_output, self._output_kernels = amx.pack_linear(table), amx
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         """Run `forward` on omniflow's CPU kernels (omniflow.kernels, bf16 on CPU only):

@@ -94,6 +94,66 @@ def test_kv_write_stores_each_row_at_its_slot():
     assert not flat_keys[:, untouched].any() and not flat_values[:, untouched].any()
 
 
+needs_amx = pytest.mark.skipif(
+    kernels is None or not kernels.amx, reason="no AMX here (or no CPU kernels)"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "rows,in_features,out_features",
+    [(32, 512, 1024), (5, 96, 100), (37, 1408, 512), (300, 64, 48), (19, 40, 33), (16, 60, 17)],
+)
+def test_linear_on_amx_equals_a_float32_projection(rows, in_features, out_features):
+    """Row and column counts off the 16/32 tiles, inputs off the 32-wide k-blocks, a bias, and
+    300 rows (two tasks of rows, both threads)."""
+    x = bf16_randn(rows, in_features, seed=20)
+    weight = bf16_randn(out_features, in_features, seed=21, scale=0.05)
+    bias = bf16_randn(out_features, seed=22)
+    packed = kernels.pack_linear(weight)
+    assert packed.shape[2:] == cpu.PACKED_TILE
+    assert torch.equal(kernels.unpack_linear(packed, out_features, in_features), weight)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    for with_bias in (True, False):
+        out = kernels.linear(x, packed, out_features, bias if with_bias else None)
+        reference = expected if with_bias else expected - bias.float()
+        assert out.shape == (rows, out_features) and out.dtype == BF16
+        # Accumulated in float32 and rounded once: within half a bf16 step of the float32 sum.
+        assert ((out.float() - reference).abs() <= reference.abs() * 2**-8 + 1e-6).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("rows,inter", [(32, 1408), (7, 23), (40, 16)])
+def test_fused_gate_up_on_amx_equals_the_unfused_ops(rows, inter):
+    x = bf16_randn(rows, 96, seed=23)
+    weight = bf16_randn(2 * inter, 96, seed=24, scale=0.1)
+    bias = bf16_randn(2 * inter, seed=25)
+    packed = kernels.pack_linear(weight, gate_up=inter)
+    assert torch.equal(kernels.unpack_linear(packed, 2 * inter, 96, gate_up=inter), weight)
+    gate_up = kernels.linear(x, packed, 2 * inter, bias, gate_up=inter)
+    plain = kernels.linear(x, kernels.pack_linear(weight), 2 * inter, bias)
+    assert torch.equal(gate_up, plain)  # the same sums in the same order, halves in place
+    fused = kernels.linear(x, packed, 2 * inter, bias, gate_up=inter, silu=True)
+    assert torch.equal(fused, kernels.silu_mul(gate_up))  # rounded where the two ops round
+    gate, up = gate_up.split(inter, dim=-1)
+    torch.testing.assert_close(fused, F.silu(gate) * up, rtol=2**-7, atol=0)
+
+
+@needs_amx
+def test_linear_refuses_what_does_not_fit_its_weight():
+    packed = kernels.pack_linear(bf16_randn(64, 32, seed=26))
+    with pytest.raises(ValueError, match="does not fit a packed"):
+        kernels.linear(bf16_randn(4, 64, seed=27), packed, 64)  # 64 inputs, not 32
+    with pytest.raises(ValueError, match="does not fit a packed"):
+        kernels.linear(bf16_randn(4, 32, seed=27).float(), packed, 64)
+    with pytest.raises(ValueError, match="silu needs a fused gate/up"):
+        kernels.linear(bf16_randn(4, 32, seed=27), packed, 64, silu=True)
+    with pytest.raises(ValueError, match="bias"):
+        kernels.linear(bf16_randn(4, 32, seed=27), packed, 64, bf16_randn(63, seed=28))
+    with pytest.raises(ValueError, match="not gate \\+ up"):
+        kernels.pack_linear(bf16_randn(64, 32, seed=26), gate_up=30)
+
+
 def attention_reference(q, layer_keys, layer_values, tables, lengths, scale):
     kv_heads, _, _, dim = layer_keys.shape
     group = q.shape[1] // kv_heads

@@ -10,8 +10,14 @@ import torch
 from omniflow.engine import LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.engine.model_runner import CPU_BF16_ROW_BLOCK, CPU_KERNELS_ROW_BLOCK
+from omniflow.kernels import cpu_kernels
 from omniflow.models import build_tiny_model, load_decoder
-from omniflow.models.decoder import PackedLinear, causal_attention, packed_weights_supported
+from omniflow.models.decoder import (
+    KernelLinear,
+    PackedLinear,
+    causal_attention,
+    packed_weights_supported,
+)
 from omniflow.models.loader import iter_checkpoint_tensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,22 +58,35 @@ needs_bf16_onednn = pytest.mark.skipif(
 )
 
 
+KERNELS = cpu_kernels()
+AMX = KERNELS if KERNELS is not None and KERNELS.amx else None
+
+
 @needs_bf16_onednn
-@pytest.mark.parametrize("preset", ["qwen2-tied-odd-heads", "llama-gqa"])
-def test_packed_weights_give_the_plain_logits(tmp_path, preset):
+@pytest.mark.parametrize("layout", ["onednn", "amx"])
+@pytest.mark.parametrize("preset", ["qwen2-tied-odd-heads", "llama-gqa", "llama-mha"])
+def test_packed_weights_give_the_plain_logits(tmp_path, preset, layout):
+    if layout == "amx" and AMX is None:
+        pytest.skip("no AMX here (or no CPU kernels)")
     path = build_tiny_model(tmp_path / "m", preset, seed=5)
     model = load_decoder(path, device="cpu", dtype="bfloat16")
     plain = {name: p.detach().clone() for name, p in model.named_parameters()}
     tokens = [5, 9, 2, 7, 11, 3, 8]
     expected = logits(model, tokens)
-    model.use_packed_weights()
+    model.use_packed_weights(kernels=AMX if layout == "amx" else None)
     assert model.packed
     packed = dict(model.named_parameters())
     assert packed.keys() == plain.keys()
+    modules = {name + ".weight": m for name, m in model.named_modules()}
+    kind = KernelLinear if layout == "amx" else PackedLinear
     projections = [n for n in packed if n.endswith("proj.weight")]
-    assert projections and all(packed[n].layout == torch._mkldnn for n in projections)
+    assert projections and all(isinstance(modules[n], kind) for n in projections)
     for name, parameter in packed.items():
-        dense = parameter.to_dense() if parameter.layout == torch._mkldnn else parameter
+        module = modules.get(name)
+        if isinstance(module, KernelLinear):
+            dense = module.dense_weight()
+        else:
+            dense = parameter.to_dense() if parameter.layout == torch._mkldnn else parameter
         assert torch.equal(dense, plain[name]), name
     assert (model.lm_head is None) == (model._packed_output is not None)
     # bf16 GEMMs in another layout may round differently: equal up to bf16 noise.
@@ -86,7 +105,12 @@ def test_bf16_engine_runs_on_packed_weights(tmp_path, cpu_kernels):
     for _ in range(2):
         config = EngineConfig(device="cpu", dtype="bfloat16", cpu_kernels=cpu_kernels)
         engine = LLMEngine(path, config)
-        assert isinstance(engine.model.model.layers[0].self_attn.qkv_proj, PackedLinear)
+        # The AMX kernel's layout where the engine runs the CPU kernels and they have AMX.
+        on_amx = cpu_kernels and AMX is not None
+        kind = KernelLinear if on_amx else PackedLinear
+        layer = engine.model.model.layers[0]
+        assert isinstance(layer.self_attn.qkv_proj, kind)
+        assert isinstance(layer.mlp.gate_up_proj, kind) and isinstance(layer.mlp.down_proj, kind)
         if not cpu_kernels:
             assert engine.runner.kernels is None and not engine.runner.kernel_decode
         block = CPU_BF16_ROW_BLOCK if engine.runner.kernels is None else CPU_KERNELS_ROW_BLOCK
