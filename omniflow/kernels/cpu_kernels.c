@@ -490,6 +490,39 @@ static inline __attribute__((always_inline)) __m512 bias_upto16(const bf16 *bias
     const __mmask16 mask = count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1);
     return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias));
 }
+
+/* One 32 x 32 block of C (float32, [32 rows][32 columns], half h's columns at 16 h) out:
+ * bias added, rounded; for a gate/up weight (inter > 0) silu(gate) * up, or both halves. */
+static inline __attribute__((always_inline)) void store_block(
+    const float *c, int64_t m, int64_t m0, int64_t b, int64_t N, int64_t inter, int silu,
+    const bf16 *bias, bf16 *out, int64_t ldo)
+{
+    if (inter > 0) {
+        const int64_t col = b * 16, count = inter - col;
+        const __m512 bg = bias ? bias_upto16(bias + col, count) : _mm512_setzero_ps();
+        const __m512 bu = bias ? bias_upto16(bias + inter + col, count) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < m; r++) {
+            bf16 *o = out + (m0 + r) * ldo;
+            const __m512 gate = rounded(_mm512_add_ps(_mm512_load_ps(c + r * 32), bg));
+            const __m512 up = rounded(_mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bu));
+            if (silu) {
+                store_upto16(o + col, silu_mul16(gate, up), count);
+            } else {
+                store_upto16(o + col, gate, count);
+                store_upto16(o + inter + col, up, count);
+            }
+        }
+        return;
+    }
+    const int64_t col = b * 32;
+    const __m512 b0 = bias ? bias_upto16(bias + col, N - col) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? bias_upto16(bias + col + 16, N - col - 16) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < m; r++) {
+        bf16 *o = out + (m0 + r) * ldo + col;
+        store_upto16(o, _mm512_add_ps(_mm512_load_ps(c + r * 32), b0), N - col);
+        store_upto16(o + 16, _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1), N - col - 16);
+    }
+}
 #endif
 
 /* out = x @ W.T (+ bias), x [rows, K] (row stride lda), out [rows, ldo-strided], W packed as
@@ -519,7 +552,7 @@ int omniflow_linear_bf16(const bf16 *x, int64_t lda, int64_t rows, int64_t K, co
             config.rows[t] = 16;
         }
         _tile_loadconfig(&config);
-        float c[32 * 32] __attribute__((aligned(64)));
+        float c[2 * 32 * 32] __attribute__((aligned(64)));
         bf16 *tiles = in_place ? NULL : aligned_alloc(64, sizeof(bf16) * TASK_ROWS * kblocks * 32);
         int64_t tiled = -1; /* the task whose rows `tiles` holds */
 #pragma omp for collapse(2) schedule(dynamic, 2)
@@ -532,6 +565,8 @@ int omniflow_linear_bf16(const bf16 *x, int64_t lda, int64_t rows, int64_t K, co
                     tile_rows(x, lda, first, last, K, kblocks, tiles);
                     tiled = task;
                 }
+                int64_t pending = -1; /* the 32 rows whose C block awaits store_block */
+                int half = 0;         /* which of c's two blocks this one's C goes to */
                 for (int64_t m0 = first; m0 < last; m0 += 32) {
                     const int64_t m = last - m0 < 32 ? last - m0 : 32;
                     const bf16 *a = in_place ? x + m0 * lda : tiles + (m0 - first) / 32 * kblocks * 1024;
@@ -552,37 +587,20 @@ int omniflow_linear_bf16(const bf16 *x, int64_t lda, int64_t rows, int64_t K, co
                             _tile_dpbf16ps(3, 5, 7);
                         }
                     }
-                    /* c: [32 rows][32 columns], half h's columns at 16 h */
-                    _tile_stored(0, c, 128);
-                    _tile_stored(1, c + 16, 128);
-                    _tile_stored(2, c + 16 * 32, 128);
-                    _tile_stored(3, c + 16 * 32 + 16, 128);
-                    if (inter > 0) {
-                        const int64_t col = b * 16, count = inter - col;
-                        const __m512 bg = bias ? bias_upto16(bias + col, count) : _mm512_setzero_ps();
-                        const __m512 bu = bias ? bias_upto16(bias + inter + col, count) : _mm512_setzero_ps();
-                        for (int64_t r = 0; r < m; r++) {
-                            bf16 *o = out + (m0 + r) * ldo;
-                            const __m512 gate = rounded(_mm512_add_ps(_mm512_load_ps(c + r * 32), bg));
-                            const __m512 up = rounded(_mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bu));
-                            if (silu) {
-                                store_upto16(o + col, silu_mul16(gate, up), count);
-                            } else {
-                                store_upto16(o + col, gate, count);
-                                store_upto16(o + inter + col, up, count);
-                            }
-                        }
-                    } else {
-                        const int64_t col = b * 32;
-                        const __m512 b0 = bias ? bias_upto16(bias + col, N - col) : _mm512_setzero_ps();
-                        const __m512 b1 = bias ? bias_upto16(bias + col + 16, N - col - 16) : _mm512_setzero_ps();
-                        for (int64_t r = 0; r < m; r++) {
-                            bf16 *o = out + (m0 + r) * ldo + col;
-                            store_upto16(o, _mm512_add_ps(_mm512_load_ps(c + r * 32), b0), N - col);
-                            store_upto16(o + 16, _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1), N - col - 16);
-                        }
-                    }
+                    /* The last block's rounding and stores while the AMX unit works on this
+                     * one's sums: issued after them, they overlap in the core. */
+                    if (pending >= 0)
+                        store_block(c + (1 - half) * 1024, last - pending < 32 ? last - pending : 32,
+                                    pending, b, N, inter, silu, bias, out, ldo);
+                    _tile_stored(0, c + half * 1024, 128);
+                    _tile_stored(1, c + half * 1024 + 16, 128);
+                    _tile_stored(2, c + half * 1024 + 16 * 32, 128);
+                    _tile_stored(3, c + half * 1024 + 16 * 32 + 16, 128);
+                    pending = m0;
+                    half = 1 - half;
                 }
+                store_block(c + (1 - half) * 1024, last - pending < 32 ? last - pending : 32, pending,
+                            b, N, inter, silu, bias, out, ldo);
             }
         free(tiles);
         _tile_release();
