@@ -63,6 +63,8 @@ class ModelRunner:
         elif self.device.type == "cpu":
             model.use_input_major_weights()
         self.scale = config.head_dim**-0.5
+        # A step of decodes alone runs every layer in one call on the kernels (AMX).
+        self.fused_decode = self.kernel_decode and model.decodes_on_pages()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepLogits:
@@ -105,6 +107,20 @@ class ModelRunner:
             decode_masks=not self.kernel_decode,
         )
         device = self.device
+        if self.fused_decode and not prefills and not embed_rows:
+            assert batch.decode_pages is not None and batch.decode_lengths is not None
+            logits = self.model.decode_on_pages(
+                torch.tensor(input_ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+                self.cache.keys,
+                self.cache.values,
+                batch.slot_mapping,
+                batch.decode_pages.view(len(decodes), -1),
+                batch.decode_lengths,
+                self.scale,
+                torch.tensor(logits_rows, dtype=torch.long, device=device),
+            )
+            return StepLogits(sampling, logits.float())
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),

@@ -31,6 +31,21 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC"]
 ENV_SWITCH = "OMNIFLOW_CPU_KERNELS"
 MAX_HEAD_DIM = 512  # the rotary kernel's per-head buffer
+# What CpuKernels.decode_layers reads of each layer, in order (cpu_kernels.c: L_NORM ...).
+DECODE_LAYER_FIELDS = (
+    "norm",
+    "qkv",
+    "qkv_bias",
+    "o",
+    "o_bias",
+    "post_norm",
+    "gate_up",
+    "gate_up_bias",
+    "down",
+    "down_bias",
+    "keys",
+    "values",
+)
 # One block of a packed weight (see CpuKernels.pack_linear): k-blocks x 2 halves x 16 x 16 x 2.
 PACKED_TILE = (2, 16, 16, 2)
 
@@ -45,6 +60,12 @@ _SIGNATURES = {
     "omniflow_silu_mul_bf16": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "omniflow_decode_attention_supported": (_INT, [_I64, _I64]),
     "omniflow_amx_supported": (_INT, []),
+    "omniflow_decode_layer_fields": (_INT, []),
+    "omniflow_decode_layers_bf16": (
+        _INT,
+        [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _I64, _I64, _I64]
+        + [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT],
+    ),
     "omniflow_linear_bf16": (
         _INT,
         [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT, _PTR, _PTR, _I64, _INT],
@@ -68,6 +89,9 @@ class CpuKernels:
             function.restype, function.argtypes = restype, argtypes
         # Asks the OS for the AMX tile state once: true where the build and the kernel allow.
         self.amx = bool(library.omniflow_amx_supported())
+        # Addresses per layer that decode_layers reads (see DECODE_LAYER_FIELDS).
+        if library.omniflow_decode_layer_fields() != len(DECODE_LAYER_FIELDS):
+            raise OSError("cpu_kernels.c and cpu.py disagree on the decode layer fields")
 
     @staticmethod
     def _threads(rows_elements: int) -> int:
@@ -259,6 +283,79 @@ class CpuKernels:
         if status != 0:
             raise RuntimeError("linear: this build has no AMX (check CpuKernels.amx first)")
         return out
+
+    def decode_layers(
+        self,
+        x: torch.Tensor,
+        layers: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pages: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        heads: int,
+        intermediate: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        """A decode step's decoder layers in one call (one new token a row; see
+        cpu_kernels.c): x [rows, hidden] in place, from the embeddings to the last layer's
+        residual stream. layers: int64 [layers, len(DECODE_LAYER_FIELDS)] of addresses (0 for
+        no bias): norms' weights, projections packed by pack_linear (gate/up fused), each
+        layer's pages, laid out as `pages` (one layer's keys, [kv_heads, pages, page_size,
+        head_dim] contiguous). cos/sin [rows, head_dim]; slots [rows], tables [rows, width],
+        lengths [rows] int64. Needs `amx` and decode_attention_supported."""
+        rows, hidden = x.shape
+        kv_heads, _, page_size, head_dim = pages.shape
+        if (
+            not x.is_contiguous()
+            or not pages.is_contiguous()
+            or layers.dtype != torch.int64
+            or not layers.is_contiguous()
+            or layers.shape[1:] != (len(DECODE_LAYER_FIELDS),)
+            or cos.shape != (rows, head_dim)
+            or not (cos.is_contiguous() and sin.is_contiguous())
+            or slots.shape != (rows,)
+            or lengths.shape != (rows,)
+            or tables.shape[0] != rows
+            or not (slots.is_contiguous() and tables.is_contiguous() and lengths.is_contiguous())
+        ):
+            raise ValueError(
+                f"decode_layers: inputs do not fit x {tuple(x.shape)} over pages "
+                f"{tuple(pages.shape)}"
+            )
+        q_size = heads * head_dim
+        qkv_size = q_size + 2 * kv_heads * head_dim
+        scratch = x.new_empty(rows * (2 * hidden + qkv_size + q_size + intermediate))
+        status = self._lib.omniflow_decode_layers_bf16(
+            x.data_ptr(),
+            rows,
+            layers.shape[0],
+            layers.data_ptr(),
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            intermediate,
+            eps,
+            scale,
+            pages.stride(0),
+            pages.stride(1),
+            page_size,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            lengths.data_ptr(),
+            scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(
+                "decode_layers: needs AMX and decode attention for these heads in this build"
+            )
 
     @staticmethod
     def pack_linear(weight: torch.Tensor, gate_up: int = 0) -> torch.Tensor:

@@ -94,107 +94,126 @@ static inline __attribute__((always_inline)) __m512 silu_mul16(__m512 gate, __m5
 /* x[r] += delta[r] (rounded, when delta is not NULL); out[r] = weight * rmsnorm(x[r]).
  * As transformers' RMSNorm: variance in float32, normalised value rounded to bf16, then
  * multiplied by the bf16 weight and rounded again. x, delta, out: [rows, hidden] contiguous. */
+static void norm_row(bf16 *x, const bf16 *delta, const bf16 *weight, bf16 *out, int64_t r,
+                     int64_t hidden, float eps)
+{
+    bf16 *xr = x + r * hidden;
+#if VECTOR_ROWS
+    if (hidden % 16 == 0) {
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t i = 0; i < hidden; i += 16) {
+            __m512 v = load16(xr + i);
+            if (delta) {
+                v = rounded(_mm512_add_ps(v, load16(delta + r * hidden + i)));
+                store16(xr + i, v);
+            }
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        const __m512 inv = _mm512_set1_ps(
+            1.f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps));
+        for (int64_t i = 0; i < hidden; i += 16)
+            store16(out + r * hidden + i,
+                    _mm512_mul_ps(load16(weight + i), rounded(_mm512_mul_ps(load16(xr + i), inv))));
+        return;
+    }
+#endif
+    float sum = 0.f;
+    if (delta) {
+        const bf16 *dr = delta + r * hidden;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; i++) {
+            const bf16 v = f2bf(bf2f(xr[i]) + bf2f(dr[i]));
+            xr[i] = v;
+            const float f = bf2f(v);
+            sum += f * f;
+        }
+    } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; i++) {
+            const float f = bf2f(xr[i]);
+            sum += f * f;
+        }
+    }
+    const float inv = 1.f / sqrtf(sum / (float)hidden + eps);
+    bf16 *orow = out + r * hidden;
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; i++)
+        orow[i] = f2bf(bf2f(weight[i]) * bf2f(f2bf(bf2f(xr[i]) * inv)));
+}
+
 void omniflow_add_rms_norm_bf16(bf16 *x, const bf16 *delta, const bf16 *weight, bf16 *out,
                                 int64_t rows, int64_t hidden, float eps, int threads)
 {
     const int parallel = rows * hidden > PARALLEL_ELEMENTS && threads > 1;
 #pragma omp parallel for num_threads(threads) if (parallel) schedule(dynamic, 32)
-    for (int64_t r = 0; r < rows; r++) {
-        bf16 *xr = x + r * hidden;
-#if VECTOR_ROWS
-        if (hidden % 16 == 0) {
-            __m512 squares = _mm512_setzero_ps();
-            for (int64_t i = 0; i < hidden; i += 16) {
-                __m512 v = load16(xr + i);
-                if (delta) {
-                    v = rounded(_mm512_add_ps(v, load16(delta + r * hidden + i)));
-                    store16(xr + i, v);
-                }
-                squares = _mm512_fmadd_ps(v, v, squares);
-            }
-            const __m512 inv = _mm512_set1_ps(
-                1.f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps));
-            for (int64_t i = 0; i < hidden; i += 16)
-                store16(out + r * hidden + i,
-                        _mm512_mul_ps(load16(weight + i), rounded(_mm512_mul_ps(load16(xr + i), inv))));
-            continue;
-        }
-#endif
-        float sum = 0.f;
-        if (delta) {
-            const bf16 *dr = delta + r * hidden;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < hidden; i++) {
-                const bf16 v = f2bf(bf2f(xr[i]) + bf2f(dr[i]));
-                xr[i] = v;
-                const float f = bf2f(v);
-                sum += f * f;
-            }
-        } else {
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < hidden; i++) {
-                const float f = bf2f(xr[i]);
-                sum += f * f;
-            }
-        }
-        const float inv = 1.f / sqrtf(sum / (float)hidden + eps);
-        bf16 *orow = out + r * hidden;
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; i++)
-            orow[i] = f2bf(bf2f(weight[i]) * bf2f(f2bf(bf2f(xr[i]) * inv)));
-    }
+    for (int64_t r = 0; r < rows; r++) norm_row(x, delta, weight, out, r, hidden, eps);
 }
 
 /* Rotary embedding in place over `heads` heads of each row (q's and k's heads, adjacent in a
  * fused q/k/v row): x = x * cos + rotate_half(x) * sin, rounding each product and the sum as
  * PyTorch does. x: row r, head h at x + r * row_stride + h * dim; cos/sin: [rows, dim]. */
-void omniflow_rotary_bf16(bf16 *x, int64_t row_stride, int64_t rows, int64_t heads,
-                          int64_t dim, const bf16 *cos, const bf16 *sin, int threads)
+static void rotary_row(bf16 *x, int64_t row_stride, int64_t r, int64_t heads, int64_t dim,
+                       const bf16 *cos, const bf16 *sin)
 {
     const int64_t half = dim / 2;
-    const int parallel = rows * heads * dim > PARALLEL_ELEMENTS && threads > 1;
-#pragma omp parallel for num_threads(threads) if (parallel) schedule(dynamic, 32)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *c = cos + r * dim, *s = sin + r * dim;
+    const bf16 *c = cos + r * dim, *s = sin + r * dim;
 #if VECTOR_ROWS
-        if (half % 16 == 0) {
-            for (int64_t h = 0; h < heads; h++) {
-                bf16 *v = x + r * row_stride + h * dim;
-                for (int64_t i = 0; i < half; i += 16) {
-                    const __m512 lo = load16(v + i), hi = load16(v + half + i);
-                    const __m512 a = rounded(_mm512_mul_ps(lo, load16(c + i)));
-                    const __m512 b = rounded(_mm512_mul_ps(hi, load16(s + i)));
-                    const __m512 a2 = rounded(_mm512_mul_ps(hi, load16(c + half + i)));
-                    const __m512 b2 = rounded(_mm512_mul_ps(lo, load16(s + half + i)));
-                    store16(v + i, _mm512_sub_ps(a, b)); /* a + (-hi * sin) */
-                    store16(v + half + i, _mm512_add_ps(a2, b2));
-                }
-            }
-            continue;
-        }
-#endif
+    if (half % 16 == 0) {
         for (int64_t h = 0; h < heads; h++) {
             bf16 *v = x + r * row_stride + h * dim;
-            float lo[256], hi[256]; /* dim <= 512: checked by the caller */
-            for (int64_t i = 0; i < half; i++) {
-                lo[i] = bf2f(v[i]);
-                hi[i] = bf2f(v[i + half]);
+            for (int64_t i = 0; i < half; i += 16) {
+                const __m512 lo = load16(v + i), hi = load16(v + half + i);
+                const __m512 a = rounded(_mm512_mul_ps(lo, load16(c + i)));
+                const __m512 b = rounded(_mm512_mul_ps(hi, load16(s + i)));
+                const __m512 a2 = rounded(_mm512_mul_ps(hi, load16(c + half + i)));
+                const __m512 b2 = rounded(_mm512_mul_ps(lo, load16(s + half + i)));
+                store16(v + i, _mm512_sub_ps(a, b)); /* a + (-hi * sin) */
+                store16(v + half + i, _mm512_add_ps(a2, b2));
             }
+        }
+        return;
+    }
+#endif
+    for (int64_t h = 0; h < heads; h++) {
+        bf16 *v = x + r * row_stride + h * dim;
+        float lo[256], hi[256]; /* dim <= 512: checked by the caller */
+        for (int64_t i = 0; i < half; i++) {
+            lo[i] = bf2f(v[i]);
+            hi[i] = bf2f(v[i + half]);
+        }
 #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = bf2f(f2bf(lo[i] * bf2f(c[i])));
-                const float b = bf2f(f2bf(-hi[i] * bf2f(s[i])));
-                v[i] = f2bf(a + b);
-                const float a2 = bf2f(f2bf(hi[i] * bf2f(c[i + half])));
-                const float b2 = bf2f(f2bf(lo[i] * bf2f(s[i + half])));
-                v[i + half] = f2bf(a2 + b2);
-            }
+        for (int64_t i = 0; i < half; i++) {
+            const float a = bf2f(f2bf(lo[i] * bf2f(c[i])));
+            const float b = bf2f(f2bf(-hi[i] * bf2f(s[i])));
+            v[i] = f2bf(a + b);
+            const float a2 = bf2f(f2bf(hi[i] * bf2f(c[i + half])));
+            const float b2 = bf2f(f2bf(lo[i] * bf2f(s[i + half])));
+            v[i + half] = f2bf(a2 + b2);
         }
     }
 }
 
+void omniflow_rotary_bf16(bf16 *x, int64_t row_stride, int64_t rows, int64_t heads,
+                          int64_t dim, const bf16 *cos, const bf16 *sin, int threads)
+{
+    const int parallel = rows * heads * dim > PARALLEL_ELEMENTS && threads > 1;
+#pragma omp parallel for num_threads(threads) if (parallel) schedule(dynamic, 32)
+    for (int64_t r = 0; r < rows; r++) rotary_row(x, row_stride, r, heads, dim, cos, sin);
+}
+
 /* Write each row's new K and V into the paged cache of one layer: row r, kv head h goes to
  * cache + h * head_stride + slots[r] * dim. k/v: row r, head h at k + r * row_stride + h * dim. */
+static void kv_write_row(const bf16 *k, const bf16 *v, int64_t row_stride, int64_t r,
+                         int64_t kv_heads, int64_t dim, bf16 *cache_k, bf16 *cache_v,
+                         int64_t head_stride, const int64_t *slots)
+{
+    for (int64_t h = 0; h < kv_heads; h++) {
+        const int64_t to = h * head_stride + slots[r] * dim, from = r * row_stride + h * dim;
+        memcpy(cache_k + to, k + from, dim * sizeof(bf16));
+        memcpy(cache_v + to, v + from, dim * sizeof(bf16));
+    }
+}
+
 void omniflow_kv_write_bf16(const bf16 *k, const bf16 *v, int64_t row_stride, int64_t rows,
                             int64_t kv_heads, int64_t dim, bf16 *cache_k, bf16 *cache_v,
                             int64_t head_stride, const int64_t *slots, int threads)
@@ -202,11 +221,7 @@ void omniflow_kv_write_bf16(const bf16 *k, const bf16 *v, int64_t row_stride, in
     const int parallel = rows * kv_heads * dim > PARALLEL_ELEMENTS && threads > 1;
 #pragma omp parallel for num_threads(threads) if (parallel) schedule(dynamic, 32)
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const int64_t to = h * head_stride + slots[r] * dim, from = r * row_stride + h * dim;
-            memcpy(cache_k + to, k + from, dim * sizeof(bf16));
-            memcpy(cache_v + to, v + from, dim * sizeof(bf16));
-        }
+        kv_write_row(k, v, row_stride, r, kv_heads, dim, cache_k, cache_v, head_stride, slots);
 }
 
 /* out = silu(gate) * up, rounded after the silu and after the product as PyTorch does.
@@ -370,6 +385,35 @@ static inline __attribute__((always_inline)) void attend(
 #define ATTEND_GROUPS(D) \
     ATTEND(1, D) ATTEND(2, D) ATTEND(3, D) ATTEND(4, D) ATTEND(5, D) ATTEND(6, D) ATTEND(7, D) ATTEND(8, D)
 
+/* A thread's buffer for one task's scores: `group` rows of up to `widest` context tokens. */
+static float *attention_scores(int64_t group, int64_t widest)
+{
+    const size_t bytes = sizeof(float) * (size_t)(group * (widest + 16));
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
+/* The (row, kv head) tasks of decode attention, shared out among the threads of the
+ * enclosing parallel region (or run by the caller alone outside one). */
+static void attention_body(const bf16 *q, int64_t q_row, const bf16 *keys, const bf16 *values,
+                           int64_t head_stride, int64_t page_stride, int64_t page_size,
+                           const int64_t *tables, int64_t table_width, const int64_t *lengths,
+                           int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                           bf16 *out, float *scores)
+{
+    const int64_t group = heads / kv_heads;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t task = 0; task < rows * kv_heads; task++) {
+        const int64_t r = task / kv_heads, h = task % kv_heads, n = lengths[r];
+        const cursor start = {tables + r * table_width, 0, 0, page_size, page_stride, dim};
+        const bf16 *qr = q + r * q_row + h * group * dim;
+        const bf16 *kh = keys + h * head_stride, *vh = values + h * head_stride;
+        bf16 *o = out + (r * heads + h * group) * dim;
+        ATTEND_GROUPS(32)
+        ATTEND_GROUPS(64)
+        ATTEND_GROUPS(128)
+    }
+}
+
 #endif /* __AVX512BF16__ */
 
 /* Whether decode attention runs here for query heads per kv head `group` and head size `dim`. */
@@ -405,19 +449,9 @@ int omniflow_decode_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *key
         if (lengths[r] > widest) widest = lengths[r];
 #pragma omp parallel num_threads(threads)
     {
-        const size_t bytes = sizeof(float) * (size_t)(group * (widest + 16));
-        float *scores = aligned_alloc(64, (bytes + 63) / 64 * 64);
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t task = 0; task < rows * kv_heads; task++) {
-            const int64_t r = task / kv_heads, h = task % kv_heads, n = lengths[r];
-            const cursor start = {tables + r * table_width, 0, 0, page_size, page_stride, dim};
-            const bf16 *qr = q + r * q_row + h * group * dim;
-            const bf16 *kh = keys + h * head_stride, *vh = values + h * head_stride;
-            bf16 *o = out + (r * heads + h * group) * dim;
-            ATTEND_GROUPS(32)
-            ATTEND_GROUPS(64)
-            ATTEND_GROUPS(128)
-        }
+        float *scores = attention_scores(group, widest);
+        attention_body(q, q_row, keys, values, head_stride, page_stride, page_size, tables,
+                       table_width, lengths, rows, heads, kv_heads, dim, scale, out, scores);
         free(scores);
     }
     return 0;
@@ -525,6 +559,107 @@ static inline __attribute__((always_inline)) void store_block(
 }
 #endif
 
+#if AMX
+/* A thread's AMX state for the projections of one parallel region: tiles configured once,
+ * two C blocks, and room for TASK_ROWS rows of x as tiles of up to `tile_k` inputs (0: none,
+ * every projection reads its rows in place). */
+typedef struct {
+    float c[2 * 32 * 32] __attribute__((aligned(64)));
+    bf16 *tiles;
+} amx_scratch;
+
+static void amx_begin(amx_scratch *scratch, int64_t tile_k)
+{
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+    scratch->tiles = tile_k ? aligned_alloc(64, sizeof(bf16) * TASK_ROWS * ((tile_k + 31) / 32) * 32)
+                            : NULL;
+}
+
+static void amx_end(amx_scratch *scratch)
+{
+    free(scratch->tiles);
+    _tile_release();
+}
+
+/* A decode step's 32 rows are read in place (a copy costs more than it saves there); more
+ * rows, or rows off the 32 x 32 grid, as tiles (tile_rows). */
+static int reads_in_place(int64_t rows, int64_t K)
+{
+    return rows == 32 && K % 32 == 0;
+}
+
+/* omniflow_linear_bf16's blocks, shared out among the threads of the enclosing parallel
+ * region, each with its amx_begin'd scratch (tiles for K inputs unless reads_in_place). */
+static void linear_body(const bf16 *x, int64_t lda, int64_t rows, int64_t K, const bf16 *packed,
+                        int64_t N, int64_t inter, int silu, const bf16 *bias, bf16 *out,
+                        int64_t ldo, amx_scratch *scratch)
+{
+    const int64_t kblocks = (K + 31) / 32;
+    const int64_t blocks = inter > 0 ? (inter + 15) / 16 : (N + 31) / 32;
+    const int64_t tasks = (rows + TASK_ROWS - 1) / TASK_ROWS;
+    const int in_place = reads_in_place(rows, K);
+    const int64_t a_step = in_place ? 32 : 1024, a_half = in_place ? 16 * lda : 512;
+    const size_t a_stride = in_place ? (size_t)lda * sizeof(bf16) : 64;
+    int64_t tiled = -1; /* the task whose rows `tiles` holds */
+#pragma omp for collapse(2) schedule(dynamic, 2)
+    for (int64_t task = 0; task < tasks; task++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const bf16 *w = packed + b * kblocks * 1024;
+            const int64_t first = task * TASK_ROWS;
+            const int64_t last = first + TASK_ROWS < rows ? first + TASK_ROWS : rows;
+            if (!in_place && task != tiled) { /* once per task and thread */
+                tile_rows(x, lda, first, last, K, kblocks, scratch->tiles);
+                tiled = task;
+            }
+            int64_t pending = -1; /* the 32 rows whose C block awaits store_block */
+            int half = 0;         /* which of c's two blocks this one's C goes to */
+            for (int64_t m0 = first; m0 < last; m0 += 32) {
+                const int64_t m = last - m0 < 32 ? last - m0 : 32;
+                const bf16 *a =
+                    in_place ? x + m0 * lda : scratch->tiles + (m0 - first) / 32 * kblocks * 1024;
+                const int both = m > 16;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kb = 0; kb < kblocks; kb++) {
+                    _tile_loadd(4, a + kb * a_step, a_stride);
+                    _tile_loadd(6, w + kb * 1024, 64);
+                    _tile_loadd(7, w + kb * 1024 + 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (both) {
+                        _tile_loadd(5, a + kb * a_step + a_half, a_stride);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                /* The last block's rounding and stores while the AMX unit works on this
+                 * one's sums: issued after them, they overlap in the core. */
+                if (pending >= 0)
+                    store_block(scratch->c + (1 - half) * 1024, last - pending < 32 ? last - pending : 32,
+                                pending, b, N, inter, silu, bias, out, ldo);
+                _tile_stored(0, scratch->c + half * 1024, 128);
+                _tile_stored(1, scratch->c + half * 1024 + 16, 128);
+                _tile_stored(2, scratch->c + half * 1024 + 16 * 32, 128);
+                _tile_stored(3, scratch->c + half * 1024 + 16 * 32 + 16, 128);
+                pending = m0;
+                half = 1 - half;
+            }
+            store_block(scratch->c + (1 - half) * 1024, last - pending < 32 ? last - pending : 32, pending,
+                        b, N, inter, silu, bias, out, ldo);
+        }
+}
+
+#endif
+
 /* out = x @ W.T (+ bias), x [rows, K] (row stride lda), out [rows, ldo-strided], W packed as
  * above (`inter` > 0: a fused gate/up weight; then `silu` writes silu(gate) * up [rows, inter],
  * else gate | up [rows, 2 * inter]). bias: per output column of W, or NULL. Returns -1, doing
@@ -534,81 +669,118 @@ int omniflow_linear_bf16(const bf16 *x, int64_t lda, int64_t rows, int64_t K, co
                          int64_t ldo, int threads)
 {
 #if AMX
-    const int64_t kblocks = (K + 31) / 32;
-    const int64_t blocks = inter > 0 ? (inter + 15) / 16 : (N + 31) / 32;
-    const int64_t tasks = (rows + TASK_ROWS - 1) / TASK_ROWS;
-    /* A decode step's 32 rows are read in place (a copy costs more than it saves there);
-     * more rows, or rows off the 32 x 32 grid, as tiles (tile_rows). */
-    const int in_place = rows == 32 && K % 32 == 0;
-    const int64_t a_step = in_place ? 32 : 1024, a_half = in_place ? 16 * lda : 512;
-    const size_t a_stride = in_place ? (size_t)lda * sizeof(bf16) : 64;
 #pragma omp parallel num_threads(threads)
     {
-        tile_config config;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            config.colsb[t] = 64;
-            config.rows[t] = 16;
-        }
-        _tile_loadconfig(&config);
-        float c[2 * 32 * 32] __attribute__((aligned(64)));
-        bf16 *tiles = in_place ? NULL : aligned_alloc(64, sizeof(bf16) * TASK_ROWS * kblocks * 32);
-        int64_t tiled = -1; /* the task whose rows `tiles` holds */
-#pragma omp for collapse(2) schedule(dynamic, 2)
-        for (int64_t task = 0; task < tasks; task++)
-            for (int64_t b = 0; b < blocks; b++) {
-                const bf16 *w = packed + b * kblocks * 1024;
-                const int64_t first = task * TASK_ROWS;
-                const int64_t last = first + TASK_ROWS < rows ? first + TASK_ROWS : rows;
-                if (!in_place && task != tiled) { /* once per task and thread */
-                    tile_rows(x, lda, first, last, K, kblocks, tiles);
-                    tiled = task;
-                }
-                int64_t pending = -1; /* the 32 rows whose C block awaits store_block */
-                int half = 0;         /* which of c's two blocks this one's C goes to */
-                for (int64_t m0 = first; m0 < last; m0 += 32) {
-                    const int64_t m = last - m0 < 32 ? last - m0 : 32;
-                    const bf16 *a = in_place ? x + m0 * lda : tiles + (m0 - first) / 32 * kblocks * 1024;
-                    const int both = m > 16;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    for (int64_t kb = 0; kb < kblocks; kb++) {
-                        _tile_loadd(4, a + kb * a_step, a_stride);
-                        _tile_loadd(6, w + kb * 1024, 64);
-                        _tile_loadd(7, w + kb * 1024 + 512, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        if (both) {
-                            _tile_loadd(5, a + kb * a_step + a_half, a_stride);
-                            _tile_dpbf16ps(2, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
-                    }
-                    /* The last block's rounding and stores while the AMX unit works on this
-                     * one's sums: issued after them, they overlap in the core. */
-                    if (pending >= 0)
-                        store_block(c + (1 - half) * 1024, last - pending < 32 ? last - pending : 32,
-                                    pending, b, N, inter, silu, bias, out, ldo);
-                    _tile_stored(0, c + half * 1024, 128);
-                    _tile_stored(1, c + half * 1024 + 16, 128);
-                    _tile_stored(2, c + half * 1024 + 16 * 32, 128);
-                    _tile_stored(3, c + half * 1024 + 16 * 32 + 16, 128);
-                    pending = m0;
-                    half = 1 - half;
-                }
-                store_block(c + (1 - half) * 1024, last - pending < 32 ? last - pending : 32, pending,
-                            b, N, inter, silu, bias, out, ldo);
-            }
-        free(tiles);
-        _tile_release();
+        amx_scratch scratch;
+        amx_begin(&scratch, reads_in_place(rows, K) ? 0 : K);
+        linear_body(x, lda, rows, K, packed, N, inter, silu, bias, out, ldo, &scratch);
+        amx_end(&scratch);
     }
     return 0;
 #else
     (void)x, (void)lda, (void)rows, (void)K, (void)packed, (void)N, (void)inter, (void)silu;
     (void)bias, (void)out, (void)ldo, (void)threads;
+    return -1;
+#endif
+}
+
+/* What omniflow_decode_layers_bf16 reads of each layer: one int64 address each (0: no bias). */
+enum {
+    L_NORM,
+    L_QKV,
+    L_QKV_BIAS,
+    L_O,
+    L_O_BIAS,
+    L_POST_NORM,
+    L_GATE_UP,
+    L_GATE_UP_BIAS,
+    L_DOWN,
+    L_DOWN_BIAS,
+    L_KEYS,
+    L_VALUES,
+    L_FIELDS
+};
+
+int omniflow_decode_layer_fields(void)
+{
+    return L_FIELDS;
+}
+
+/* A decode step's decoder layers (one new token a row) in one parallel region instead of ~9
+ * calls a layer: per layer the norm with the last layer's output added into x, the q/k/v
+ * projection, rotary, the new K/V into the pages at slots, attention over the pages, the
+ * output projection, the norm with it added, gate/up with silu * up, the down projection;
+ * then x += the last layer's output. The same kernels as the calls one by one, in the same
+ * order: the same values. x: [rows, hidden] contiguous, updated in place; layer: [layers]
+ * [L_FIELDS] (projections packed as for omniflow_linear_bf16, the layer's key and value pages
+ * as for omniflow_decode_attention_bf16); cos/sin: [rows, dim]; scratch: bf16 room for
+ * rows x (2 hidden + (heads + 2 kv_heads) dim + heads dim + inter). Returns -1, doing
+ * nothing, where AMX or decode attention for these heads is not in this build. */
+int omniflow_decode_layers_bf16(bf16 *x, int64_t rows, int64_t layers, const int64_t *layer,
+                                int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim,
+                                int64_t inter, float eps, float scale, int64_t head_stride,
+                                int64_t page_stride, int64_t page_size, const bf16 *cos,
+                                const bf16 *sin, const int64_t *slots, const int64_t *tables,
+                                int64_t table_width, const int64_t *lengths, bf16 *scratch,
+                                int threads)
+{
+    const int64_t group = heads / kv_heads;
+    if (!omniflow_decode_attention_supported(group, dim) || group * kv_heads != heads) return -1;
+#if AMX
+    const int64_t q_size = heads * dim, qkv_size = (heads + 2 * kv_heads) * dim;
+    bf16 *h = scratch, *qkv = h + rows * hidden, *attended = qkv + rows * qkv_size;
+    bf16 *gated = attended + rows * q_size, *delta = gated + rows * inter;
+    int64_t widest = 1, tile_k = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (lengths[r] > widest) widest = lengths[r];
+    const int64_t inputs[3] = {hidden, q_size, inter};
+    for (int i = 0; i < 3; i++)
+        if (!reads_in_place(rows, inputs[i]) && inputs[i] > tile_k) tile_k = inputs[i];
+#define AT(field) ((bf16 *)(intptr_t)w[field])
+#pragma omp parallel num_threads(threads)
+    {
+        amx_scratch amx;
+        amx_begin(&amx, tile_k);
+        float *scores = attention_scores(group, widest);
+        for (int64_t l = 0; l < layers; l++) {
+            const int64_t *w = layer + l * L_FIELDS;
+#pragma omp for schedule(dynamic, 8)
+            for (int64_t r = 0; r < rows; r++)
+                norm_row(x, l ? delta : NULL, AT(L_NORM), h, r, hidden, eps);
+            linear_body(h, hidden, rows, hidden, AT(L_QKV), qkv_size, 0, 0, AT(L_QKV_BIAS), qkv,
+                        qkv_size, &amx);
+#pragma omp for schedule(dynamic, 8)
+            for (int64_t r = 0; r < rows; r++) {
+                rotary_row(qkv, qkv_size, r, heads + kv_heads, dim, cos, sin);
+                kv_write_row(qkv + q_size, qkv + q_size + kv_heads * dim, qkv_size, r, kv_heads,
+                             dim, AT(L_KEYS), AT(L_VALUES), head_stride, slots);
+            }
+            attention_body(qkv, qkv_size, AT(L_KEYS), AT(L_VALUES), head_stride, page_stride,
+                           page_size, tables, table_width, lengths, rows, heads, kv_heads, dim,
+                           scale, attended, scores);
+            linear_body(attended, q_size, rows, q_size, AT(L_O), hidden, 0, 0, AT(L_O_BIAS), delta,
+                        hidden, &amx);
+#pragma omp for schedule(dynamic, 8)
+            for (int64_t r = 0; r < rows; r++)
+                norm_row(x, delta, AT(L_POST_NORM), h, r, hidden, eps);
+            linear_body(h, hidden, rows, hidden, AT(L_GATE_UP), 2 * inter, inter, 1,
+                        AT(L_GATE_UP_BIAS), gated, inter, &amx);
+            linear_body(gated, inter, rows, inter, AT(L_DOWN), hidden, 0, 0, AT(L_DOWN_BIAS), delta,
+                        hidden, &amx);
+        }
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < hidden; i++)
+                x[r * hidden + i] = f2bf(bf2f(x[r * hidden + i]) + bf2f(delta[r * hidden + i]));
+        free(scores);
+        amx_end(&amx);
+    }
+#undef AT
+    return 0;
+#else
+    (void)x, (void)rows, (void)layers, (void)layer, (void)hidden, (void)inter, (void)eps;
+    (void)scale, (void)head_stride, (void)page_stride, (void)page_size, (void)cos, (void)sin;
+    (void)slots, (void)tables, (void)table_width, (void)lengths, (void)scratch, (void)threads;
     return -1;
 #endif
 }

@@ -264,6 +264,8 @@ class DecoderLM(nn.Module):
         self._packed_output: torch.Tensor | None = None
         self._output_kernels: CpuKernels | None = None
         self._kernels: CpuKernels | None = None  # set by use_cpu_kernels
+        # decode_on_pages' per-layer addresses, for the cache at (keys, values) addresses.
+        self._decode_table: tuple[tuple[int, int], torch.Tensor] | None = None
 
     @property
     def packed(self) -> bool:
@@ -319,6 +321,105 @@ class DecoderLM(nn.Module):
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
         return self.logits(self.model.norm(x))
+
+    def decodes_on_pages(self) -> bool:
+        """Whether `decode_on_pages` runs here: the CPU kernels with AMX, every projection
+        on them (use_packed_weights after use_cpu_kernels), decode attention for these heads."""
+        kernels, config = self._kernels, self.config
+        return (
+            kernels is not None
+            and kernels.amx
+            and kernels.decode_attention_supported(
+                config.num_attention_heads, config.num_key_value_heads, config.head_dim
+            )
+            and all(
+                isinstance(projection, KernelLinear)
+                for layer in cast("list[DecoderLayer]", self.model.layers)
+                for projection in (
+                    layer.self_attn.qkv_proj,
+                    layer.self_attn.o_proj,
+                    layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj,
+                )
+            )
+        )
+
+    def decode_on_pages(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` for a step of one new token a row, every layer in one call on the CPU
+        kernels (CpuKernels.decode_layers) instead of ~9 calls a layer, with the attention
+        the engine's pages would give: each row's K/V written at slots[r] of the cache
+        keys/values [layers, kv_heads, pages, page_size, head_dim], its context the first
+        lengths[r] tokens of its pages tables[r]. Same kernels in the same order as `forward`
+        on them: the same logits. Needs `decodes_on_pages()`."""
+        kernels = self._kernels
+        if kernels is None:
+            raise RuntimeError("decode_on_pages needs use_cpu_kernels")
+        x = self.embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        config = self.config
+        kernels.decode_layers(
+            x,
+            self._decode_layers(keys, values),
+            cos,
+            sin,
+            keys[0],
+            slots,
+            tables,
+            lengths,
+            config.num_attention_heads,
+            config.intermediate_size,
+            config.rms_norm_eps,
+            scale,
+        )
+        norm = self.model.norm
+        x = x.index_select(0, logits_rows)
+        return self.logits(kernels.add_rms_norm(x, None, norm.weight, norm.eps))
+
+    def _decode_layers(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Per layer, the addresses decode_layers reads (cpu.DECODE_LAYER_FIELDS), kept while
+        the cache stays where it is."""
+        key = (keys.data_ptr(), values.data_ptr())
+        if self._decode_table is not None and self._decode_table[0] == key:
+            return self._decode_table[1]
+
+        def address(tensor: torch.Tensor | None) -> int:
+            return 0 if tensor is None else tensor.data_ptr()
+
+        rows = []
+        for index, layer in enumerate(cast("list[DecoderLayer]", self.model.layers)):
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            qkv, o, gate_up, down = (cast(KernelLinear, p) for p in projections)
+            rows.append(
+                [
+                    address(layer.input_layernorm.weight),
+                    address(qkv.weight),
+                    address(qkv.bias),
+                    address(o.weight),
+                    address(o.bias),
+                    address(layer.post_attention_layernorm.weight),
+                    address(gate_up.weight),
+                    address(gate_up.bias),
+                    address(down.weight),
+                    address(down.bias),
+                    address(keys[index]),
+                    address(values[index]),
+                ]
+            )
+        table = torch.tensor(rows, dtype=torch.int64)
+        self._decode_table = (key, table)
+        return table
 
     def hidden_states(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states [T, hidden] of one causal sequence of input embeddings.

@@ -1,6 +1,8 @@
 """omniflow's CPU kernels (built here from cpu_kernels.c with the machine's compiler) against
 the PyTorch ops they replace, and the engine and decoder on them against PyTorch ops."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -285,9 +287,10 @@ KERNEL_SPEC = TinySpec(
 )
 
 
-def staggered_run(engine, prompts, params):
+def staggered_run(engine, prompts, params, logprobs=False):
     """Requests arrive over the first steps (steps mix prefills and decodes); r1 is aborted
-    mid-decode. Returns each request's tokens, and the preemptions they went through."""
+    mid-decode. Returns each request's tokens (with logprobs: (token, logprob) pairs), and
+    the preemptions they went through."""
     produced = {i: [] for i in range(len(prompts))}
     pending, steps, sequences = list(range(len(prompts))), 0, []
     while pending or engine.has_unfinished_requests():
@@ -299,7 +302,8 @@ def staggered_run(engine, prompts, params):
         if steps == 9 and "r1" in engine.sequences:
             engine.abort("r1")
         for delta in engine.step():
-            produced[int(delta.request_id[1:])] += delta.token_ids
+            pairs = zip(delta.token_ids, delta.logprobs, strict=True)
+            produced[int(delta.request_id[1:])] += list(pairs) if logprobs else delta.token_ids
     return produced, sum(sequence.num_preemptions for sequence in sequences)
 
 
@@ -346,6 +350,77 @@ def test_engine_picks_the_float32_tokens_on_kernels_and_pytorch_ops(tmp_path, nu
             picked = chosen.gather(1, torch.tensor(tokens)[:, None])[:, 0]
             # A wrong context (table, length, K/V slot) picks tokens whole logits below.
             assert (chosen.max(-1).values - picked).max() < 0.05, index
+
+
+def counted(obj, name):
+    """Wraps obj.name to record its calls; returns the list of calls."""
+    calls, method = [], getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+    return calls
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "spec,num_pages",
+    [
+        (KERNEL_SPEC, None),
+        (KERNEL_SPEC, 14),
+        (replace(KERNEL_SPEC, attention_bias=True), None),  # q/k/v and output biases
+    ],
+)
+def test_fused_decode_steps_equal_the_kernels_called_layer_by_layer(tmp_path, spec, num_pages):
+    """Decode-only steps run every layer in one call (DecoderLM.decode_on_pages): the same
+    tokens and log-probabilities, bit for bit, as the same kernels called one by one. Batched
+    and ragged, steps mixing prefills and decodes (those keep the calls one by one), an
+    abort and, with 14 pages of 4 tokens, preemption."""
+    path = build_tiny_model(tmp_path / "m", spec, seed=17)
+    generator = torch.Generator().manual_seed(18)
+    prompts = [
+        torch.randint(3, 500, (n,), generator=generator).tolist() for n in (30, 12, 25, 7, 18)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
+    runs = []
+    for fused in (True, False):
+        config = EngineConfig(
+            device="cpu",
+            dtype="bfloat16",
+            page_size=4,
+            num_pages=num_pages,
+            max_num_batched_tokens=32,
+        )
+        engine = LLMEngine(path, config)
+        assert engine.runner.fused_decode  # AMX here: on by default
+        engine.runner.fused_decode = fused
+        calls = counted(engine.model, "decode_on_pages")
+        produced, preemptions = staggered_run(engine, prompts, params, logprobs=True)
+        assert (len(calls) > 10) == fused
+        assert (preemptions > 0) == (num_pages is not None)
+        runs.append(produced)
+    assert runs[0] == runs[1]
+    assert all(len(pairs) == 20 for index, pairs in runs[0].items() if index != 1)
+
+
+@needs_amx
+def test_decode_layers_refuses_inputs_that_do_not_fit():
+    x = bf16_randn(4, 64, seed=29)
+    pages = torch.zeros(2, 8, 4, 32, dtype=BF16)
+    layers = torch.zeros(1, len(cpu.DECODE_LAYER_FIELDS), dtype=torch.int64)
+    cos = sin = torch.zeros(4, 32, dtype=BF16)
+    index = torch.zeros(4, dtype=torch.int64)
+    tables = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="decode_layers: inputs do not fit"):
+        kernels.decode_layers(
+            x, layers[:, :5], cos, sin, pages, index, tables, index, 4, 128, 1e-6, 0.1
+        )
+    with pytest.raises(ValueError, match="decode_layers: inputs do not fit"):
+        kernels.decode_layers(
+            x, layers, cos[:3], sin, pages, index, tables, index, 4, 128, 1e-6, 0.1
+        )
 
 
 def test_an_unwritable_cache_leaves_the_kernels_off(monkeypatch, tmp_path):
