@@ -15,14 +15,15 @@ Where the time goes, to read the 2x target against (medians over rounds):
                                    model once, at 32 rows, as a step reads them
   gemm_bound_tokens_per_s          the throughput if a decode step cost only its projections:
                                    tokens / (prefill_s + (output_len - 1) * gemm_step_ms)
-The floor of any engine on this machine, same model, same precision:
-  floor_step_ms                    a decode step cut to what it cannot skip: its projections as
-                                   above, and after each layer's q/k/v projection one read of
-                                   that layer's K and V for 32 contexts of the mean length
-  prefill_floor_s                  the prompts' projections alone (4,096 rows at once), best of two
+A floor for any engine on this machine, same model, same precision:
+  floor_step_ms                    the bytes a decode step must read, every weight once and the
+                                   K and V of 32 contexts of the mean length, at the bandwidth a
+                                   float32 sum over a buffer that size reaches in the round
+  prefill_floor_s                  the prompts' projections alone (4,096 rows at once, in the
+                                   engine's layout), best of two
   floor_tokens_per_s               tokens / (prefill_floor_s + (output_len - 1) * floor_step_ms)
   floor_speedup                    median over rounds of floor / transformers within the round:
-                                   the most any engine could show here against transformers
+                                   about the most an engine could show here against transformers
 Subject and baseline run interleaved (A B A B ...); each figure is a median over rounds.
 """
 
@@ -45,6 +46,7 @@ from _common import scratch_dir  # noqa: E402
 from omniflow.engine import LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
 from omniflow.models import build_tiny_model  # noqa: E402
+from omniflow.models.decoder import packed_weights_supported  # noqa: E402
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -94,20 +96,15 @@ class Projections:
             self._inputs[rows] = {size: torch.randn(rows, size, dtype=self.dtype) for size in sizes}
         return self._inputs[rows]
 
-    def step_s(self, rows: int, kv=None, head_rows: int | None = None) -> float:
+    def step_s(self, rows: int, head_rows: int | None = None) -> float:
         """Every projection at ``rows`` rows, the output projection at ``head_rows`` (default:
-        rows). With ``kv`` ([(keys, values)] per layer), each layer's K and V are read once
-        right after its q/k/v projection, as attention reads them in a step."""
+        rows)."""
         inputs = self._inputs_for(rows)
         head_input = self._inputs_for(head_rows or rows)[self.hidden]
         with torch.inference_mode():
             started = time.perf_counter()
-            for index, module in enumerate(self.modules):
+            for module in self.modules:
                 module(inputs[module.in_features])
-                if kv is not None and index % self.per_layer == 0:
-                    keys, values = kv[index // self.per_layer]
-                    keys.sum()
-                    values.sum()
             self.model.logits(head_input)
             return time.perf_counter() - started
 
@@ -117,14 +114,28 @@ def projected_tokens_per_s(tokens: int, output_len: int, prefill_s: float, step_
     return tokens / (prefill_s + (output_len - 1) * step_s)
 
 
-def context_kv(config, rows: int, context: int, dtype: torch.dtype):
-    """Per layer, the K and V of ``rows`` contexts of ``context`` tokens, contiguous: the
-    cheapest layout to read (the decode mirror's; the CPU kernels read pages of 16 tokens)."""
-    shape = (rows * config.num_key_value_heads, context, config.head_dim)
-    return [
-        (torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
-        for _ in range(config.num_hidden_layers)
-    ]
+def decode_step_bytes(model, rows: int, context: int) -> int:
+    """What a decode step must read: every weight once (a tied table once, as the output
+    projection), and the K and V of ``rows`` contexts of ``context`` tokens in every layer."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    element = next(model.parameters()).element_size()
+    kv_row = config.num_key_value_heads * config.head_dim * element
+    return weights + 2 * config.num_hidden_layers * rows * context * kv_row
+
+
+class ReadBandwidth:
+    """Bytes per second a float32 sum reaches over a buffer of ``nbytes`` (random values,
+    made once): the rate at which this machine streams a step's bytes right now."""
+
+    def __init__(self, nbytes: int):
+        self.buffer = torch.randn(nbytes // 4)
+
+    def bytes_per_s(self) -> float:
+        with torch.inference_mode():
+            started = time.perf_counter()
+            self.buffer.sum()
+            return self.buffer.numel() * 4 / (time.perf_counter() - started)
 
 
 def hf_throughput(model, prompts, output_len: int) -> float:
@@ -165,8 +176,17 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prefix-len", type=int, default=1024)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: bfloat16 where this CPU multiplies bf16 natively (oneDNN: AMX or "
+        "AVX-512 BF16), as a CPU deployment would run; float32 elsewhere",
+    )
     args = parser.parse_args()
+    if args.dtype == "auto":
+        native = packed_weights_supported(torch.device("cpu"), torch.bfloat16)
+        args.dtype = "bfloat16" if native else "float32"
 
     import transformers
 
@@ -194,7 +214,8 @@ def main() -> None:
     tokens = args.requests * args.output_len
     projections = Projections(engine.model)
     mean_context = args.prompt_len + args.output_len // 2
-    kv = context_kv(engine.model.config, args.requests, mean_context, getattr(torch, args.dtype))
+    step_bytes = decode_step_bytes(engine.model, args.requests, mean_context)
+    bandwidth = ReadBandwidth(step_bytes)
     for round_index in range(args.rounds):
         prompts = random_prompts(args.requests, args.prompt_len, vocab, seed=round_index)
         rate, prefill_s, step_s = omniflow_throughput(
@@ -209,7 +230,7 @@ def main() -> None:
         total = len(prompts) * args.output_len / theirs[-1]
         hf_steps.append((total - one) / (args.output_len - 1))
         gemms += [projections.step_s(args.requests) for _ in range(10)]
-        round_floors = [projections.step_s(args.requests, kv) for _ in range(10)]
+        round_floors = [step_bytes / bandwidth.bytes_per_s() for _ in range(10)]
         floors += round_floors
         round_prefill = min(
             projections.step_s(len(prompts) * args.prompt_len, head_rows=args.requests)
@@ -262,6 +283,7 @@ def main() -> None:
         ),
         "floor_speedup": round(statistics.median(floor_ratios), 2),
         "dtype": args.dtype,
+        "decode_step_mb": round(step_bytes / 1e6, 1),
         "model_params_m": round(parameters / 1e6, 1),
         "requests": args.requests,
         "prompt_len": args.prompt_len,
