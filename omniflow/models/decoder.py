@@ -195,8 +195,9 @@ class PackedLinear(nn.Module):
 class KernelLinear(nn.Module):
     """A Linear on omniflow's AMX projection kernel (`CpuKernels.linear`), its weight re-laid
     once in the kernel's tiles (`pack_linear`). Against PackedLinear (oneDNN), measured on a
-    2-core AMX CPU, llama-bench-30m: a decode step's projections (32 rows) about a third
-    shorter, most of it oneDNN's per-call cost; a 2,048-row prefill block's 10-15% longer.
+    2-core AMX CPU, llama-bench-30m, paired in-process: a decode step's projections (32 rows)
+    10-35% shorter, most of it oneDNN's per-call cost; a 2,048-row prefill block's 25-35%
+    longer; whole engine runs (32 x 128 + 128 tokens) 15% shorter.
     gate_up > 0: a fused [gate; up] weight of gate_up rows each, packed so that `silu_mul`
     runs silu(gate) * up in the projection's own pass. Same parameter names; the weight is
     [blocks, k-blocks, 2, 16, 16, 2] (``dense_weight()`` reads it back)."""
