@@ -287,6 +287,26 @@ KERNEL_SPEC = TinySpec(
 )
 
 
+def ragged_prompts(seed):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (30, 12, 25, 7, 18)]
+
+
+def small_pages_engine(path, num_pages, **config):
+    """A bf16 engine on pages of 4 tokens, 32 tokens a step (prompts run in chunks)."""
+    return LLMEngine(
+        path,
+        EngineConfig(
+            device="cpu",
+            dtype="bfloat16",
+            page_size=4,
+            num_pages=num_pages,
+            max_num_batched_tokens=32,
+            **config,
+        ),
+    )
+
+
 def staggered_run(engine, prompts, params, logprobs=False):
     """Requests arrive over the first steps (steps mix prefills and decodes); r1 is aborted
     mid-decode. Returns each request's tokens (with logprobs: (token, logprob) pairs), and
@@ -316,22 +336,11 @@ def test_engine_picks_the_float32_tokens_on_kernels_and_pytorch_ops(tmp_path, nu
     bf16 noise. (The two bf16 paths can split on a near-tie: seen 2 of 100 tokens, where the
     float32 top two logits were 0.008 and 0.018 apart.)"""
     path = build_tiny_model(tmp_path / "m", KERNEL_SPEC, seed=15)
-    generator = torch.Generator().manual_seed(16)
-    prompts = [
-        torch.randint(3, 500, (n,), generator=generator).tolist() for n in (30, 12, 25, 7, 18)
-    ]
+    prompts = ragged_prompts(seed=16)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     runs = []
     for use_kernels in (True, False):
-        config = EngineConfig(
-            device="cpu",
-            dtype="bfloat16",
-            page_size=4,
-            num_pages=num_pages,
-            max_num_batched_tokens=32,
-            cpu_kernels=use_kernels,
-        )
-        engine = LLMEngine(path, config)
+        engine = small_pages_engine(path, num_pages, cpu_kernels=use_kernels)
         assert engine.runner.kernel_decode == use_kernels
         produced, preemptions = staggered_run(engine, prompts, params)
         runs.append(produced)
@@ -379,21 +388,11 @@ def test_fused_decode_steps_equal_the_kernels_called_layer_by_layer(tmp_path, sp
     and ragged, steps mixing prefills and decodes (those keep the calls one by one), an
     abort and, with 14 pages of 4 tokens, preemption."""
     path = build_tiny_model(tmp_path / "m", spec, seed=17)
-    generator = torch.Generator().manual_seed(18)
-    prompts = [
-        torch.randint(3, 500, (n,), generator=generator).tolist() for n in (30, 12, 25, 7, 18)
-    ]
+    prompts = ragged_prompts(seed=18)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
     runs = []
     for fused in (True, False):
-        config = EngineConfig(
-            device="cpu",
-            dtype="bfloat16",
-            page_size=4,
-            num_pages=num_pages,
-            max_num_batched_tokens=32,
-        )
-        engine = LLMEngine(path, config)
+        engine = small_pages_engine(path, num_pages)
         assert engine.runner.fused_decode  # AMX here: on by default
         engine.runner.fused_decode = fused
         calls = counted(engine.model, "decode_on_pages")
