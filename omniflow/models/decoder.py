@@ -454,7 +454,7 @@ class DecoderLM(nn.Module):
         (`packed_weights_supported`): the AMX kernel's (KernelLinear) when `kernels` has AMX,
         else oneDNN's (PackedLinear). Measured on a 2-core AMX CPU, llama-bench-30m at decode
         batch 32: oneDNN's layout took the projections from 6.5 to 4.1 ms a step (the step
-        -11%), the AMX kernel takes another third off. Not for float32: MKL's GEMM on
+        -11%), the AMX kernel another 10-35%. Not for float32: MKL's GEMM on
         input-major weights is as fast there, and rounds like transformers'. A tied output
         projection gets a packed copy of the embedding table (the lookup keeps the plain
         one). Weights cannot be loaded after this."""
