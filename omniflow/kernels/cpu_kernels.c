@@ -466,8 +466,9 @@ int omniflow_decode_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *key
  * zero past N and K. Plain weights: column(b, h, n) = 32 b + 16 h + n. A fused gate/up weight
  * ([gate; up], `inter` rows each): half 0 is gate row 16 b + n, half 1 up row inter + 16 b + n,
  * so one block holds both halves of 16 columns of silu(gate) * up. Each block of 32 rows of x
- * is two A tiles read in place (a padded copy at the edges); four C tiles accumulate in
- * float32 and are rounded once, as a oneDNN bf16 GEMM does. */
+ * is two A tiles, read in place for a decode step's 32 rows, else from a copy made once per
+ * task (tile_rows); four C tiles accumulate in float32 and are rounded once, as a oneDNN bf16
+ * GEMM does. */
 
 int omniflow_amx_supported(void)
 {
@@ -489,7 +490,7 @@ typedef struct {
 /* Rows of x per task: a task's rows stay in cache while it walks its blocks of columns. */
 #define TASK_ROWS 256
 
-/* The 16 values of one C tile row to out[0..count) (count <= 16), rounded. */
+/* The 16 values of one C tile row, rounded, to out[0..min(count, 16)). */
 static inline __attribute__((always_inline)) void store_upto16(bf16 *out, __m512 v, int64_t count)
 {
     if (count >= 16)
@@ -557,9 +558,7 @@ static inline __attribute__((always_inline)) void store_block(
         store_upto16(o + 16, _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1), N - col - 16);
     }
 }
-#endif
 
-#if AMX
 /* A thread's AMX state for the projections of one parallel region: tiles configured once,
  * two C blocks, and room for TASK_ROWS rows of x as tiles of up to `tile_k` inputs (0: none,
  * every projection reads its rows in place). */
