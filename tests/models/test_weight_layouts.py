@@ -2,12 +2,13 @@
 Input-major float32 weights still take checkpoints; bf16 weights packed for oneDNN are used
 by the engine and refuse loading afterwards."""
 
+import copy
 import os
 
 import pytest
 import torch
 
-from omniflow.engine import LLMEngine, SamplingParams
+from omniflow.engine import LLMEngine, SamplingParams, model_runner
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.engine.model_runner import CPU_BF16_ROW_BLOCK, CPU_KERNELS_ROW_BLOCK
 from omniflow.kernels import cpu_kernels
@@ -123,6 +124,28 @@ def test_bf16_engine_runs_on_packed_weights(tmp_path, cpu_kernels):
         runs.append(produced)
     assert all(len(tokens) == 12 for tokens in runs[0].values())
     assert runs[0] == runs[1]
+
+
+@needs_bf16_onednn
+def test_kernels_without_amx_keep_onednn_projections(tmp_path, monkeypatch):
+    """A CPU with the kernels but no AMX (AVX-512 BF16 alone, or a kernel that refuses the
+    tile state): oneDNN's projections, the kernels for the rest, no one-call decode step."""
+    if KERNELS is None:
+        pytest.skip("no CPU kernels here")
+    without_amx = copy.copy(KERNELS)
+    without_amx.amx = False
+    monkeypatch.setattr(model_runner, "cpu_kernels", lambda: without_amx)
+    path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=9)
+    engine = LLMEngine(path, EngineConfig(device="cpu", dtype="bfloat16"))
+    assert engine.runner.kernels is without_amx and not engine.runner.fused_decode
+    assert isinstance(engine.model.model.layers[0].mlp.gate_up_proj, PackedLinear)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for index, prompt in enumerate([[4, 8, 15, 16, 23, 42], [7, 7, 3]]):
+        engine.add_request(f"r{index}", prompt, params)
+    produced = {"r0": [], "r1": []}
+    for delta in engine.run_to_completion():
+        produced[delta.request_id] += delta.token_ids
+    assert [len(tokens) for tokens in produced.values()] == [8, 8]
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
