@@ -279,6 +279,15 @@ class PagedAttention:
         if segment.context_pages is None:
             return self._prefill_fresh(segment, q, k, v)
         kv_heads, _, _, head_dim = layer_keys.shape
+        kernels = self.kernels
+        if kernels is not None and kernels.context_attention_supported(
+            q.shape[1], kv_heads, head_dim
+        ):
+            # Over the pages in place on AMX: no gathered copy of the context, no mask.
+            start = segment.context_len - q.shape[0]
+            return kernels.context_attention(
+                q, layer_keys, layer_values, segment.context_pages, start, self.scale
+            )
         shape = (kv_heads, -1, head_dim)
         keys = layer_keys.index_select(1, segment.context_pages).view(shape)
         values = layer_values.index_select(1, segment.context_pages).view(shape)

@@ -60,6 +60,12 @@ _SIGNATURES = {
     "omniflow_silu_mul_bf16": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "omniflow_decode_attention_supported": (_INT, [_I64, _I64]),
     "omniflow_amx_supported": (_INT, []),
+    "omniflow_context_attention_supported": (_INT, [_I64, _I64, _I64]),
+    "omniflow_context_attention_bf16": (
+        _INT,
+        [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32]
+        + [_PTR, _INT],
+    ),
     "omniflow_decode_layer_fields": (_INT, []),
     "omniflow_decode_layers_bf16": (
         _INT,
@@ -230,6 +236,60 @@ class CpuKernels:
             raise ValueError(
                 f"decode_attention: {heads} heads over {kv_heads} kv heads of {head_dim} "
                 "not supported by this build (check decode_attention_supported first)"
+            )
+        return out
+
+    def context_attention_supported(self, heads: int, kv_heads: int, head_dim: int) -> bool:
+        return self.amx and bool(
+            self._lib.omniflow_context_attention_supported(heads, kv_heads, head_dim)
+        )
+
+    def context_attention(
+        self,
+        q: torch.Tensor,
+        layer_keys: torch.Tensor,
+        layer_values: torch.Tensor,
+        pages: torch.Tensor,
+        start: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of one sequence's chunk of new tokens over its context on AMX: q [chunk,
+        heads, head_dim] (rows strided) at positions start.., their own K/V already in the
+        pages [kv_heads, pages, page_size, head_dim] (contiguous) listed by `pages` (int64,
+        contiguous, enough for start + chunk tokens); causal. Returns [chunk, heads,
+        head_dim]. Needs context_attention_supported."""
+        chunk, heads, head_dim = q.shape
+        kv_heads, _, page_size, _ = layer_keys.shape
+        if q.stride()[1:] != (head_dim, 1) or not layer_keys.is_contiguous():
+            raise ValueError(f"context_attention: q strides {q.stride()} or pages strided")
+        if not pages.is_contiguous() or len(pages) * page_size < start + chunk:
+            raise ValueError(
+                f"context_attention: {len(pages)} pages of {page_size} do not hold "
+                f"{start} + {chunk} tokens"
+            )
+        out = q.new_empty((chunk, heads, head_dim))
+        status = self._lib.omniflow_context_attention_bf16(
+            q.data_ptr(),
+            q.stride(0),
+            layer_keys.data_ptr(),
+            layer_values.data_ptr(),
+            layer_keys.stride(0),
+            layer_keys.stride(1),
+            page_size,
+            pages.data_ptr(),
+            start,
+            chunk,
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError(
+                f"context_attention: {heads} heads over {kv_heads} kv heads of {head_dim} not "
+                "supported by this build (check context_attention_supported first)"
             )
         return out
 

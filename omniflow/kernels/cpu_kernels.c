@@ -797,3 +797,176 @@ int omniflow_decode_layers_bf16(bf16 *x, int64_t rows, int64_t layers, const int
     return -1;
 #endif
 }
+
+#if AMX
+/* 16 x 16 transpose of 32-bit lanes in registers: r[i] lane j -> r[j] lane i. */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* Token j of the sequence whose pages are `table`: its row of one kv head's pages. */
+static inline const bf16 *page_row(const bf16 *base, const int64_t *table, int64_t j,
+                                   int64_t page_size, int64_t page_stride, int64_t dim)
+{
+    return base + table[j / page_size] * page_stride + (j % page_size) * dim;
+}
+#endif
+
+/* Whether omniflow_context_attention_bf16 runs here for these heads. */
+int omniflow_context_attention_supported(int64_t heads, int64_t kv_heads, int64_t dim)
+{
+    return AMX && kv_heads > 0 && heads % kv_heads == 0 && dim % 32 == 0 && dim <= 128;
+}
+
+/* Attention of `chunk` new tokens of one sequence over its context in the paged cache (their
+ * own K/V already written), on AMX: token t, at position start + t, attends keys 0..start + t.
+ * Per kv head, its keys are laid once as B tiles of K^T (16 keys x 16 dim pairs) and its
+ * values as B tiles of V (16 key pairs x 16 dims); then per query head and block of 16 tokens
+ * the scores are tile products in float32, the softmax is float32 with the probabilities
+ * rounded to bf16 (as PyTorch's attention rounds them before the values), and the output
+ * accumulates in float32 and is rounded once. q: token t, head h at q + t * q_row + h * dim;
+ * pages as omniflow_decode_attention_bf16; table: the sequence's page ids; out: [chunk,
+ * heads, dim]. Returns -1, doing nothing, where omniflow_context_attention_supported is false. */
+int omniflow_context_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *keys,
+                                    const bf16 *values, int64_t head_stride, int64_t page_stride,
+                                    int64_t page_size, const int64_t *table, int64_t start,
+                                    int64_t chunk, int64_t heads, int64_t kv_heads, int64_t dim,
+                                    float scale, bf16 *out, int threads)
+{
+    if (!omniflow_context_attention_supported(heads, kv_heads, dim)) return -1;
+#if AMX
+    const int64_t group = heads / kv_heads, n = start + chunk;
+    const int64_t blocks16 = (n + 15) / 16, width = (n + 31) / 32 * 32; /* keys, padded */
+    const int64_t chunks32 = dim / 32, chunks16 = dim / 16;
+#pragma omp parallel num_threads(threads)
+    {
+        amx_scratch amx;
+        amx_begin(&amx, 0);
+        bf16 *kt = aligned_alloc(64, sizeof(bf16) * blocks16 * chunks32 * 512);
+        bf16 *vv = aligned_alloc(64, sizeof(bf16) * (width / 32) * chunks16 * 512);
+        float *s = aligned_alloc(64, sizeof(float) * 16 * width);
+        bf16 *p = aligned_alloc(64, sizeof(bf16) * 16 * width);
+        bf16 *qa = aligned_alloc(64, sizeof(bf16) * 16 * dim);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const bf16 *kh = keys + h * head_stride, *vh = values + h * head_stride;
+            for (int64_t b = 0; b < blocks16; b++) /* K^T: tile row kk = every key's pair kk */
+                for (int64_t c = 0; c < chunks32; c++) {
+                    __m512i r[16];
+                    for (int i = 0; i < 16; i++) {
+                        const int64_t j = b * 16 + i;
+                        r[i] = j < n ? _mm512_loadu_si512(page_row(kh, table, j, page_size, page_stride, dim) + c * 32)
+                                     : _mm512_setzero_si512();
+                    }
+                    transpose16x16(r);
+                    for (int kk = 0; kk < 16; kk++)
+                        _mm512_store_si512(kt + ((b * chunks32 + c) * 16 + kk) * 32, r[kk]);
+                }
+            /* V: tile row kk = dims 0-15 of keys 2 kk and 2 kk + 1, interleaved */
+            const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                                   24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                                   17, 1, 16, 0);
+            for (int64_t b = 0; b < width / 32; b++)
+                for (int kk = 0; kk < 16; kk++) {
+                    const int64_t j = b * 32 + 2 * kk;
+                    const bf16 *even = j < n ? page_row(vh, table, j, page_size, page_stride, dim) : NULL;
+                    const bf16 *odd = j + 1 < n ? page_row(vh, table, j + 1, page_size, page_stride, dim) : NULL;
+                    for (int64_t c = 0; c < chunks16; c++) {
+                        const __m256i a = even ? _mm256_loadu_si256((const void *)(even + c * 16)) : _mm256_setzero_si256();
+                        const __m256i o = odd ? _mm256_loadu_si256((const void *)(odd + c * 16)) : _mm256_setzero_si256();
+                        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), o, 1);
+                        _mm512_store_si512(vv + ((b * chunks16 + c) * 16 + kk) * 32,
+                                           _mm512_permutexvar_epi16(pairs, both));
+                    }
+                }
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t t0 = 0; t0 < chunk; t0 += 16) {
+                    const int64_t rows = chunk - t0 < 16 ? chunk - t0 : 16, head = h * group + g;
+                    for (int i = 0; i < 16; i++)
+                        for (int64_t d = 0; d < dim; d += 32)
+                            _mm512_store_si512(qa + i * dim + d,
+                                               i < rows ? _mm512_loadu_si512(q + (t0 + i) * q_row + head * dim + d)
+                                                        : _mm512_setzero_si512());
+                    const int64_t seen = start + t0 + rows; /* keys the block's last token sees */
+                    const int64_t used16 = (seen + 15) / 16, used32 = (seen + 31) / 32;
+                    for (int64_t b = 0; b < used16; b++) {
+                        _tile_zero(0);
+                        for (int64_t c = 0; c < chunks32; c++) {
+                            _tile_loadd(1, qa + c * 32, dim * sizeof(bf16));
+                            _tile_loadd(2, kt + (b * chunks32 + c) * 512, 64);
+                            _tile_dpbf16ps(0, 1, 2);
+                        }
+                        _tile_stored(0, s + b * 16, width * sizeof(float));
+                    }
+                    for (int64_t i = 0; i < 16; i++) {
+                        bf16 *pi = p + i * width;
+                        const int64_t valid = i < rows ? start + t0 + i + 1 : 0;
+                        float *si = s + i * width, top = MASKED, sum = 0.f;
+                        for (int64_t k = 0; k < valid; k++) top = si[k] * scale > top ? si[k] * scale : top;
+                        for (int64_t k = 0; k < valid; k++) sum += si[k] = expf(si[k] * scale - top);
+                        const float inv = valid ? 1.f / sum : 0.f;
+                        for (int64_t k = 0; k < used32 * 32; k++) pi[k] = k < valid ? f2bf(si[k] * inv) : 0;
+                    }
+                    for (int64_t c0 = 0; c0 < chunks16; c0 += 4) {
+                        const int64_t parts = chunks16 - c0 < 4 ? chunks16 - c0 : 4;
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        for (int64_t b = 0; b < used32; b++) {
+                            _tile_loadd(4, p + b * 32, width * sizeof(bf16));
+                            for (int64_t j = 0; j < parts; j++) {
+                                _tile_loadd(5, vv + ((b * chunks16 + c0 + j) * 16) * 32, 64);
+                                if (j == 0) _tile_dpbf16ps(0, 4, 5);
+                                if (j == 1) _tile_dpbf16ps(1, 4, 5);
+                                if (j == 2) _tile_dpbf16ps(2, 4, 5);
+                                if (j == 3) _tile_dpbf16ps(3, 4, 5);
+                            }
+                        }
+                        for (int64_t j = 0; j < parts; j++) {
+                            float *cj = amx.c + j * 256;
+                            if (j == 0) _tile_stored(0, cj, 64);
+                            if (j == 1) _tile_stored(1, cj, 64);
+                            if (j == 2) _tile_stored(2, cj, 64);
+                            if (j == 3) _tile_stored(3, cj, 64);
+                            for (int64_t i = 0; i < rows; i++)
+                                store16(out + ((t0 + i) * heads + head) * dim + (c0 + j) * 16,
+                                        _mm512_load_ps(cj + i * 16));
+                        }
+                    }
+                }
+        }
+        free(kt);
+        free(vv);
+        free(s);
+        free(p);
+        free(qa);
+        amx_end(&amx);
+    }
+    return 0;
+#else
+    (void)q, (void)q_row, (void)keys, (void)values, (void)head_stride, (void)page_stride;
+    (void)page_size, (void)table, (void)start, (void)chunk, (void)scale, (void)out, (void)threads;
+    return -1;
+#endif
+}

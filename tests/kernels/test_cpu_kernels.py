@@ -203,6 +203,45 @@ def test_decode_attention_refuses_what_it_does_not_build():
         kernels.decode_attention(q, pages, pages, tables, lengths, 1.0)
 
 
+def context_attention_reference(q, layer_keys, layer_values, pages, start, scale):
+    """float32 attention of q's tokens (positions start..) over the pages, causal, with the
+    probabilities rounded to bf16 before the values as PyTorch's bf16 attention does."""
+    chunk, heads, dim = q.shape
+    kv_heads = layer_keys.shape[0]
+    n = start + chunk
+    keys = layer_keys[:, pages].reshape(kv_heads, -1, dim)[:, :n].float()
+    values = layer_values[:, pages].reshape(kv_heads, -1, dim)[:, :n].float()
+    group = heads // kv_heads
+    future = torch.arange(n)[None, :] > (start + torch.arange(chunk))[:, None]
+    out = torch.empty(chunk, heads, dim)
+    for head in range(heads):
+        scores = (q[:, head].float() @ keys[head // group].T * scale).masked_fill(future, -1e30)
+        out[:, head] = scores.softmax(-1).to(BF16).float() @ values[head // group]
+    return out
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "chunk,start,heads,kv_heads,dim,page_size",
+    [(16, 1024, 8, 4, 64, 16), (5, 0, 4, 2, 32, 4), (37, 50, 6, 2, 128, 16), (1, 7, 2, 2, 64, 4)],
+)
+def test_context_attention_over_scattered_pages(chunk, start, heads, kv_heads, dim, page_size):
+    """A chunk of new tokens over its cached context (1,024 tokens; none; ragged blocks of 16
+    tokens and keys), its pages out of order among others, q strided as in a fused q/k/v row."""
+    count = (start + chunk + page_size - 1) // page_size
+    layer_keys = bf16_randn(kv_heads, 2 * count + 3, page_size, dim, seed=30)
+    layer_values = bf16_randn(kv_heads, 2 * count + 3, page_size, dim, seed=31)
+    pages = torch.randperm(2 * count + 3, generator=torch.Generator().manual_seed(32))[:count]
+    qkv = bf16_randn(chunk, (heads + 2 * kv_heads) * dim, seed=33)
+    q = qkv[:, : heads * dim].view(chunk, heads, dim)
+    out = kernels.context_attention(q, layer_keys, layer_values, pages, start, dim**-0.5)
+    expected = context_attention_reference(q, layer_keys, layer_values, pages, start, dim**-0.5)
+    # float32 sums in another order, rounded once: within a bf16 step or two of the reference.
+    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2e-3)
+    with pytest.raises(ValueError, match="do not hold"):
+        kernels.context_attention(q, layer_keys, layer_values, pages[:-1], start + 16, 0.1)
+
+
 @needs_kernels
 def test_paged_attention_on_the_kernels_equals_sdpa():
     """Through PagedAttention: a batch built without decode masks writes K/V and decodes on
@@ -348,17 +387,8 @@ def test_engine_picks_the_float32_tokens_on_kernels_and_pytorch_ops(tmp_path, nu
             assert engine.runner.mirror.keys.shape[1] == 0  # decodes read the pages in place
         assert (preemptions > 0) == (num_pages is not None)
     assert len(runs[0][1]) < params.max_tokens  # aborted mid-decode
-    reference = load_decoder(path, device="cpu", dtype="float32")
     for produced in runs:
-        for index, tokens in produced.items():
-            assert tokens, index
-            full = torch.tensor(prompts[index] + tokens)
-            with torch.inference_mode():
-                logits = reference(full, torch.arange(len(full)), causal_attention)
-            chosen = logits[len(prompts[index]) - 1 : -1]  # the logits each token came from
-            picked = chosen.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-            # A wrong context (table, length, K/V slot) picks tokens whole logits below.
-            assert (chosen.max(-1).values - picked).max() < 0.05, index
+        assert_float32_picks(path, dict(enumerate(prompts)), produced)
 
 
 def counted(obj, name):
@@ -420,6 +450,45 @@ def test_decode_layers_refuses_inputs_that_do_not_fit():
         kernels.decode_layers(
             x, layers, cos[:3], sin, pages, index, tables, index, 4, 128, 1e-6, 0.1
         )
+
+
+def assert_float32_picks(path, prompts, produced):
+    """Every greedy token is the float32 model's choice, up to bf16 noise (0.05 logit)."""
+    reference = load_decoder(path, device="cpu", dtype="float32")
+    for index, tokens in produced.items():
+        assert tokens, index
+        full = torch.tensor(prompts[index] + tokens)
+        with torch.inference_mode():
+            logits = reference(full, torch.arange(len(full)), causal_attention)
+        chosen = logits[len(prompts[index]) - 1 : -1]  # the logits each token came from
+        picked = chosen.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        # A wrong context (table, length, K/V slot) picks tokens whole logits below.
+        assert (chosen.max(-1).values - picked).max() < 0.05, index
+
+
+@needs_amx
+def test_cached_prefix_chunks_attend_on_amx_and_pick_the_float32_tokens(tmp_path, monkeypatch):
+    """A second turn over a cached 60-token prefix: its new tokens attend over the pages on
+    AMX (context_attention), and every token is still the float32 model's pick."""
+    path = build_tiny_model(tmp_path / "m", KERNEL_SPEC, seed=19)
+    engine = LLMEngine(path, EngineConfig(device="cpu", dtype="bfloat16", page_size=4))
+    calls, context_attention = [], kernels.context_attention
+    monkeypatch.setattr(
+        kernels,
+        "context_attention",
+        lambda *args, **kwargs: calls.append(1) or context_attention(*args, **kwargs),
+    )
+    prefix = ragged_prompts(seed=20)[0] * 2  # 60 tokens
+    prompts = {0: prefix + [7, 8, 9], 1: prefix + [11, 12, 13, 14, 15]}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    produced, cached = {0: [], 1: []}, {}
+    for index, prompt in prompts.items():
+        engine.add_request(f"r{index}", prompt, params)
+        for delta in engine.run_to_completion():
+            produced[index] += delta.token_ids
+            cached[index] = delta.num_cached_tokens
+    assert cached[0] == 0 and cached[1] >= 56 and calls
+    assert_float32_picks(path, prompts, produced)
 
 
 def test_an_unwritable_cache_leaves_the_kernels_off(monkeypatch, tmp_path):
