@@ -303,8 +303,13 @@ class PagedAttention:
         return out.view(heads, tokens, head_dim).transpose(0, 1)
 
     def _prefill_fresh(self, segment: PrefillSegment, q, k, v):
-        # [chunks * tokens, heads, dim] -> [chunks, heads, tokens, dim], as views.
         chunks, tokens = segment.num_chunks, segment.context_len
+        kernels = self.kernels
+        if kernels is not None and kernels.context_attention_supported(
+            q.shape[1], k.shape[1], q.shape[2]
+        ):
+            return kernels.chunks_attention(q, k, v, chunks, self.scale)
+        # [chunks * tokens, heads, dim] -> [chunks, heads, tokens, dim], as views.
         out = F.scaled_dot_product_attention(
             q.view(chunks, tokens, *q.shape[1:]).transpose(1, 2),
             k.view(chunks, tokens, *k.shape[1:]).transpose(1, 2),

@@ -61,6 +61,10 @@ _SIGNATURES = {
     "omniflow_decode_attention_supported": (_INT, [_I64, _I64]),
     "omniflow_amx_supported": (_INT, []),
     "omniflow_context_attention_supported": (_INT, [_I64, _I64, _I64]),
+    "omniflow_chunks_attention_bf16": (
+        _INT,
+        [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _INT],
+    ),
     "omniflow_context_attention_bf16": (
         _INT,
         [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32]
@@ -289,6 +293,49 @@ class CpuKernels:
         if status != 0:
             raise ValueError(
                 f"context_attention: {heads} heads over {kv_heads} kv heads of {head_dim} not "
+                "supported by this build (check context_attention_supported first)"
+            )
+        return out
+
+    def chunks_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int, scale: float
+    ) -> torch.Tensor:
+        """Causal attention within `chunks` equal prompts with no cached context, on AMX (as
+        context_attention): q [chunks * tokens, heads, head_dim], k/v [chunks * tokens,
+        kv_heads, head_dim], rows strided (k and v alike). Returns [rows, heads, head_dim]."""
+        rows, heads, head_dim = q.shape
+        kv_heads = k.shape[1]
+        if (
+            rows % max(chunks, 1)
+            or k.shape != v.shape
+            or k.shape[0] != rows
+            or k.stride() != v.stride()
+            or k.stride()[1:] != (head_dim, 1)
+            or q.stride()[1:] != (head_dim, 1)
+        ):
+            raise ValueError(
+                f"chunks_attention: q {tuple(q.shape)} / k {tuple(k.shape)} strides "
+                f"{q.stride()} / {k.stride()} are not {chunks} equal chunks"
+            )
+        out = q.new_empty((rows, heads, head_dim))
+        status = self._lib.omniflow_chunks_attention_bf16(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            chunks,
+            rows // max(chunks, 1),
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError(
+                f"chunks_attention: {heads} heads over {kv_heads} kv heads of {head_dim} not "
                 "supported by this build (check context_attention_supported first)"
             )
         return out

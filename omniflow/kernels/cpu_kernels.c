@@ -838,15 +838,159 @@ int omniflow_context_attention_supported(int64_t heads, int64_t kv_heads, int64_
     return AMX && kv_heads > 0 && heads % kv_heads == 0 && dim % 32 == 0 && dim <= 128;
 }
 
+#if AMX
+/* A thread's buffers for attend_chunk over up to `width` keys (a multiple of 32). */
+typedef struct {
+    bf16 *kt, *vv, *p, *qa;
+    float *s;
+} chunk_scratch;
+
+static void chunk_begin(chunk_scratch *b, int64_t width, int64_t dim)
+{
+    b->kt = aligned_alloc(64, sizeof(bf16) * width * dim);
+    b->vv = aligned_alloc(64, sizeof(bf16) * width * dim);
+    b->s = aligned_alloc(64, sizeof(float) * 16 * width);
+    b->p = aligned_alloc(64, sizeof(bf16) * 16 * width);
+    b->qa = aligned_alloc(64, sizeof(bf16) * 16 * dim);
+}
+
+static void chunk_end(chunk_scratch *b)
+{
+    free(b->kt);
+    free(b->vv);
+    free(b->s);
+    free(b->p);
+    free(b->qa);
+}
+
+/* One kv head of one sequence: its `chunk` new tokens (positions start..) attend keys
+ * 0..their own position. The head's keys are laid once as B tiles of K^T (16 keys x 16 dim
+ * pairs) and its values as B tiles of V (16 key pairs x 16 dims); per query head and block of
+ * 16 tokens the scores are tile products in float32, the softmax float32 with the
+ * probabilities rounded to bf16 (as PyTorch's attention rounds them before the values), the
+ * output accumulated in float32 and rounded once. Key j of the head at
+ * page_row(kh or vh, table, j, ...); q: token t, query head h at q + t * q_row + h * dim;
+ * out: token t, head h at out + (t * heads + h) * dim. */
+static void attend_chunk(const bf16 *q, int64_t q_row, const bf16 *kh, const bf16 *vh,
+                         const int64_t *table, int64_t page_size, int64_t page_stride,
+                         int64_t start, int64_t chunk, int64_t kv_head, int64_t heads,
+                         int64_t group, int64_t dim, float scale, bf16 *out, chunk_scratch *b,
+                         amx_scratch *amx)
+{
+    const int64_t n = start + chunk, blocks16 = (n + 15) / 16, width = (n + 31) / 32 * 32;
+    const int64_t chunks32 = dim / 32, chunks16 = dim / 16;
+    bf16 *kt = b->kt, *vv = b->vv, *p = b->p, *qa = b->qa;
+    float *s = b->s;
+    for (int64_t k = 0; k < blocks16; k++) /* K^T: tile row kk = every key's dim pair kk */
+        for (int64_t c = 0; c < chunks32; c++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t j = k * 16 + i;
+                r[i] = j < n ? _mm512_loadu_si512(page_row(kh, table, j, page_size, page_stride, dim) + c * 32)
+                             : _mm512_setzero_si512();
+            }
+            transpose16x16(r);
+            for (int kk = 0; kk < 16; kk++) _mm512_store_si512(kt + ((k * chunks32 + c) * 16 + kk) * 32, r[kk]);
+        }
+    /* V: tile row kk = 16 dims of keys 2 kk and 2 kk + 1, interleaved */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t k = 0; k < width / 32; k++)
+        for (int kk = 0; kk < 16; kk++) {
+            const int64_t j = k * 32 + 2 * kk;
+            const bf16 *even = j < n ? page_row(vh, table, j, page_size, page_stride, dim) : NULL;
+            const bf16 *odd = j + 1 < n ? page_row(vh, table, j + 1, page_size, page_stride, dim) : NULL;
+            for (int64_t c = 0; c < chunks16; c++) {
+                const __m256i lo = even ? _mm256_loadu_si256((const void *)(even + c * 16)) : _mm256_setzero_si256();
+                const __m256i hi = odd ? _mm256_loadu_si256((const void *)(odd + c * 16)) : _mm256_setzero_si256();
+                const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                _mm512_store_si512(vv + ((k * chunks16 + c) * 16 + kk) * 32, _mm512_permutexvar_epi16(pairs, both));
+            }
+        }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t t0 = 0; t0 < chunk; t0 += 16) {
+            const int64_t rows = chunk - t0 < 16 ? chunk - t0 : 16, head = kv_head * group + g;
+            for (int i = 0; i < 16; i++)
+                for (int64_t d = 0; d < dim; d += 32)
+                    _mm512_store_si512(qa + i * dim + d, i < rows ? _mm512_loadu_si512(q + (t0 + i) * q_row + head * dim + d)
+                                                                  : _mm512_setzero_si512());
+            const int64_t seen = start + t0 + rows; /* keys the block's last token sees */
+            const int64_t used16 = (seen + 15) / 16, used32 = (seen + 31) / 32;
+            for (int64_t k = 0; k < used16; k++) {
+                _tile_zero(0);
+                for (int64_t c = 0; c < chunks32; c++) {
+                    _tile_loadd(1, qa + c * 32, dim * sizeof(bf16));
+                    _tile_loadd(2, kt + (k * chunks32 + c) * 512, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, s + k * 16, width * sizeof(float));
+            }
+            const __m512 vscale = _mm512_set1_ps(scale);
+            for (int64_t i = 0; i < 16; i++) { /* softmax over the keys row i sees, 16 at a time */
+                bf16 *pi = p + i * width;
+                float *si = s + i * width;
+                const int64_t valid = i < rows ? start + t0 + i + 1 : 0;
+                __m512 top = _mm512_set1_ps(MASKED), sum = _mm512_setzero_ps();
+                for (int64_t k = 0; k < valid; k += 16) {
+                    const __mmask16 in = valid - k >= 16 ? 0xffff : (__mmask16)((1u << (valid - k)) - 1);
+                    top = _mm512_mask_max_ps(top, in, top, _mm512_mul_ps(_mm512_loadu_ps(si + k), vscale));
+                }
+                const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+                for (int64_t k = 0; k < valid; k += 16) {
+                    const __mmask16 in = valid - k >= 16 ? 0xffff : (__mmask16)((1u << (valid - k)) - 1);
+                    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(si + k), vscale), max));
+                    _mm512_storeu_ps(si + k, e);
+                    sum = _mm512_mask_add_ps(sum, in, sum, e);
+                }
+                const __m512 inv = _mm512_set1_ps(valid ? 1.f / _mm512_reduce_add_ps(sum) : 0.f);
+                for (int64_t k = 0; k < used32 * 32; k += 16) {
+                    const int64_t left = valid - k;
+                    const __mmask16 in = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+                    const __m512 probs = _mm512_maskz_mul_ps(in, _mm512_loadu_ps(si + k), inv);
+                    store16(pi + k, probs);
+                }
+            }
+            for (int64_t c0 = 0; c0 < chunks16; c0 += 4) {
+                const int64_t parts = chunks16 - c0 < 4 ? chunks16 - c0 : 4;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t k = 0; k < used32; k++) {
+                    _tile_loadd(4, p + k * 32, width * sizeof(bf16));
+                    const bf16 *v = vv + (k * chunks16 + c0) * 512;
+                    _tile_loadd(5, v, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (parts > 1) {
+                        _tile_loadd(5, v + 512, 64);
+                        _tile_dpbf16ps(1, 4, 5);
+                    }
+                    if (parts > 2) {
+                        _tile_loadd(5, v + 1024, 64);
+                        _tile_dpbf16ps(2, 4, 5);
+                    }
+                    if (parts > 3) {
+                        _tile_loadd(5, v + 1536, 64);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, amx->c, 64);
+                _tile_stored(1, amx->c + 256, 64);
+                _tile_stored(2, amx->c + 512, 64);
+                _tile_stored(3, amx->c + 768, 64);
+                for (int64_t j = 0; j < parts; j++)
+                    for (int64_t i = 0; i < rows; i++)
+                        store16(out + ((t0 + i) * heads + head) * dim + (c0 + j) * 16, _mm512_load_ps(amx->c + j * 256 + i * 16));
+            }
+        }
+}
+#endif
+
 /* Attention of `chunk` new tokens of one sequence over its context in the paged cache (their
- * own K/V already written), on AMX: token t, at position start + t, attends keys 0..start + t.
- * Per kv head, its keys are laid once as B tiles of K^T (16 keys x 16 dim pairs) and its
- * values as B tiles of V (16 key pairs x 16 dims); then per query head and block of 16 tokens
- * the scores are tile products in float32, the softmax is float32 with the probabilities
- * rounded to bf16 (as PyTorch's attention rounds them before the values), and the output
- * accumulates in float32 and is rounded once. q: token t, head h at q + t * q_row + h * dim;
- * pages as omniflow_decode_attention_bf16; table: the sequence's page ids; out: [chunk,
- * heads, dim]. Returns -1, doing nothing, where omniflow_context_attention_supported is false. */
+ * own K/V already written), on AMX (attend_chunk): token t, at position start + t, attends
+ * keys 0..start + t. q: token t, head h at q + t * q_row + h * dim; pages as
+ * omniflow_decode_attention_bf16; table: the sequence's page ids; out: [chunk, heads, dim].
+ * Returns -1, doing nothing, where omniflow_context_attention_supported is false. */
 int omniflow_context_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *keys,
                                     const bf16 *values, int64_t head_stride, int64_t page_stride,
                                     int64_t page_size, const int64_t *table, int64_t start,
@@ -855,118 +999,64 @@ int omniflow_context_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *ke
 {
     if (!omniflow_context_attention_supported(heads, kv_heads, dim)) return -1;
 #if AMX
-    const int64_t group = heads / kv_heads, n = start + chunk;
-    const int64_t blocks16 = (n + 15) / 16, width = (n + 31) / 32 * 32; /* keys, padded */
-    const int64_t chunks32 = dim / 32, chunks16 = dim / 16;
+    const int64_t width = (start + chunk + 31) / 32 * 32;
 #pragma omp parallel num_threads(threads)
     {
         amx_scratch amx;
+        chunk_scratch buffers;
         amx_begin(&amx, 0);
-        bf16 *kt = aligned_alloc(64, sizeof(bf16) * blocks16 * chunks32 * 512);
-        bf16 *vv = aligned_alloc(64, sizeof(bf16) * (width / 32) * chunks16 * 512);
-        float *s = aligned_alloc(64, sizeof(float) * 16 * width);
-        bf16 *p = aligned_alloc(64, sizeof(bf16) * 16 * width);
-        bf16 *qa = aligned_alloc(64, sizeof(bf16) * 16 * dim);
+        chunk_begin(&buffers, width, dim);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const bf16 *kh = keys + h * head_stride, *vh = values + h * head_stride;
-            for (int64_t b = 0; b < blocks16; b++) /* K^T: tile row kk = every key's pair kk */
-                for (int64_t c = 0; c < chunks32; c++) {
-                    __m512i r[16];
-                    for (int i = 0; i < 16; i++) {
-                        const int64_t j = b * 16 + i;
-                        r[i] = j < n ? _mm512_loadu_si512(page_row(kh, table, j, page_size, page_stride, dim) + c * 32)
-                                     : _mm512_setzero_si512();
-                    }
-                    transpose16x16(r);
-                    for (int kk = 0; kk < 16; kk++)
-                        _mm512_store_si512(kt + ((b * chunks32 + c) * 16 + kk) * 32, r[kk]);
-                }
-            /* V: tile row kk = dims 0-15 of keys 2 kk and 2 kk + 1, interleaved */
-            const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                                   24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
-                                                   17, 1, 16, 0);
-            for (int64_t b = 0; b < width / 32; b++)
-                for (int kk = 0; kk < 16; kk++) {
-                    const int64_t j = b * 32 + 2 * kk;
-                    const bf16 *even = j < n ? page_row(vh, table, j, page_size, page_stride, dim) : NULL;
-                    const bf16 *odd = j + 1 < n ? page_row(vh, table, j + 1, page_size, page_stride, dim) : NULL;
-                    for (int64_t c = 0; c < chunks16; c++) {
-                        const __m256i a = even ? _mm256_loadu_si256((const void *)(even + c * 16)) : _mm256_setzero_si256();
-                        const __m256i o = odd ? _mm256_loadu_si256((const void *)(odd + c * 16)) : _mm256_setzero_si256();
-                        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), o, 1);
-                        _mm512_store_si512(vv + ((b * chunks16 + c) * 16 + kk) * 32,
-                                           _mm512_permutexvar_epi16(pairs, both));
-                    }
-                }
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t t0 = 0; t0 < chunk; t0 += 16) {
-                    const int64_t rows = chunk - t0 < 16 ? chunk - t0 : 16, head = h * group + g;
-                    for (int i = 0; i < 16; i++)
-                        for (int64_t d = 0; d < dim; d += 32)
-                            _mm512_store_si512(qa + i * dim + d,
-                                               i < rows ? _mm512_loadu_si512(q + (t0 + i) * q_row + head * dim + d)
-                                                        : _mm512_setzero_si512());
-                    const int64_t seen = start + t0 + rows; /* keys the block's last token sees */
-                    const int64_t used16 = (seen + 15) / 16, used32 = (seen + 31) / 32;
-                    for (int64_t b = 0; b < used16; b++) {
-                        _tile_zero(0);
-                        for (int64_t c = 0; c < chunks32; c++) {
-                            _tile_loadd(1, qa + c * 32, dim * sizeof(bf16));
-                            _tile_loadd(2, kt + (b * chunks32 + c) * 512, 64);
-                            _tile_dpbf16ps(0, 1, 2);
-                        }
-                        _tile_stored(0, s + b * 16, width * sizeof(float));
-                    }
-                    for (int64_t i = 0; i < 16; i++) {
-                        bf16 *pi = p + i * width;
-                        const int64_t valid = i < rows ? start + t0 + i + 1 : 0;
-                        float *si = s + i * width, top = MASKED, sum = 0.f;
-                        for (int64_t k = 0; k < valid; k++) top = si[k] * scale > top ? si[k] * scale : top;
-                        for (int64_t k = 0; k < valid; k++) sum += si[k] = expf(si[k] * scale - top);
-                        const float inv = valid ? 1.f / sum : 0.f;
-                        for (int64_t k = 0; k < used32 * 32; k++) pi[k] = k < valid ? f2bf(si[k] * inv) : 0;
-                    }
-                    for (int64_t c0 = 0; c0 < chunks16; c0 += 4) {
-                        const int64_t parts = chunks16 - c0 < 4 ? chunks16 - c0 : 4;
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        _tile_zero(2);
-                        _tile_zero(3);
-                        for (int64_t b = 0; b < used32; b++) {
-                            _tile_loadd(4, p + b * 32, width * sizeof(bf16));
-                            for (int64_t j = 0; j < parts; j++) {
-                                _tile_loadd(5, vv + ((b * chunks16 + c0 + j) * 16) * 32, 64);
-                                if (j == 0) _tile_dpbf16ps(0, 4, 5);
-                                if (j == 1) _tile_dpbf16ps(1, 4, 5);
-                                if (j == 2) _tile_dpbf16ps(2, 4, 5);
-                                if (j == 3) _tile_dpbf16ps(3, 4, 5);
-                            }
-                        }
-                        for (int64_t j = 0; j < parts; j++) {
-                            float *cj = amx.c + j * 256;
-                            if (j == 0) _tile_stored(0, cj, 64);
-                            if (j == 1) _tile_stored(1, cj, 64);
-                            if (j == 2) _tile_stored(2, cj, 64);
-                            if (j == 3) _tile_stored(3, cj, 64);
-                            for (int64_t i = 0; i < rows; i++)
-                                store16(out + ((t0 + i) * heads + head) * dim + (c0 + j) * 16,
-                                        _mm512_load_ps(cj + i * 16));
-                        }
-                    }
-                }
-        }
-        free(kt);
-        free(vv);
-        free(s);
-        free(p);
-        free(qa);
+        for (int64_t h = 0; h < kv_heads; h++)
+            attend_chunk(q, q_row, keys + h * head_stride, values + h * head_stride, table,
+                         page_size, page_stride, start, chunk, h, heads, heads / kv_heads, dim,
+                         scale, out, &buffers, &amx);
+        chunk_end(&buffers);
         amx_end(&amx);
     }
     return 0;
 #else
     (void)q, (void)q_row, (void)keys, (void)values, (void)head_stride, (void)page_stride;
     (void)page_size, (void)table, (void)start, (void)chunk, (void)scale, (void)out, (void)threads;
+    return -1;
+#endif
+}
+
+/* Causal attention within `chunks` prompts of `tokens` tokens each with no cached context,
+ * their rows consecutive: row r = c * tokens + t; q: row r, head h at q + r * q_row + h * dim;
+ * k/v: row r, kv head h at k + r * kv_row + h * dim; out: [chunks * tokens, heads, dim].
+ * attend_chunk per (prompt, kv head). Returns -1 where context attention is unsupported. */
+int omniflow_chunks_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *k, const bf16 *v,
+                                   int64_t kv_row, int64_t chunks, int64_t tokens, int64_t heads,
+                                   int64_t kv_heads, int64_t dim, float scale, bf16 *out,
+                                   int threads)
+{
+    if (!omniflow_context_attention_supported(heads, kv_heads, dim)) return -1;
+#if AMX
+    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(tokens > 0 ? tokens : 1));
+    for (int64_t t = 0; t < tokens; t++) rows[t] = t; /* a prompt's keys: one row a "page" */
+    const int64_t width = (tokens + 31) / 32 * 32;
+#pragma omp parallel num_threads(threads)
+    {
+        amx_scratch amx;
+        chunk_scratch buffers;
+        amx_begin(&amx, 0);
+        chunk_begin(&buffers, width, dim);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < chunks * kv_heads; task++) {
+            const int64_t c = task / kv_heads, h = task % kv_heads, first = c * tokens;
+            attend_chunk(q + first * q_row, q_row, k + first * kv_row + h * dim,
+                         v + first * kv_row + h * dim, rows, 1, kv_row, 0, tokens, h, heads,
+                         heads / kv_heads, dim, scale, out + first * heads * dim, &buffers, &amx);
+        }
+        chunk_end(&buffers);
+        amx_end(&amx);
+    }
+    free(rows);
+    return 0;
+#else
+    (void)q, (void)q_row, (void)k, (void)v, (void)kv_row, (void)chunks, (void)tokens;
+    (void)scale, (void)out, (void)threads;
     return -1;
 #endif
 }

@@ -452,6 +452,34 @@ def test_decode_layers_refuses_inputs_that_do_not_fit():
         )
 
 
+@needs_amx
+@pytest.mark.parametrize(
+    "chunks,tokens,heads,kv_heads,dim", [(32, 128, 8, 4, 64), (3, 37, 6, 2, 128), (1, 1, 2, 1, 32)]
+)
+def test_chunks_attention_equals_causal_sdpa(chunks, tokens, heads, kv_heads, dim):
+    """Equal prompts with no cached context, q/k/v strided as in fused q/k/v rows: causal
+    attention within each prompt, as float32 SDPA up to bf16 probabilities."""
+    qkv = bf16_randn(chunks * tokens, (heads + 2 * kv_heads) * dim, seed=34)
+    q = qkv[:, : heads * dim].view(-1, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
+    out = kernels.chunks_attention(q, k, v, chunks, dim**-0.5)
+
+    def split(x):
+        return x.float().view(chunks, tokens, -1, dim).transpose(1, 2)
+
+    expected = F.scaled_dot_product_attention(
+        split(q), split(k), split(v), is_causal=True, scale=dim**-0.5, enable_gqa=True
+    )
+    expected = expected.transpose(1, 2).reshape(-1, heads, dim)
+    torch.testing.assert_close(out.float(), expected, rtol=2**-6, atol=2e-2)
+    with pytest.raises(ValueError, match="equal chunks"):
+        kernels.chunks_attention(q, k, v, chunks * tokens + 1, 0.1)
+    with pytest.raises(ValueError, match="equal chunks"):
+        apart = torch.cat([v, v], dim=-1)[..., :dim]  # v's heads strided unlike k's
+        kernels.chunks_attention(q, k, apart, chunks, 0.1)
+
+
 def assert_float32_picks(path, prompts, produced):
     """Every greedy token is the float32 model's choice, up to bf16 noise (0.05 logit)."""
     reference = load_decoder(path, device="cpu", dtype="float32")
