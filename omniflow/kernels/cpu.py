@@ -61,14 +61,10 @@ _SIGNATURES = {
     "omniflow_decode_attention_supported": (_INT, [_I64, _I64]),
     "omniflow_amx_supported": (_INT, []),
     "omniflow_context_attention_supported": (_INT, [_I64, _I64, _I64]),
-    "omniflow_chunks_attention_bf16": (
+    "omniflow_chunk_attention_bf16": (
         _INT,
-        [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _INT],
-    ),
-    "omniflow_context_attention_bf16": (
-        _INT,
-        [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32]
-        + [_PTR, _INT],
+        [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
+        + [_I64, _F32, _PTR, _INT],
     ),
     "omniflow_decode_layer_fields": (_INT, []),
     "omniflow_decode_layers_bf16": (
@@ -229,18 +225,9 @@ class CpuKernels:
             tables.shape[1],
             lengths.data_ptr(),
             rows,
-            heads,
-            kv_heads,
-            head_dim,
-            scale,
-            out.data_ptr(),
-            torch.get_num_threads(),
+            *_head_args(heads, kv_heads, head_dim, scale, out),
         )
-        if status != 0:
-            raise ValueError(
-                f"decode_attention: {heads} heads over {kv_heads} kv heads of {head_dim} "
-                "not supported by this build (check decode_attention_supported first)"
-            )
+        _check_heads(status, "decode_attention", heads, kv_heads, head_dim)
         return out
 
     def context_attention_supported(self, heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -271,31 +258,10 @@ class CpuKernels:
                 f"context_attention: {len(pages)} pages of {page_size} do not hold "
                 f"{start} + {chunk} tokens"
             )
-        out = q.new_empty((chunk, heads, head_dim))
-        status = self._lib.omniflow_context_attention_bf16(
-            q.data_ptr(),
-            q.stride(0),
-            layer_keys.data_ptr(),
-            layer_values.data_ptr(),
-            layer_keys.stride(0),
-            layer_keys.stride(1),
-            page_size,
-            pages.data_ptr(),
-            start,
-            chunk,
-            heads,
-            kv_heads,
-            head_dim,
-            scale,
-            out.data_ptr(),
-            torch.get_num_threads(),
+        strides = (layer_keys.stride(0), layer_keys.stride(1), page_size)
+        return self._chunk_attention(
+            q, layer_keys, layer_values, kv_heads, strides, pages, 0, start, 1, scale
         )
-        if status != 0:
-            raise ValueError(
-                f"context_attention: {heads} heads over {kv_heads} kv heads of {head_dim} not "
-                "supported by this build (check context_attention_supported first)"
-            )
-        return out
 
     def chunks_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int, scale: float
@@ -317,27 +283,48 @@ class CpuKernels:
                 f"chunks_attention: q {tuple(q.shape)} / k {tuple(k.shape)} strides "
                 f"{q.stride()} / {k.stride()} are not {chunks} equal chunks"
             )
+        tokens = rows // max(chunks, 1)
+        rows_as_pages = (head_dim, k.stride(0), 1)  # a row a one-token page
+        identity = torch.arange(tokens)
+        return self._chunk_attention(
+            q, k, v, kv_heads, rows_as_pages, identity, tokens * k.stride(0), 0, chunks, scale
+        )
+
+    def _chunk_attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        kv_heads: int,
+        strides: tuple[int, int, int],
+        table: torch.Tensor,
+        kv_step: int,
+        start: int,
+        count: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """omniflow_chunk_attention_bf16 over `count` equal chunks of q's rows. strides: of
+        keys/values, (between kv heads, between pages, tokens a page); kv_step: between
+        chunks' keys (elements)."""
+        rows, heads, head_dim = q.shape
         out = q.new_empty((rows, heads, head_dim))
-        status = self._lib.omniflow_chunks_attention_bf16(
+        head_stride, page_stride, page_size = strides
+        status = self._lib.omniflow_chunk_attention_bf16(
             q.data_ptr(),
             q.stride(0),
-            k.data_ptr(),
-            v.data_ptr(),
-            k.stride(0),
-            chunks,
-            rows // max(chunks, 1),
-            heads,
-            kv_heads,
-            head_dim,
-            scale,
-            out.data_ptr(),
-            torch.get_num_threads(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            head_stride,
+            page_stride,
+            page_size,
+            table.data_ptr(),
+            kv_step,
+            start,
+            rows // max(count, 1),
+            count,
+            *_head_args(heads, kv_heads, head_dim, scale, out),
         )
-        if status != 0:
-            raise ValueError(
-                f"chunks_attention: {heads} heads over {kv_heads} kv heads of {head_dim} not "
-                "supported by this build (check context_attention_supported first)"
-            )
+        _check_heads(status, "context_attention", heads, kv_heads, head_dim)
         return out
 
     def linear(
@@ -498,6 +485,21 @@ class CpuKernels:
             gate, up = (grid[:, h].reshape(blocks * 16, kblocks * 32) for h in (0, 1))
             return torch.cat([gate[:gate_up], up[:gate_up]])[:, :in_features]
         return grid.reshape(blocks * 32, kblocks * 32)[:out_features, :in_features]
+
+
+def _head_args(heads: int, kv_heads: int, head_dim: int, scale: float, out: torch.Tensor):
+    """The attention kernels' last arguments: heads, kv heads, head size, scale, out, threads."""
+    return heads, kv_heads, head_dim, scale, out.data_ptr(), torch.get_num_threads()
+
+
+def _check_heads(status: int, name: str, heads: int, kv_heads: int, head_dim: int) -> None:
+    """An attention kernel's refusal (status -1) as the error it is."""
+    if status != 0:
+        check = "decode" if name == "decode_attention" else "context"
+        raise ValueError(
+            f"{name}: {heads} heads over {kv_heads} kv heads of {head_dim} not supported by "
+            f"this build (check {check}_attention_supported first)"
+        )
 
 
 def _padded(weight: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -986,16 +986,22 @@ static void attend_chunk(const bf16 *q, int64_t q_row, const bf16 *kh, const bf1
 }
 #endif
 
-/* Attention of `chunk` new tokens of one sequence over its context in the paged cache (their
- * own K/V already written), on AMX (attend_chunk): token t, at position start + t, attends
- * keys 0..start + t. q: token t, head h at q + t * q_row + h * dim; pages as
- * omniflow_decode_attention_bf16; table: the sequence's page ids; out: [chunk, heads, dim].
- * Returns -1, doing nothing, where omniflow_context_attention_supported is false. */
-int omniflow_context_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *keys,
-                                    const bf16 *values, int64_t head_stride, int64_t page_stride,
-                                    int64_t page_size, const int64_t *table, int64_t start,
-                                    int64_t chunk, int64_t heads, int64_t kv_heads, int64_t dim,
-                                    float scale, bf16 *out, int threads)
+/* Causal attention of `count` chunks of `chunk` new tokens each, each chunk over its
+ * sequence's context and itself (their K/V already in place), on AMX: attend_chunk per
+ * (chunk, kv head) on the threads. Token t of chunk c, at position start + t, attends keys
+ * 0..start + t. q: that token's head h at q + (c * chunk + t) * q_row + h * dim; out:
+ * [count * chunk, heads, dim]. Key j of chunk c's kv head h at
+ * keys + c * kv_step + h * head_stride + table[j / page_size] * page_stride + (j % page_size) * dim
+ * (values alike): a sequence's pages (count 1), or prompts without cached context whose K/V
+ * rows sit where the q/k/v projection left them (table[j] = j, page_size 1, page_stride the
+ * row stride, kv_step a prompt's rows). Returns -1, doing nothing, where
+ * omniflow_context_attention_supported is false. */
+int omniflow_chunk_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *keys,
+                                  const bf16 *values, int64_t head_stride, int64_t page_stride,
+                                  int64_t page_size, const int64_t *table, int64_t kv_step,
+                                  int64_t start, int64_t chunk, int64_t count, int64_t heads,
+                                  int64_t kv_heads, int64_t dim, float scale, bf16 *out,
+                                  int threads)
 {
     if (!omniflow_context_attention_supported(heads, kv_heads, dim)) return -1;
 #if AMX
@@ -1007,55 +1013,20 @@ int omniflow_context_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *ke
         amx_begin(&amx, 0);
         chunk_begin(&buffers, width, dim);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t h = 0; h < kv_heads; h++)
-            attend_chunk(q, q_row, keys + h * head_stride, values + h * head_stride, table,
-                         page_size, page_stride, start, chunk, h, heads, heads / kv_heads, dim,
-                         scale, out, &buffers, &amx);
+        for (int64_t task = 0; task < count * kv_heads; task++) {
+            const int64_t c = task / kv_heads, h = task % kv_heads;
+            const int64_t kv = c * kv_step + h * head_stride;
+            attend_chunk(q + c * chunk * q_row, q_row, keys + kv, values + kv, table, page_size,
+                         page_stride, start, chunk, h, heads, heads / kv_heads, dim, scale,
+                         out + c * chunk * heads * dim, &buffers, &amx);
+        }
         chunk_end(&buffers);
         amx_end(&amx);
     }
     return 0;
 #else
     (void)q, (void)q_row, (void)keys, (void)values, (void)head_stride, (void)page_stride;
-    (void)page_size, (void)table, (void)start, (void)chunk, (void)scale, (void)out, (void)threads;
-    return -1;
-#endif
-}
-
-/* Causal attention within `chunks` prompts of `tokens` tokens each with no cached context,
- * their rows consecutive: row r = c * tokens + t; q: row r, head h at q + r * q_row + h * dim;
- * k/v: row r, kv head h at k + r * kv_row + h * dim; out: [chunks * tokens, heads, dim].
- * attend_chunk per (prompt, kv head). Returns -1 where context attention is unsupported. */
-int omniflow_chunks_attention_bf16(const bf16 *q, int64_t q_row, const bf16 *k, const bf16 *v,
-                                   int64_t kv_row, int64_t chunks, int64_t tokens, int64_t heads,
-                                   int64_t kv_heads, int64_t dim, float scale, bf16 *out,
-                                   int threads)
-{
-    if (!omniflow_context_attention_supported(heads, kv_heads, dim)) return -1;
-#if AMX
-    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(tokens > 0 ? tokens : 1));
-    for (int64_t t = 0; t < tokens; t++) rows[t] = t; /* a prompt's keys: one row a "page" */
-    const int64_t width = (tokens + 31) / 32 * 32;
-#pragma omp parallel num_threads(threads)
-    {
-        amx_scratch amx;
-        chunk_scratch buffers;
-        amx_begin(&amx, 0);
-        chunk_begin(&buffers, width, dim);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < chunks * kv_heads; task++) {
-            const int64_t c = task / kv_heads, h = task % kv_heads, first = c * tokens;
-            attend_chunk(q + first * q_row, q_row, k + first * kv_row + h * dim,
-                         v + first * kv_row + h * dim, rows, 1, kv_row, 0, tokens, h, heads,
-                         heads / kv_heads, dim, scale, out + first * heads * dim, &buffers, &amx);
-        }
-        chunk_end(&buffers);
-        amx_end(&amx);
-    }
-    free(rows);
-    return 0;
-#else
-    (void)q, (void)q_row, (void)k, (void)v, (void)kv_row, (void)chunks, (void)tokens;
+    (void)page_size, (void)table, (void)kv_step, (void)start, (void)chunk, (void)count;
     (void)scale, (void)out, (void)threads;
     return -1;
 #endif
