@@ -107,25 +107,29 @@ class ModelRunner:
             decode_masks=not self.kernel_decode,
         )
         device = self.device
+        ids, at, rows = (
+            torch.tensor(column, dtype=torch.long, device=device)
+            for column in (input_ids, positions, logits_rows)
+        )
         if self.fused_decode and not prefills and not embed_rows:
             assert batch.decode_pages is not None and batch.decode_lengths is not None
             logits = self.model.decode_on_pages(
-                torch.tensor(input_ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device),
+                ids,
+                at,
                 self.cache.keys,
                 self.cache.values,
                 batch.slot_mapping,
                 batch.decode_pages.view(len(decodes), -1),
                 batch.decode_lengths,
                 self.scale,
-                torch.tensor(logits_rows, dtype=torch.long, device=device),
+                rows,
             )
             return StepLogits(sampling, logits.float())
         logits = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
+            ids,
+            at,
             PagedAttention(self.cache, batch, self.scale, self.kernels),
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+            logits_rows=rows,
             embed_rows=torch.tensor(embed_rows, dtype=torch.long, device=device)
             if embed_rows
             else None,

@@ -183,6 +183,7 @@ class PagedAttention:
         # Decode attention's kernel, fixed by the cache (the mirror shares its dtype/device).
         self.sdpa_decode = sdpa_decode(cache.keys)
         self.kernels = kernels
+        self._amx: bool | None = None  # prefill attention on AMX (_amx_attention), once known
 
     def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         batch = self.batch
@@ -220,6 +221,15 @@ class PagedAttention:
                 self._prefill(segment, q[rows], k[rows], v[rows], layer_keys, layer_values)
             )
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _amx_attention(self, heads: int) -> CpuKernels | None:
+        """The kernels, where prefill attention runs on their AMX tiles for these heads."""
+        if self._amx is None:
+            kernels, keys = self.kernels, self.cache.keys
+            self._amx = kernels is not None and kernels.context_attention_supported(
+                heads, keys.shape[1], keys.shape[-1]
+            )
+        return self.kernels if self._amx else None
 
     def _decode(self, q, layer_keys, layer_values) -> torch.Tensor:
         decodes, heads, head_dim = q.shape
@@ -279,11 +289,9 @@ class PagedAttention:
         if segment.context_pages is None:
             return self._prefill_fresh(segment, q, k, v)
         kv_heads, _, _, head_dim = layer_keys.shape
-        kernels = self.kernels
-        if kernels is not None and kernels.context_attention_supported(
-            q.shape[1], kv_heads, head_dim
-        ):
-            # Over the pages in place on AMX: no gathered copy of the context, no mask.
+        kernels = self._amx_attention(q.shape[1])
+        if kernels is not None:
+            # Over the pages in place: no gathered copy of the context, no mask.
             start = segment.context_len - q.shape[0]
             return kernels.context_attention(
                 q, layer_keys, layer_values, segment.context_pages, start, self.scale
@@ -304,10 +312,8 @@ class PagedAttention:
 
     def _prefill_fresh(self, segment: PrefillSegment, q, k, v):
         chunks, tokens = segment.num_chunks, segment.context_len
-        kernels = self.kernels
-        if kernels is not None and kernels.context_attention_supported(
-            q.shape[1], k.shape[1], q.shape[2]
-        ):
+        kernels = self._amx_attention(q.shape[1])
+        if kernels is not None:
             return kernels.chunks_attention(q, k, v, chunks, self.scale)
         # [chunks * tokens, heads, dim] -> [chunks, heads, tokens, dim], as views.
         out = F.scaled_dot_product_attention(

@@ -212,8 +212,6 @@ class KernelLinear(nn.Module):
         self._kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            return self._kernels.linear(x, self.weight, self.out_features, self.bias, self.gate_up)
         rows = x.reshape(-1, self.in_features)
         out = self._kernels.linear(rows, self.weight, self.out_features, self.bias, self.gate_up)
         return out.view(*x.shape[:-1], self.out_features)
@@ -313,10 +311,7 @@ class DecoderLM(nn.Module):
                 delta = fused.forward_fused(x, delta, cos, sin, attention, kernels)
             if delta is not None:
                 x += delta
-            if logits_rows is not None:
-                x = x.index_select(0, logits_rows)
-            norm = self.model.norm
-            return self.logits(kernels.add_rms_norm(x, None, norm.weight, norm.eps))
+            return self._logits_on_kernels(x, logits_rows, kernels)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
         if logits_rows is not None:
@@ -383,8 +378,15 @@ class DecoderLM(nn.Module):
             config.rms_norm_eps,
             scale,
         )
+        return self._logits_on_kernels(x, logits_rows, kernels)
+
+    def _logits_on_kernels(
+        self, x: torch.Tensor, logits_rows: torch.Tensor | None, kernels: CpuKernels
+    ) -> torch.Tensor:
+        """The final norm (on the kernels) and the output projection of the rows that sample."""
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows)
         norm = self.model.norm
-        x = x.index_select(0, logits_rows)
         return self.logits(kernels.add_rms_norm(x, None, norm.weight, norm.eps))
 
     def _decode_layers(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
