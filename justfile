@@ -27,3 +27,4 @@ lint:
     ruff check omniflow tests benchmarks
     ruff format --check omniflow tests benchmarks
     mypy omniflow
+    lint-imports

@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import emit, have_ray, pct, short_run_root  # noqa: E402
 
 import omniflow  # noqa: E402
-from omniflow.config import parse  # noqa: E402
 from omniflow.messages import Call  # noqa: E402
+from omniflow.runtime.config import parse  # noqa: E402
 from omniflow.transport.codec import encode  # noqa: E402
 
 PAYLOAD = {"text": "x" * 64}

@@ -39,7 +39,7 @@ from hop import IDLE_GAP_S, PAYLOAD, timed  # noqa: E402
 from hop import config as hop_config  # noqa: E402
 
 import omniflow  # noqa: E402
-from omniflow.config import parse  # noqa: E402
+from omniflow.runtime.config import parse  # noqa: E402
 from tests.roles.media import image_bytes  # noqa: E402
 
 CONCURRENCY = (1, 8, 32)
@@ -137,7 +137,7 @@ class RayChain:
                 await self.actor.setup()
 
             async def call(self, data: dict, tensors: dict, params: dict):
-                from omniflow.actor import Context, Request
+                from omniflow.runtime.actor import Context, Request
 
                 request = Request("r", data, tensors, params)
                 ctx = Context("r", self.actor.role, 0, 0.0, None)

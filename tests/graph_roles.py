@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from omniflow.actor import Actor
+from omniflow.runtime.actor import Actor
 
 
 class Encoder(Actor):

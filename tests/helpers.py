@@ -7,7 +7,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from omniflow.config import Config, parse
+from omniflow.runtime.config import Config, parse
 
 ECHO = "omniflow.roles.echo"
 

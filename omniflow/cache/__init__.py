@@ -2,23 +2,42 @@
 the radix prefix cache that indexes paged KV.
 
 ``omniflow.cache.cuda_ipc`` (device-side pool, CUDA IPC handles) is imported on its own:
-it pulls in cupy when installed.
+it pulls in cupy when installed. The names below import their module on first use, so
+that reading a config (``CacheConfig``) does not import torch.
 """
 
-from omniflow.cache.config import CacheConfig, format_size, parse_size
-from omniflow.cache.errors import (
-    InvalidHandle,
-    PoolError,
-    PoolExhausted,
-    SsdCorruption,
-    SsdError,
-    StaleLease,
-)
-from omniflow.cache.pages import ExtraKeys, OutOfPages, PageUsage, PrefixMatch
-from omniflow.cache.pool import Lease, PagePool, PoolStats, PoolTensor, Reclaimed, unlink_pool
-from omniflow.cache.prefix import RadixNode, RadixPrefixCache, Residency
-from omniflow.cache.ssd import SsdBlock, SsdStore
-from omniflow.cache.tiers import TieredCache
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_WHERE = {
+    "CacheConfig": "omniflow.cache.config",
+    "ExtraKeys": "omniflow.cache.pages",
+    "InvalidHandle": "omniflow.cache.errors",
+    "Lease": "omniflow.cache.pool",
+    "OutOfPages": "omniflow.cache.pages",
+    "PagePool": "omniflow.cache.pool",
+    "PageUsage": "omniflow.cache.pages",
+    "PoolError": "omniflow.cache.errors",
+    "PoolExhausted": "omniflow.cache.errors",
+    "PoolStats": "omniflow.cache.pool",
+    "PoolTensor": "omniflow.cache.pool",
+    "PrefixMatch": "omniflow.cache.pages",
+    "RadixNode": "omniflow.cache.prefix",
+    "RadixPrefixCache": "omniflow.cache.prefix",
+    "Reclaimed": "omniflow.cache.pool",
+    "Residency": "omniflow.cache.prefix",
+    "SsdBlock": "omniflow.cache.ssd",
+    "SsdCorruption": "omniflow.cache.errors",
+    "SsdError": "omniflow.cache.errors",
+    "SsdStore": "omniflow.cache.ssd",
+    "StaleLease": "omniflow.cache.errors",
+    "TieredCache": "omniflow.cache.tiers",
+    "format_size": "omniflow.cache.config",
+    "parse_size": "omniflow.cache.config",
+    "unlink_pool": "omniflow.cache.segment",
+}
 
 __all__ = [
     "CacheConfig",
@@ -47,3 +66,29 @@ __all__ = [
     "parse_size",
     "unlink_pool",
 ]
+
+if TYPE_CHECKING:
+    from omniflow.cache.config import CacheConfig, format_size, parse_size
+    from omniflow.cache.errors import (
+        InvalidHandle,
+        PoolError,
+        PoolExhausted,
+        SsdCorruption,
+        SsdError,
+        StaleLease,
+    )
+    from omniflow.cache.pages import ExtraKeys, OutOfPages, PageUsage, PrefixMatch
+    from omniflow.cache.pool import Lease, PagePool, PoolStats, PoolTensor, Reclaimed
+    from omniflow.cache.prefix import RadixNode, RadixPrefixCache, Residency
+    from omniflow.cache.segment import unlink_pool
+    from omniflow.cache.ssd import SsdBlock, SsdStore
+    from omniflow.cache.tiers import TieredCache
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

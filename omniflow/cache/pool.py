@@ -44,13 +44,8 @@ from omniflow.cache.errors import InvalidHandle, PoolError
 from omniflow.cache.lease import Lease, PoolStats, PoolTensor, Reclaimed
 from omniflow.cache.pagetable import PageTable, plan
 from omniflow.cache.pinned import cuda_available, register_host, unregister_host
-from omniflow.cache.segment import Segment, unlink_segment
+from omniflow.cache.segment import Segment
 from omniflow.messages import Shm
-
-
-def unlink_pool(name: str) -> bool:
-    """Remove the pool segment ``name`` from /dev/shm (no mapping needed); False if absent."""
-    return unlink_segment(name)
 
 
 class PagePool:

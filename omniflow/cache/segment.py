@@ -155,3 +155,8 @@ def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
         # run near 1 GB/s against ~13 GB/s for mapped memory.
         flags |= mmap.MAP_POPULATE
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def unlink_pool(name: str) -> bool:
+    """Remove the pool segment ``name`` from /dev/shm (no mapping needed); False if absent."""
+    return unlink_segment(name)

@@ -1,4 +1,4 @@
-"""``omniflow up | status | send | down``.
+"""omniflow up | status | send | down: start, inspect, use and stop a deployment.
 
 Exit codes: 0 ok; 1 the deployment failed to start or stop; 2 a bad config or
 argument; 3 no such deployment running; 4 the request failed.
@@ -22,9 +22,9 @@ import typer
 from rich.console import Console
 
 from omniflow.cli.progress import StartProgress
-from omniflow.config import ConfigError, load
-from omniflow.runtime import DeploymentNotFound, find_deployment
-from omniflow.supervisor import StartError, Supervisor, default_run_dir
+from omniflow.runtime.config import ConfigError, load
+from omniflow.runtime.deployment import DeploymentNotFound, find_deployment
+from omniflow.runtime.supervisor import StartError, Supervisor, default_run_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 err = Console(stderr=True)
@@ -36,6 +36,27 @@ NameOpt = typer.Option(
     None, "--name", "-n", help="Deployment name (default: the only one running)."
 )
 RunDirOpt = typer.Option(None, "--run-dir", help="The deployment's run directory.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from omniflow import __version__
+
+        print(f"omniflow {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        help="Print the version and exit.",
+        callback=_print_version,
+        is_eager=True,
+    ),
+) -> None:
+    pass
 
 
 def _load(config: Path) -> Any:
@@ -173,16 +194,9 @@ def status(
     state = _state(name, run_dir)
     import uvloop
 
-    from omniflow.discovery import list_actors, open_registry
+    from omniflow.runtime.deployment import list_deployment_actors
 
-    async def fetch() -> list[Any]:
-        registry = open_registry(state["registry"])
-        try:
-            return await list_actors(registry, state["name"])
-        finally:
-            await registry.close()
-
-    records = uvloop.run(fetch())
+    records = uvloop.run(list_deployment_actors(state))
     actors = [
         {
             "role": r.role,
@@ -272,8 +286,8 @@ def send(
     import uvloop
 
     from omniflow.cli.outputs import OutputWriter
-    from omniflow.client import Output, RequestFailed
-    from omniflow.runtime import connect
+    from omniflow.runtime.client import Output, RequestFailed
+    from omniflow.runtime.deployment import connect
 
     async def run() -> int:
         conn = await connect(run_dir=state["run_dir"])
@@ -364,7 +378,7 @@ def down(
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for a clean stop."),
 ) -> None:
     """Stop a running deployment: drain, stop every actor, remove its sockets."""
-    from omniflow.runtime import clean_dead
+    from omniflow.runtime.deployment import clean_dead
 
     try:
         state = find_deployment(name, run_dir)

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from omniflow.actor import BadRequest, Context, Request
 from omniflow.models.omni import AudioDecoder, ensure_model, load_audio_decoder, to_pcm16
 from omniflow.roles.base import ModelActor
+from omniflow.runtime.actor import BadRequest, Context, Request
 
 
 class _StreamState:

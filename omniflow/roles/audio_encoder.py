@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from omniflow.actor import BadRequest, Context, Request
-from omniflow.cache.content import content_hash
+from omniflow.content import content_hash
 from omniflow.models.omni import AudioTokenizer, ensure_model, load_audio
 from omniflow.roles.encoder_cache import CachingEncoder, role_cache
+from omniflow.runtime.actor import BadRequest, Context, Request
 
 ACCEPTED_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 

@@ -9,9 +9,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from omniflow.actor import Actor
 from omniflow.cache import CacheConfig, PagePool
-from omniflow.priority import DEFAULT_MODEL_NICE, check_nice, lower_thread_priority
+from omniflow.runtime.actor import Actor
+from omniflow.runtime.priority import DEFAULT_MODEL_NICE, check_nice, lower_thread_priority
 
 T = TypeVar("T")
 

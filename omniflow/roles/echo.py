@@ -13,7 +13,7 @@ import asyncio
 import os
 import re
 
-from omniflow.actor import Actor, BadRequest, Context, Request
+from omniflow.runtime.actor import Actor, BadRequest, Context, Request
 
 
 def _text(request: Request) -> str:

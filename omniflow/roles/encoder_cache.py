@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from omniflow.actor import Context
 from omniflow.cache import CacheConfig, PagePool, PoolError, SsdError, SsdStore, TieredCache
 from omniflow.cache.pool import pid_alive
 from omniflow.roles.base import ModelActor
+from omniflow.runtime.actor import Context
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from omniflow.actor import BadRequest, Context, Request
 from omniflow.models.omni import ImageDecoder, ensure_model, load_image_decoder
 from omniflow.roles.base import ModelActor
+from omniflow.runtime.actor import BadRequest, Context, Request
 
 _MAX_CFG_SCALE = 30.0
 

@@ -45,15 +45,15 @@ from typing import Any, cast
 
 import torch
 
-from omniflow.actor import BadRequest, Context, Request
-from omniflow.cache.content import SUMMARY_META, summary_key
+from omniflow.content import SUMMARY_META, summary_key
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
 from omniflow.models.tiny import build_tiny_model
-from omniflow.priority import lower_thread_priority
 from omniflow.roles.base import ModelActor
+from omniflow.runtime.actor import BadRequest, Context, Request
+from omniflow.runtime.priority import lower_thread_priority
 
 AUDIO_CODEBOOKS = [8192, 4096, 2048] + [1024] * 5
 IMAGE_CODEBOOKS = [1024] * 8

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from omniflow.actor import BadRequest, Context, Request
-from omniflow.cache.content import content_hash
+from omniflow.content import content_hash
 from omniflow.models.omni import VisionTokenizer, ensure_model, load_vision
 from omniflow.roles.encoder_cache import CachingEncoder, EncoderOutputCache, role_cache
+from omniflow.runtime.actor import BadRequest, Context, Request
 
 __all__ = ["EncoderOutputCache", "VisionEncoderRole", "content_hash", "fit_to_grid"]
 

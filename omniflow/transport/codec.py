@@ -1,19 +1,22 @@
 """Header codec: one msgspec-msgpack header per message, tensors out of band.
 
-A message on the wire is ``[header, *buffers]``. ``pack`` exports the tensors a
-message carries into refs (and frames, for ``Frame`` refs); ``unpack`` decodes
-the header against the union its socket expects. Unknown Python types raise
-``TypeError`` at encode time: nothing is ever pickled.
+A message on the wire is ``[header, *buffers]``. ``encode``/``decode`` handle the
+header (decoded against the union its socket expects); ``export_tensors`` turns the
+tensors a message carries into refs (and frames, for ``Frame`` refs) and
+``materialize_tensors`` turns them back. Unknown Python types raise ``TypeError`` at
+encode time: nothing is ever pickled. torch is imported only when a tensor travels.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
 
 from omniflow.messages import Message
-from omniflow.transport.tensors import Link, export, materialize
+from omniflow.transport.links import Link
 
 
 def _refuse(obj: Any) -> Any:
@@ -51,8 +54,51 @@ def export_tensors(
     tensors: dict[str, Any], frames: list[Any], link: Link = Link()
 ) -> dict[str, Any]:
     """Refs for ``tensors``; bytes that must travel are appended to ``frames``."""
+    from omniflow.transport.tensors import export
+
     return {name: export(value, frames, link) for name, value in tensors.items()}
 
 
 def materialize_tensors(refs: dict[str, Any], frames: list[Any]) -> dict[str, Any]:
+    if not refs:
+        return {}
+    from omniflow.transport.tensors import materialize
+
     return {name: materialize(ref, frames) for name, ref in refs.items()}
+
+
+def release_tensors(refs: Collection[Any]) -> None:
+    """Release every ref of a message (``msg.tensors.values()``); see ``tensors.release``."""
+    if refs:
+        from omniflow.transport.tensors import release_all
+
+        release_all(refs)
+
+
+def split_output(output: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Plain data and tensors (torch or numpy) of one output."""
+    data: dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
+    tensor_types = _tensor_types()
+    for key, value in output.items():
+        # Plain values by exact type first: isinstance against torch.Tensor goes through
+        # its metaclass's __instancecheck__, slower than the rest of a hop's routing.
+        if type(value) not in _PLAIN and tensor_types and isinstance(value, tensor_types):
+            tensors[key] = value
+        else:
+            data[key] = value
+    return data, tensors
+
+
+_PLAIN = frozenset({str, int, float, bool, bytes, list, dict, tuple, type(None)})
+
+
+def _tensor_types() -> tuple[type, ...]:
+    # A value can only be a tensor of a library that is already imported: asking
+    # sys.modules keeps processes that never see a tensor free of torch and numpy.
+    types: tuple[type, ...] = ()
+    if (torch := sys.modules.get("torch")) is not None:
+        types += (torch.Tensor,)
+    if (np := sys.modules.get("numpy")) is not None:
+        types += (np.ndarray,)
+    return types

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,23 +40,10 @@ from omniflow.cache.dtypes import dtype_name as _dtype_name
 from omniflow.cache.dtypes import nbytes_of
 from omniflow.cache.dtypes import torch_dtype as _torch_dtype
 from omniflow.messages import CudaIpc, Frame, Shm, TensorRef
-
-FRAME_THRESHOLD = 64 << 10
+from omniflow.transport.links import FRAME_THRESHOLD, Link, TensorError
 
 # Received frames are read-only; the views handed to roles are documented as such.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-
-class Link(NamedTuple):
-    """What the sender knows of the receiver, from the registry's records."""
-
-    same_host: bool = False
-    gpus: tuple[int, ...] = ()
-    pid: int = 0  # the receiver's pid: its refs are reclaimed if it dies (0: anonymous)
-
-
-class TensorError(ValueError):
-    """A tensor ref that cannot be honoured (forged, stale, or inconsistent)."""
 
 
 class _Attached:

@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 from PIL import Image
 
-from omniflow.actor import Actor, Context, Request
+from omniflow.runtime.actor import Actor, Context, Request
 
 
 def image_bytes(width: int, height: int, fmt: str = "PNG", seed: int = 0) -> bytes:

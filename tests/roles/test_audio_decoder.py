@@ -8,8 +8,8 @@ import wave
 import pytest
 import torch
 
-from omniflow.actor import BadRequest
 from omniflow.roles.audio_decoder import AudioDecoderRole
+from omniflow.runtime.actor import BadRequest
 from tests.roles.media import drive, make_ctx, make_request, run
 
 SIZES = [8192, 4096, 2048] + [1024] * 5

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omniflow.actor import BadRequest
 from omniflow.roles.audio_encoder import AudioEncoderRole, resample
+from omniflow.runtime.actor import BadRequest
 from tests.roles.media import drive, make_ctx, make_request, run, wav_bytes
 
 

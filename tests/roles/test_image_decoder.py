@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from omniflow.actor import BadRequest
 from omniflow.roles.image_decoder import ImageDecoderRole
 from omniflow.roles.vision_encoder import VisionEncoderRole
+from omniflow.runtime.actor import BadRequest
 from tests.roles.media import drive, image_bytes, make_ctx, make_request, run
 
 

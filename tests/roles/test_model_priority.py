@@ -12,8 +12,8 @@ import pytest
 from omniflow.engine import AsyncEngine, LLMEngine
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.models import build_tiny_model
-from omniflow.priority import DEFAULT_MODEL_NICE, lower_thread_priority, thread_nice
 from omniflow.roles.base import ModelActor
+from omniflow.runtime.priority import DEFAULT_MODEL_NICE, lower_thread_priority, thread_nice
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's"

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from omniflow.actor import BadRequest
 from omniflow.models.omni import has_model
 from omniflow.roles.vision_encoder import VisionEncoderRole, fit_to_grid
+from omniflow.runtime.actor import BadRequest
 from tests.roles.media import (
     drive,
     image_bytes,

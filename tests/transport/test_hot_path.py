@@ -6,12 +6,12 @@ import asyncio
 import time
 from typing import Any
 
-from omniflow.actor import Actor, Context, Request
-from omniflow.balance import make_policy
-from omniflow.graph import Graph
-from omniflow.host import ActorHost
+from omniflow.control.balance import make_policy
+from omniflow.control.graph import Graph
+from omniflow.control.routing import Router
 from omniflow.messages import ActorRecord, Call, Cancel, Done, Fail, Frame
-from omniflow.routing import Router
+from omniflow.runtime.actor import Actor, Context, Request
+from omniflow.runtime.host import ActorHost
 from omniflow.transport.codec import decode, encode
 from tests.helpers import run_in_loop
 

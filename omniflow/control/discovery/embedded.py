@@ -1,0 +1,279 @@
+"""The embedded registry: served by the supervisor over ZeroMQ, for one machine.
+
+The server keeps keys in memory. A key put with a TTL lives on the lease of the
+connection that put it (its ROUTER identity); ``keepalive`` refreshes every key
+of that connection, and a connection that stops refreshing (its process died)
+loses its keys when the TTL runs out, which watchers see as ``delete``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import zmq
+
+from omniflow.control.discovery.base import RegistryError, WatchEvent
+from omniflow.messages import (
+    RegBarrier,
+    RegDelete,
+    RegEvent,
+    RegistryMessage,
+    RegistryRequest,
+    RegKeepalive,
+    RegList,
+    RegPut,
+    RegReply,
+    RegWatch,
+)
+from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
+from omniflow.transport.endpoint import Inbox, fd_of, stop_reading
+
+_request_decoder = decoder_for(RegistryRequest)
+_reply_decoder = decoder_for(RegistryMessage)
+
+
+class EmbeddedRegistryServer:
+    def __init__(self, address: str, ctx: zmq.Context | None = None) -> None:
+        self._ctx = ctx or zmq.Context.instance()
+        self._address = address
+        self._inbox: Inbox | None = None
+        self._values: dict[str, bytes] = {}
+        self._owner: dict[str, bytes] = {}  # key -> identity whose lease holds it
+        self._ttl: dict[bytes, float] = {}
+        self._expires: dict[bytes, float] = {}
+        self._watches: dict[tuple[bytes, int], str] = {}
+        self._barriers: dict[str, set[str]] = {}
+        self._barrier_waiters: dict[str, list[tuple[bytes, int]]] = {}
+        self._reaper: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        assert self._inbox is not None
+        return self._inbox.endpoint
+
+    async def start(self) -> None:
+        self._inbox = Inbox(self._ctx, self._address, self._on_message, mandatory=True)
+        self._inbox.start()
+        self._reaper = asyncio.create_task(self._reap_expired(), name="registry-reaper")
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
+        if self._inbox is not None:
+            self._inbox.close()
+
+    def _on_message(self, identity: bytes, parts: list[Any]) -> None:
+        try:
+            req = decode(parts[0], _request_decoder)
+        except BadMessage:
+            return  # not a registry client; nothing to answer
+        if isinstance(req, RegPut):
+            self._put(identity, req)
+        elif isinstance(req, RegKeepalive):
+            self._refresh(identity)
+            self._reply(identity, RegReply(req.rid))
+        elif isinstance(req, RegDelete):
+            self._delete(req.key)
+            self._reply(identity, RegReply(req.rid))
+        elif isinstance(req, RegList):
+            items = [(k, v) for k, v in sorted(self._values.items()) if k.startswith(req.prefix)]
+            self._reply(identity, RegReply(req.rid, items=items))
+        elif isinstance(req, RegWatch):
+            self._watches[(identity, req.rid)] = req.prefix
+            self._reply(identity, RegReply(req.rid))
+        elif isinstance(req, RegBarrier):
+            self._arrive(identity, req)
+
+    def _reply(self, identity: bytes, msg: Any) -> bool:
+        assert self._inbox is not None
+        return self._inbox.reply(identity, [encode(msg)])
+
+    def _put(self, identity: bytes, req: RegPut) -> None:
+        self._values[req.key] = req.value
+        if req.ttl > 0:
+            self._owner[req.key] = identity
+            self._ttl[identity] = req.ttl
+            self._refresh(identity)
+        else:
+            self._owner.pop(req.key, None)
+        self._reply(identity, RegReply(req.rid))
+        self._notify("put", req.key, req.value)
+
+    def _refresh(self, identity: bytes) -> None:
+        ttl = self._ttl.get(identity)
+        if ttl is not None:
+            self._expires[identity] = asyncio.get_running_loop().time() + ttl
+
+    def _delete(self, key: str) -> None:
+        if self._values.pop(key, None) is not None:
+            self._owner.pop(key, None)
+            self._notify("delete", key, b"")
+
+    def _notify(self, kind: str, key: str, value: bytes) -> None:
+        for (identity, rid), prefix in list(self._watches.items()):
+            if key.startswith(prefix):
+                if not self._reply(identity, RegEvent(rid, kind, key, value)):
+                    del self._watches[(identity, rid)]  # the watcher is gone
+
+    def _arrive(self, identity: bytes, req: RegBarrier) -> None:
+        members = self._barriers.setdefault(req.name, set())
+        members.add(req.member)
+        waiters = self._barrier_waiters.setdefault(req.name, [])
+        waiters.append((identity, req.rid))
+        if len(members) >= req.n:
+            for who, rid in waiters:
+                self._reply(who, RegReply(rid))
+            waiters.clear()
+
+    async def _reap_expired(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            for identity, expiry in list(self._expires.items()):
+                if expiry <= now:
+                    self._expire(identity)
+            nearest = min(self._expires.values(), default=now + 1.0)
+            await asyncio.sleep(max(0.01, min(1.0, nearest - now)))
+
+    def _expire(self, identity: bytes) -> None:
+        self._expires.pop(identity, None)
+        self._ttl.pop(identity, None)
+        for key in [k for k, who in self._owner.items() if who == identity]:
+            self._delete(key)
+
+
+class EmbeddedRegistry:
+    """A client of ``EmbeddedRegistryServer``; implements the ``Registry`` protocol."""
+
+    def __init__(self, address: str, ctx: zmq.Context | None = None, timeout: float = 5.0) -> None:
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._timeout = timeout
+        self._rids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._watch_queues: dict[int, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._leased: set[str] = set()
+
+    def _ensure_reader(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(fd_of(self._sock), self._drain)
+
+    def _drain(self) -> None:
+        while not self._closed:
+            try:
+                header = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(header, _reply_decoder)
+            except BadMessage:
+                continue
+            if isinstance(msg, RegEvent):
+                queue = self._watch_queues.get(msg.rid)
+                if queue is not None:
+                    queue.put_nowait(WatchEvent(msg.kind, msg.key, msg.value))
+                continue
+            fut = self._pending.pop(msg.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def _call(self, make: Any, timeout: float | None = None) -> RegReply:
+        if self._closed:
+            raise RegistryError("registry client is closed")
+        self._ensure_reader()
+        assert self._loop is not None
+        rid = next(self._rids)
+        fut = self._loop.create_future()
+        self._pending[rid] = fut
+        self._sock.send(encode(make(rid)))
+        self._drain()  # the send may have consumed the FD's edge
+        try:
+            reply = await asyncio.wait_for(fut, self._timeout if timeout is None else timeout)
+        except TimeoutError:
+            raise RegistryError("the embedded registry did not answer in time") from None
+        finally:
+            self._pending.pop(rid, None)
+        if not reply.ok:
+            raise RegistryError(reply.error)
+        return reply
+
+    async def put(self, key: str, value: bytes, ttl: float = 0.0) -> None:
+        await self._call(lambda rid: RegPut(rid, key, value, ttl))
+        if ttl > 0:
+            self._leased.add(key)
+        else:
+            self._leased.discard(key)
+
+    async def keepalive(self) -> None:
+        await self._call(lambda rid: RegKeepalive(rid, []))
+
+    async def delete(self, key: str) -> None:
+        self._leased.discard(key)
+        await self._call(lambda rid: RegDelete(rid, key))
+
+    async def list(self, prefix: str) -> list[tuple[str, bytes]]:
+        reply = await self._call(lambda rid: RegList(rid, prefix))
+        return [(k, bytes(v)) for k, v in reply.items]
+
+    def watch(self, prefix: str) -> _Watch:
+        # Registered now (the send is synchronous), not at the first __anext__:
+        # anything this client does after watch() returns is seen.
+        self._ensure_reader()
+        rid = next(self._rids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._watch_queues[rid] = queue  # before the send: no event can slip by
+        self._sock.send(encode(RegWatch(rid, prefix)))
+        self._drain()
+        return _Watch(self, rid, queue)
+
+    async def barrier(self, name: str, n: int, member: str, timeout: float) -> None:
+        try:
+            await self._call(lambda rid: RegBarrier(rid, name, n, member), timeout=timeout)
+        except RegistryError:
+            raise RegistryError(
+                f"barrier {name!r}: fewer than {n} members arrived within {timeout:g}s"
+            ) from None
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        for key in list(self._leased):  # release the lease now, not at expiry
+            try:
+                await self.delete(key)
+            except RegistryError:
+                break
+        self._closed = True
+        stop_reading(self._loop, self._sock)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.cancel()
+        self._sock.close(0)
+
+
+class _Watch:
+    """Cancel-safe: cancelling one ``__anext__`` leaves the watch running."""
+
+    def __init__(self, client: EmbeddedRegistry, rid: int, queue: asyncio.Queue) -> None:
+        self._client, self._rid, self._queue = client, rid, queue
+
+    def __aiter__(self) -> _Watch:
+        return self
+
+    async def __anext__(self) -> WatchEvent:
+        if self._rid not in self._client._watch_queues:
+            raise StopAsyncIteration
+        return await self._queue.get()
+
+    async def aclose(self) -> None:
+        self._client._watch_queues.pop(self._rid, None)

@@ -1,0 +1,90 @@
+"""A live, local view of the deployment's actors: list once, then follow the watch."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from omniflow.control.discovery.base import Registry, actors_prefix, decode_record
+from omniflow.messages import ActorRecord
+
+log = logging.getLogger(__name__)
+
+
+class RegistryView:
+    def __init__(self, registry: Registry, deployment: str) -> None:
+        self._registry = registry
+        self._prefix = actors_prefix(deployment)
+        self._records: dict[str, ActorRecord] = {}
+        self._by_role: dict[str, list[ActorRecord]] = {}
+        self._task: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        # Watch before listing: a change between the two is then seen (perhaps twice).
+        events = self._registry.watch(self._prefix)
+        for key, value in await self._registry.list(self._prefix):
+            self._set(key, value)
+        self._reindex()
+        self._task = asyncio.create_task(self._follow(events), name="registry-view")
+
+    async def _follow(self, events) -> None:
+        try:
+            async for event in events:
+                log.debug("registry %s %s", event.kind, event.key)
+                if event.kind == "put":
+                    self._set(event.key, event.value)
+                else:
+                    self._records.pop(event.key, None)
+                self._reindex()
+        finally:
+            await events.aclose()
+
+    def _set(self, key: str, value: bytes) -> None:
+        try:
+            self._records[key] = decode_record(value)
+        except Exception:  # a foreign or corrupt record must not stop routing
+            log.warning("ignoring an unreadable actor record at %s", key)
+
+    def _reindex(self) -> None:
+        by_role: dict[str, list[ActorRecord]] = {}
+        for rec in self._records.values():
+            if rec.state == "ready":
+                by_role.setdefault(rec.role, []).append(rec)
+        for recs in by_role.values():
+            recs.sort(key=lambda r: r.replica)
+        self._by_role = by_role
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def replicas(self, role: str) -> list[ActorRecord]:
+        return self._by_role.get(role, [])
+
+    def all(self) -> list[ActorRecord]:
+        return sorted(self._records.values(), key=lambda r: (r.role, r.replica))
+
+    def find(self, actor_id: str) -> ActorRecord | None:
+        role, _, replica = actor_id.rpartition("/")
+        for rec in self._by_role.get(role, ()):
+            if str(rec.replica) == replica:
+                return rec
+        return None
+
+    async def wait_for(self, role: str, timeout: float) -> list[ActorRecord]:
+        """The replicas of ``role``, waiting up to ``timeout`` for one to appear."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.replicas(role):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        return self.replicas(role)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

@@ -1,0 +1,422 @@
+"""The producer's side of a hop: pick the next replica, send, split completion credit.
+
+Every producer (the client for a request's first hop, each actor after that)
+routes its own outputs: there is no central router. A ``Fanout`` holds the
+branches one request opened from one producer; outputs on streaming edges go
+out at once as numbered chunks, outputs on plain edges are merged and sent
+when the producer finishes. Completion is tracked by credit: the producer's
+share is split over the branches it opened, or returned to the client in a
+``Done`` when it opened none.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Mapping
+from typing import Any
+
+from omniflow.control.balance import NoReplicaError, PickKey, prefix_chain
+from omniflow.control.discovery.view import RegistryView
+from omniflow.control.graph import INPUT, Plan
+from omniflow.messages import ActorRecord, Call, Code, Done, Emit, Join, Timing
+from omniflow.transport.codec import encode, export_tensors, split_output
+from omniflow.transport.endpoint import Outbox, PeerUnavailable
+from omniflow.transport.links import Link
+
+log = logging.getLogger(__name__)
+
+FULL_CREDIT = 1 << 62
+_NO_LINK = Link()  # what a message without tensors needs to know about its link
+_NO_KEY = PickKey()  # what a policy that keys on nothing is handed
+# How long a request waits, once, for a role that has no ready replica in this process's
+# registry view before it fails as unavailable (never past its deadline). Right after a
+# deployment starts, one actor's view may not have seen a neighbour turn ready yet, though
+# the client's has; a replica being restarted is the other case.
+NO_REPLICA_GRACE_S = 5.0
+
+
+class RouteError(RuntimeError):
+    """No replica could take a branch; ``code`` is the Fail code to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Router:
+    """What every producer in one process shares: the plan, the view, the sockets."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        view: RegistryView,
+        outbox: Outbox,
+        policies: Mapping[str, Any],
+        idempotent: frozenset[str] = frozenset(),
+        host: str = "",
+    ) -> None:
+        self.plan = plan
+        self.view = view
+        self.outbox = outbox
+        self.policies = policies
+        self.idempotent = idempotent
+        self.host = host
+
+    def pick(self, role: str, key: PickKey, exclude: frozenset[str] = frozenset()) -> ActorRecord:
+        replicas = self.view.replicas(role)
+        if exclude:
+            replicas = [r for r in replicas if r.actor_id not in exclude]
+        if not replicas:
+            raise NoReplicaError(role)
+        return self.policies[role].pick(replicas, key)
+
+    def link(self, record: ActorRecord | None) -> Link:
+        if record is None:
+            return Link()
+        return Link(same_host=record.host == self.host, gpus=tuple(record.gpus), pid=record.pid)
+
+    def send_now(
+        self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = _NO_LINK
+    ) -> Awaitable[None] | None:
+        """Send ``msg`` if the peer's queue takes it now (None); else the send to await."""
+        if tensors:
+            frames: list[Any] = [b""]
+            msg.tensors = export_tensors(dict(tensors), frames, link)
+            frames[0] = encode(msg)
+        else:
+            frames = [encode(msg)]
+        if self.outbox.try_send(address, frames):
+            return None
+        return self.outbox.send(address, frames)
+
+    async def send(
+        self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = _NO_LINK
+    ) -> None:
+        rest = self.send_now(address, msg, tensors, link)
+        if rest is not None:
+            await rest
+
+
+class _Branch:
+    __slots__ = ("role", "record", "stream", "join", "seq", "data", "tensors", "loops")
+
+    def __init__(
+        self,
+        role: str,
+        record: ActorRecord,
+        stream: bool,
+        join: Join | None,
+        loops: dict[str, int],
+    ) -> None:
+        self.role = role
+        self.loops = loops
+        self.record = record
+        self.stream = stream
+        self.join = join
+        self.seq = 0
+        self.data: dict[str, Any] = {}
+        self.tensors: dict[str, Any] = {}
+
+
+class Fanout:
+    """The branches one request opened from one producer."""
+
+    def __init__(self, router: Router, src: str, call: Call) -> None:
+        self.router = router
+        self.src = src
+        self.call = call  # the request's identity: id, reply_to, params, deadline, join
+        self.branches: dict[str, _Branch] = {}
+        self.emitted = 0
+        self.addresses: set[str] = set()
+        self.waited_for_replicas = False
+
+    async def output(self, output: Mapping[str, Any]) -> None:
+        data, tensors = split_output(output)
+        routes = self.router.plan.route(self.src, self.call.params, output, self.call.loops)
+        if not routes and self.src == INPUT:
+            return  # the client checks that some role took the request
+        if missing := self._roles_without_replicas(routes):
+            await self._wait_for_replicas(missing)
+        if not routes:
+            emit = Emit(self.call.request_id, self.src, self.emitted, data)
+            self.emitted += 1
+            await self.router.send(self.call.reply_to, emit, tensors)
+            return
+        for branch in self._branches_for(routes, data):
+            if branch.stream:
+                await self._send_chunk(branch, data, tensors, last=False, credit=0)
+            else:
+                _merge(branch.data, data)
+                branch.tensors.update(tensors)
+
+    def _branches_for(self, routes: list, data: Mapping[str, Any]) -> list[_Branch]:
+        """The branch each route goes down, opened (replica picked) on first use."""
+        joins = self._joins_for(routes, data)
+        return [
+            self.branches.get(route.edge.dst) or self._open(route.edge, joins.get(route), data)
+            for route in routes
+        ]
+
+    def _roles_without_replicas(self, routes: list) -> list[str]:
+        """Roles a branch must still be opened to, with no ready replica in the view (empty
+        once this request has waited for them)."""
+        if self.waited_for_replicas:
+            return []
+        view = self.router.view
+        return [
+            route.edge.dst
+            for route in routes
+            if route.edge.dst not in self.branches and not view.replicas(route.edge.dst)
+        ]
+
+    async def _wait_for_replicas(self, roles: list[str]) -> None:
+        """Up to NO_REPLICA_GRACE_S (and the deadline) for each role to get a ready replica;
+        whatever is still missing then fails when its branch is opened."""
+        self.waited_for_replicas = True
+        until = time.time() + NO_REPLICA_GRACE_S
+        if self.call.deadline:
+            until = min(until, self.call.deadline)
+        for role in roles:
+            await self.router.view.wait_for(role, until - time.time())
+
+    def _joins_for(self, routes: list, data: Mapping[str, Any]) -> dict:
+        """Join tags for routes whose branches meet again downstream."""
+        passthrough = self.call.join
+        if passthrough is None and all(route.join is None for route in routes):
+            return {}
+        by_join: dict[str, list] = {}
+        for route in routes:
+            if route.join is not None:
+                by_join.setdefault(route.join, []).append(route)
+        tags: dict = {}
+        for join_role, members in by_join.items():
+            if passthrough is not None and passthrough.role == join_role:
+                for route in members:
+                    tags[route] = passthrough
+                continue
+            if len(members) < 2:
+                continue
+            target = self.router.pick(join_role, self._key(join_role, data))
+            for i, route in enumerate(members):
+                tags[route] = Join(join_role, target.actor_id, len(members), i)
+        return tags
+
+    def _open(self, edge: Any, join: Join | None, data: Mapping[str, Any]) -> _Branch:
+        role = edge.dst
+        loops = self.call.loops
+        if edge.max_iters:
+            loops = {**loops, edge.key: loops.get(edge.key, 0) + 1}
+        if join is None and self.call.join is not None and self.call.join.role == role:
+            join = self.call.join
+        if join is not None and join.role == role:  # the join's replica was chosen at the split
+            record = self.router.view.find(join.replica)
+            if record is None:
+                raise RouteError("unavailable", f"the {role} replica {join.replica} is gone")
+        else:
+            record = self._pick(role, key=self._key(role, data))
+        branch = _Branch(role, record, edge.stream, join, loops)
+        self.branches[role] = branch
+        return branch
+
+    def _key(self, role: str, data: Mapping[str, Any] | None = None) -> PickKey:
+        """What ``role``'s policy picks by: the prefix chain only where it is used."""
+        policy = self.router.policies[role]
+        if not getattr(policy, "uses_key", True):
+            return _NO_KEY
+        c = self.call
+        uses_prefix = getattr(policy, "uses_prefix", False)
+        return PickKey(
+            c.request_id, c.session, prefix_chain(c.session, data) if uses_prefix else ()
+        )
+
+    def _pick(
+        self, role: str, exclude: frozenset[str] = frozenset(), key: PickKey | None = None
+    ) -> ActorRecord:
+        try:
+            record = self.router.pick(role, key or self._key(role), exclude)
+        except NoReplicaError:
+            raise RouteError("unavailable", f"no live replica of role {role!r}") from None
+        self.router.policies[role].on_send(record.actor_id)
+        return record
+
+    async def _send_chunk(
+        self,
+        branch: _Branch,
+        data: dict,
+        tensors: dict,
+        last: bool,
+        credit: int,
+        timings: list[Timing] | None = None,
+        usage: dict[str, int] | None = None,
+    ) -> None:
+        msg = self._chunk(branch, data, last, credit, timings, usage)
+        await self._deliver(branch, msg, tensors)
+
+    def _chunk(
+        self,
+        branch: _Branch,
+        data: dict,
+        last: bool,
+        credit: int,
+        timings: list[Timing] | None,
+        usage: dict[str, int] | None,
+    ) -> Call:
+        c = self.call
+        return Call(
+            c.request_id,
+            branch.role,
+            c.reply_to,
+            data,
+            {},
+            c.params,
+            branch.seq,
+            last,
+            credit,
+            c.deadline,
+            c.session,
+            self.src,
+            branch.join,
+            timings or [],
+            usage or {},
+            c.hops + 1,
+            branch.loops,
+        )
+
+    async def _deliver(self, branch: _Branch, msg: Call, tensors: dict) -> None:
+        while True:
+            try:
+                link = self.router.link(branch.record) if tensors else _NO_LINK
+                await self.router.send(branch.record.endpoint, msg, tensors, link)
+                break
+            except PeerUnavailable:
+                # A dead replica: retry elsewhere only where nothing of this branch went
+                # out yet and the stage may run twice.
+                retry = branch.seq == 0 and branch.join is None
+                if not retry or branch.role not in self.router.idempotent:
+                    raise RouteError(
+                        "unavailable", f"replica {branch.record.actor_id} did not take the request"
+                    ) from None
+                branch.record = self._pick(branch.role, frozenset({branch.record.actor_id}))
+        self._sent(branch)
+
+    def _sent(self, branch: _Branch) -> None:
+        self.addresses.add(branch.record.endpoint)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s -> %s (pid %d) %s seq %d",
+                self.src,
+                branch.record.actor_id,
+                branch.record.pid,
+                self.call.request_id,
+                branch.seq,
+            )
+        branch.seq += 1
+
+    def finish_now(
+        self,
+        credit: int,
+        timings: list[Timing],
+        usage: dict[str, int],
+        last_output: Mapping[str, Any] | None = None,
+    ) -> Awaitable[None] | None:
+        """Close every branch, splitting ``credit``; with none open, return it to the client.
+
+        ``last_output`` is a final output not yet routed: when it goes to the client and
+        no branch is open, it rides inside the Done. Runs in synchronous code: what the
+        peers' queues take goes out here, in order; what is left to await is returned
+        (None when nothing is).
+        """
+        if last_output is not None:
+            data, tensors = split_output(last_output)
+            routes = self.router.plan.route(
+                self.src, self.call.params, last_output, self.call.loops
+            )
+            if not routes and not self.branches:
+                if self.src == INPUT:
+                    raise RouteError(Code.BAD_REQUEST.value, "no role accepts this input")
+                done = Done(
+                    self.call.request_id, self.src, credit, timings, usage, self.emitted, data
+                )
+                self.emitted += 1
+                return self.router.send_now(self.call.reply_to, done, tensors)
+            if not routes or any(route.edge.stream for route in routes):
+                # It goes out on its own first: an Emit, or chunks on streaming edges.
+                return self._output_then_finish(last_output, credit, timings, usage)
+            if missing := self._roles_without_replicas(routes):
+                return self._finish_when_ready(missing, credit, timings, usage, last_output)
+            for branch in self._branches_for(routes, data):
+                _merge(branch.data, data)
+                branch.tensors.update(tensors)
+        if not self.branches:
+            done = Done(self.call.request_id, self.src, credit, timings, usage)
+            return self.router.send_now(self.call.reply_to, done, {})
+        return self._close_branches(credit, timings, usage)
+
+    async def finish(
+        self,
+        credit: int,
+        timings: list[Timing],
+        usage: dict[str, int],
+        last_output: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``finish_now``, awaiting what it leaves."""
+        rest = self.finish_now(credit, timings, usage, last_output)
+        if rest is not None:
+            await rest
+
+    async def _finish_when_ready(
+        self,
+        roles: list[str],
+        credit: int,
+        timings: list[Timing],
+        usage: dict[str, int],
+        last_output: Mapping[str, Any],
+    ) -> None:
+        await self._wait_for_replicas(roles)
+        await self.finish(credit, timings, usage, last_output)
+
+    async def _output_then_finish(
+        self, last_output: Mapping[str, Any], credit: int, timings: list[Timing], usage: dict
+    ) -> None:
+        await self.output(last_output)
+        await self.finish(credit, timings, usage)
+
+    def _close_branches(
+        self, credit: int, timings: list[Timing], usage: dict[str, int]
+    ) -> Awaitable[None] | None:
+        """Each branch's last chunk, with its share of ``credit`` (the extra, the timings and
+        the usage ride on the first); sent in order while the peers' queues take them."""
+        share, extra = divmod(credit, len(self.branches))
+        closing: list[tuple[_Branch, Call, dict]] = []
+        for i, branch in enumerate(self.branches.values()):
+            data, tensors = ({}, {}) if branch.stream else (branch.data, branch.tensors)
+            if i == 0:
+                msg = self._chunk(branch, data, True, share + extra, timings, usage)
+            else:
+                msg = self._chunk(branch, data, True, share, None, None)
+            closing.append((branch, msg, tensors))
+        for i, (branch, msg, tensors) in enumerate(closing):
+            # Tensors are exported by _deliver, which re-exports if it retries elsewhere.
+            if tensors or not self.router.outbox.try_send(branch.record.endpoint, [encode(msg)]):
+                return self._deliver_all(closing[i:])  # in order: after one waits, the rest do
+            self._sent(branch)
+            self.router.policies[branch.role].on_done(branch.record.actor_id)
+        return None
+
+    async def _deliver_all(self, closing: list[tuple[_Branch, Call, dict]]) -> None:
+        for branch, msg, tensors in closing:
+            await self._deliver(branch, msg, tensors)
+            self.router.policies[branch.role].on_done(branch.record.actor_id)
+
+
+def _merge(into: dict[str, Any], data: Mapping[str, Any]) -> None:
+    """Outputs merged for a plain edge: text concatenates, lists extend, the rest replaces."""
+    for key, value in data.items():
+        prev = into.get(key)
+        if isinstance(prev, str) and isinstance(value, str):
+            into[key] = prev + value
+        elif isinstance(prev, list) and isinstance(value, list):
+            into[key] = prev + value
+        else:
+            into[key] = value

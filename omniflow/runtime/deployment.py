@@ -1,0 +1,184 @@
+"""Embed a deployment in any asyncio program, or attach to a running one.
+
+    async with Runtime.from_config("configs/echo.toml") as rt:
+        async for event in rt.stream({"text": "hi"}):
+            ...
+
+    rt = await omniflow.connect("echo")   # a deployment started by `omniflow up`
+
+Neither installs signal handlers nor touches the event-loop policy: the host
+program's loop runs the supervisor and the client as ordinary tasks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from omniflow.messages import ActorRecord
+from omniflow.runtime.client import Client, Output, Result
+from omniflow.runtime.config import Config, from_json, load
+from omniflow.runtime.supervisor import Supervisor, default_run_dir, pid_alive
+
+
+class DeploymentNotFound(LookupError):
+    """No running deployment matches what was asked for."""
+
+
+class Runtime:
+    def __init__(
+        self,
+        config: Config,
+        run_dir: str | Path | None = None,
+        on_progress: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.supervisor = Supervisor(config, Path(run_dir) if run_dir else None, on_progress)
+        self.client: Client | None = None
+
+    @classmethod
+    def from_config(cls, path: str | Path, **kwargs: Any) -> Runtime:
+        return cls(load(path), **kwargs)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.supervisor.run_dir
+
+    async def start(self) -> Runtime:
+        await self.supervisor.start()
+        try:
+            self.client = Client(self.config, self.supervisor.registry_address, self.run_dir)
+            await self.client.start()
+            await self.client.wait_ready()
+        except BaseException:
+            await self.supervisor.stop()
+            raise
+        return self
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        await self.supervisor.stop()
+
+    async def __aenter__(self) -> Runtime:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def stream(
+        self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> AsyncIterator[Output | Result]:
+        assert self.client is not None, "the runtime is not started"
+        return self.client.stream(inputs, **kwargs)
+
+    async def call(
+        self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> tuple[list[Output], Result]:
+        assert self.client is not None, "the runtime is not started"
+        return await self.client.call(inputs, **kwargs)
+
+
+class Connection:
+    """A client attached to a deployment someone else supervises."""
+
+    def __init__(self, state: dict[str, Any], client: Client) -> None:
+        self.state = state
+        self.client = client
+
+    def stream(
+        self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> AsyncIterator[Output | Result]:
+        return self.client.stream(inputs, **kwargs)
+
+    async def call(
+        self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> tuple[list[Output], Result]:
+        return await self.client.call(inputs, **kwargs)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def run_root() -> Path:
+    return default_run_dir("x").parent
+
+
+def _states(name: str | None, run_dir: str | Path | None) -> list[dict[str, Any]]:
+    if run_dir is not None:
+        candidates = [Path(run_dir)]
+    elif name is not None:
+        candidates = [default_run_dir(name)]
+    else:
+        root = run_root()
+        candidates = sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
+    states = []
+    for path in candidates:
+        state_file = path / "state.json"
+        if state_file.exists():
+            states.append(json.loads(state_file.read_text()))
+    return states
+
+
+def find_deployment(name: str | None = None, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """The state of a running deployment: by run dir, by name, or the only one running."""
+    states = [s for s in _states(name, run_dir) if pid_alive(s.get("pid", 0))]
+    if not states:
+        what = f"run dir {run_dir}" if run_dir else f"name {name!r}" if name else "any name"
+        raise DeploymentNotFound(
+            f"no running omniflow deployment ({what}); start one with `omniflow up`"
+        )
+    if len(states) > 1:
+        names = ", ".join(s["name"] for s in states)
+        raise DeploymentNotFound(f"several deployments are running ({names}); pick one with --name")
+    return states[0]
+
+
+async def connect(name: str | None = None, run_dir: str | Path | None = None) -> Connection:
+    """Attach to a running deployment (started by ``omniflow up``)."""
+    state = find_deployment(name, run_dir)
+    config = from_json((Path(state["run_dir"]) / "deployment.json").read_bytes())
+    client = Client(config, state["registry"], Path(state["run_dir"]))
+    await client.start()
+    return Connection(state, client)
+
+
+def clean_dead(name: str | None = None, run_dir: str | Path | None = None) -> list[str]:
+    """Remove what deployments whose supervisor died left behind (sockets, state, pool).
+
+    Workers exit with their supervisor (PDEATHSIG), but a supervisor killed with -9
+    cannot remove its files. Returns the names of the deployments cleaned.
+    """
+    from omniflow.cache import unlink_pool
+
+    cleaned = []
+    for state in _states(name, run_dir):
+        if pid_alive(state.get("pid", 0)):
+            continue
+        folder = Path(state["run_dir"])
+        for path in [*folder.glob("*.sock"), folder / "state.json"]:
+            path.unlink(missing_ok=True)
+        if state.get("pool"):
+            unlink_pool(state["pool"])
+        cleaned.append(state["name"])
+    return cleaned
+
+
+async def list_deployment_actors(state: Mapping[str, Any]) -> list[ActorRecord]:
+    """The registry records of every actor of the deployment ``state`` describes."""
+    from omniflow.control.discovery import list_actors, open_registry
+
+    registry = open_registry(state["registry"])
+    try:
+        return await list_actors(registry, state["name"])
+    finally:
+        await registry.close()

@@ -1,0 +1,498 @@
+"""Runs one ``Actor`` inside a worker process: intake, ordering, limits, failures.
+
+Each Call is one chunk of one request's input. A request's chunks are handled
+in order by one task; a plain (single-chunk) request gets its task directly.
+Branches meeting at a join are buffered until every part arrived, then handled
+once. An exception, a missed deadline or a cancel ends that request alone with
+one ``Fail`` to the client and a ``Cancel`` to everything downstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from omniflow.control.join import JoinBuffer
+from omniflow.control.routing import Fanout, RouteError, Router
+from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing, add_usage
+from omniflow.runtime.actor import Actor, BadRequest, Context, Request
+from omniflow.runtime.inflight import Slots, Stream, carry_on, resume
+from omniflow.transport.codec import (
+    BadMessage,
+    decode,
+    decoder_for,
+    encode,
+    materialize_tensors,
+    release_tensors,
+)
+from omniflow.transport.links import TensorError
+
+log = logging.getLogger(__name__)
+_decoder = decoder_for(DataMessage)
+_FINISHED_MEMORY = 4096  # finished requests whose downstream a late Cancel must still reach
+_DEADLINE_TICK = 0.02  # seconds: how late past its deadline a request may be failed
+
+
+class ActorHost:
+    def __init__(
+        self,
+        actor: Actor,
+        router: Router,
+        max_concurrency: int = 64,
+        max_queue: int = 1024,
+    ) -> None:
+        self.actor = actor
+        self.role = actor.role
+        self.router = router
+        self._slots = Slots(max_concurrency)
+        self._max_pending = max_concurrency + max_queue
+        self._streams: dict[tuple[str, int], Stream] = {}  # (request id, hops)
+        self._joins = JoinBuffer(self.role)
+        self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
+        self._is_gen = inspect.isasyncgenfunction(actor.handle)
+        self._eager = actor.eager and not self._is_gen
+        self.accepting = True
+        self.served = 0
+        self.bad_messages = 0
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._streams)
+
+    def holding(self, limit: int = 1000) -> list[tuple[str, str]]:
+        """(request id, reply address) of requests in flight here, at most ``limit``."""
+        held = {(s.call.request_id, s.call.reply_to) for s in self._streams.values()}
+        held.update(self._joins.waiting())
+        return sorted(held)[:limit]
+
+    # ------------------------------------------------------------------ intake
+
+    def on_message(self, identity: bytes, parts: list[Any]) -> None:
+        try:
+            msg = decode(parts[0], _decoder)
+        except BadMessage as e:
+            self.bad_messages += 1
+            log.warning("%s: dropped a malformed message: %s", self.role, e)
+            return
+        if isinstance(msg, Call):
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "%s got %s seq %d from %s", self.role, msg.request_id, msg.seq, msg.origin
+                )
+            self._on_call(msg, parts)
+        elif isinstance(msg, Cancel):
+            self._on_cancel(msg)
+        else:
+            self.bad_messages += 1
+            log.warning("%s: dropped an unexpected %s", self.role, type(msg).__name__)
+
+    def _on_call(self, call: Call, parts: list[Any]) -> None:
+        if call.role != self.role:
+            return self._reject(
+                call, Code.BAD_REQUEST, f"sent to {self.role}, meant for {call.role}"
+            )
+        if call.join is not None and call.join.role == self.role and call.join.parts > 1:
+            return self._join_part(call, parts)
+        key = (call.request_id, call.hops)  # a loop may bring a request back here
+        stream = self._streams.get(key)
+        if stream is None:
+            if key in self._finished:
+                release_tensors(call.tensors.values())
+                return  # a late chunk of a request that already ended here
+            if not self.accepting:
+                return self._reject(call, Code.SHUTTING_DOWN, f"{self.role} is shutting down")
+            if len(self._streams) >= self._max_pending:
+                return self._reject(call, Code.OVERLOADED, f"{self.role} queue is full")
+            if call.deadline and call.deadline <= time.time():
+                return self._reject(call, Code.DEADLINE, "deadline passed before it started")
+            if call.seq == 0 and call.last:
+                if self._eager and self._slots.take():
+                    return self._run_eager(call, key, parts)
+                stream = self._open(call, key)
+                run = self._run_single(stream, call, parts)
+                if self.actor.eager:  # an eager generator: no Task until it suspends
+                    self._start(stream, run)
+                else:
+                    stream.task = asyncio.create_task(run)
+                return
+            stream = self._open(call, key)
+            stream.queue = asyncio.Queue()
+            stream.task = asyncio.create_task(self._run_stream(stream))
+        assert stream.queue is not None, "a single-chunk request got a second chunk"
+        stream.queue.put_nowait((call, parts))
+
+    def _open(
+        self, call: Call, key: tuple[str, int], fanout: Fanout | None = None, ctx: Any = None
+    ) -> Stream:
+        if ctx is None:
+            fanout = Fanout(self.router, self.role, call)
+            ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, None)
+            ctx._sink = fanout.output
+        assert fanout is not None
+        stream = Stream(call, fanout, ctx)
+        self._streams[key] = stream
+        self._idle.clear()
+        return stream
+
+    def _join_part(self, call: Call, parts: list[Any]) -> None:
+        ready = self._joins.add(call, parts)
+        if ready is not None:
+            self._on_call(*ready)
+
+    def _on_cancel(self, cancel: Cancel) -> None:
+        rid = cancel.request_id
+        for call in self._joins.drop(rid):
+            release_tensors(call.tensors.values())
+        for key, stream in list(self._streams.items()):
+            if key[0] == rid:
+                stream.ctx.cancelled.set()
+                if stream.task is not None:
+                    stream.task.cancel()  # its handler cancels what it sent downstream
+        for key, addresses in list(self._finished.items()):
+            if key[0] == rid:
+                for address in addresses:
+                    self._send_cancel(address, cancel)
+
+    # ------------------------------------------------------------------ running
+
+    def _run_eager(self, call: Call, key: tuple[str, int], parts: list[Any]) -> None:
+        """A single-chunk request to an eager actor, run inside the reader callback.
+
+        It holds a slot already. A handler that returns without suspending, and whose
+        output leaves with one send, costs no Task, no ``Stream`` and no coroutine
+        besides the handler's own: the Done (or the next hop's Call) goes out from
+        here. Anything else (a suspension, an exception, a finish that must wait)
+        moves the request into the general path from where it stands.
+        """
+        arrived = time.time()
+        fanout = Fanout(self.router, self.role, call)
+        ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, fanout.output)
+        started = time.perf_counter()
+        try:
+            tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
+            request = Request(call.request_id, call.data, tensors, call.params, call.session)
+            coro = self.actor.handle(request, ctx)
+            suspended = coro.send(None)
+        except StopIteration as stop:
+            out = stop.value
+        except Exception as e:
+            self._slots.release()
+            return self._hand_over(call, key, fanout, ctx, arrived, self._end_failed, e)
+        else:  # it waits for something: the rest runs in a Task, under the same slot
+            return self._hand_over(
+                call, key, fanout, ctx, arrived, self._continue, coro, suspended, started
+            )
+        compute = time.perf_counter() - started
+        self._slots.release()
+        usage = add_usage(dict(call.usage), ctx.usage) if ctx.usage else call.usage
+        timings = [*call.timings, self._timing(compute, arrived)]
+        try:
+            rest = fanout.finish_now(call.credit, timings, usage, out)
+        except Exception as e:
+            return self._hand_over(call, key, fanout, ctx, arrived, self._end_failed, e)
+        if rest is not None:  # a peer's queue is full, or tensors must be exported
+            return self._hand_over(call, key, fanout, ctx, arrived, self._end_after, rest)
+        self.served += 1
+        _release_inputs(_pool_refs(call), ctx)
+        if fanout.addresses:  # a late Cancel must still reach the next hop
+            self._remember(key, fanout.addresses)
+
+    def _hand_over(
+        self,
+        call: Call,
+        key: tuple[str, int],
+        fanout: Fanout,
+        ctx: Context,
+        arrived: float,
+        then: Callable[..., Coroutine[Any, Any, None]],
+        *args: Any,
+    ) -> None:
+        """Move an eager request that could not end inline into the general path: give it
+        a ``Stream`` and run ``then(stream, *args)`` (a Task only if that suspends)."""
+        stream = self._open(call, key, fanout, ctx)
+        stream.arrived = arrived
+        self._account(stream, call)
+        self._start(stream, then(stream, *args))
+
+    async def _continue(self, stream: Stream, coro: Any, suspended: Any, started: float) -> None:
+        """The rest of a handler that suspended inline, under the slot it holds."""
+        work = functools.partial(self._resume_handler, stream, coro, suspended, started)
+        await self._run_with_limits(stream, work, slotted=True)
+
+    async def _resume_handler(
+        self, stream: Stream, coro: Any, suspended: Any, started: float
+    ) -> None:
+        try:
+            out = await carry_on(coro, suspended)
+        finally:
+            stream.compute += time.perf_counter() - started
+        self._take_usage(stream)
+        stream.last_output = out
+
+    async def _end_after(self, stream: Stream, rest: Any) -> None:
+        """Await what an inline finish left to wait for (usually a full send queue)."""
+        stream.finishing = True
+        try:
+            await rest
+            self.served += 1
+        except (asyncio.CancelledError, Exception) as e:
+            await self._failed(stream, e)
+        finally:
+            self._close(stream)
+
+    async def _end_failed(self, stream: Stream, error: BaseException) -> None:
+        try:
+            await self._failed(stream, error)
+        finally:
+            self._close(stream)
+
+    def _start(self, stream: Stream, coro: Any) -> None:
+        """Run a request now, up to its first suspension; it gets a Task only if it suspends.
+
+        Most hops (a pass-through, a cache hit, a handler that only enqueues work) end
+        without suspending: their Done leaves from this reader callback, with no Task
+        to create, schedule and collect.
+        """
+        try:
+            suspended = coro.send(None)
+        except StopIteration:
+            return
+        resumed = resume(coro, suspended)
+        resumed.send(None)
+        stream.task = asyncio.get_running_loop().create_task(resumed)
+
+    async def _run_single(self, stream: Stream, call: Call, parts: list[Any]) -> None:
+        await self._run_with_limits(stream, lambda: self._handle_chunk(stream, call, parts))
+
+    async def _run_with_limits(self, stream: Stream, work: Any, slotted: bool = False) -> None:
+        try:
+            await self._with_limits(stream, work, slotted)
+        finally:
+            self._close(stream)
+
+    async def _run_stream(self, stream: Stream) -> None:
+        async def consume() -> None:
+            assert stream.queue is not None
+            while True:
+                call, parts = await stream.queue.get()
+                is_marker = call.last and call.seq > 0 and not call.data and not call.tensors
+                if not is_marker:
+                    await self._handle_chunk(stream, call, parts)
+                else:
+                    self._account(stream, call)
+                if call.last:
+                    return
+
+        try:
+            await self._with_limits(stream, consume)
+        finally:
+            self._close(stream)
+
+    async def _with_limits(self, stream: Stream, work: Any, slotted: bool = False) -> None:
+        """Run ``work()`` under the concurrency slots and the deadline, then finish.
+
+        ``slotted``: the request holds its slot already.
+        """
+        call = stream.call
+        try:
+            if call.deadline and self._sweeper is None:
+                self._watch_deadlines()
+            if not slotted and not self._slots.take():
+                await self._slots.wait()
+            try:
+                await work()
+            finally:
+                self._slots.release()
+            stream.finishing = True  # past the deadline sweep: its outputs go out whole
+            stream.timings.append(self._timing(stream.compute, stream.arrived))
+            await stream.fanout.finish(
+                stream.credit, stream.timings, stream.usage, stream.last_output
+            )
+            self.served += 1
+        except (asyncio.CancelledError, Exception) as e:
+            await self._failed(stream, e)
+
+    async def _failed(self, stream: Stream, error: BaseException) -> None:
+        """End a request that raised ``error``: one Fail to the client, Cancels downstream."""
+        if isinstance(error, asyncio.CancelledError):
+            if stream.expired:
+                await self._fail(stream, Code.DEADLINE, f"deadline exceeded in {self.role}")
+            else:
+                self._cancel_downstream(stream, "cancelled")
+        elif isinstance(error, BadRequest):
+            await self._fail(stream, Code.BAD_REQUEST, str(error))
+        elif isinstance(error, (TensorError, RouteError)):
+            await self._fail(stream, getattr(error, "code", Code.BAD_REQUEST), str(error))
+        else:  # the handler's bug fails this request, not the actor
+            log.error(
+                "%s: request %s failed",
+                self.role,
+                stream.call.request_id,
+                exc_info=(type(error), error, error.__traceback__),
+            )
+            await self._fail(stream, Code.ERROR, f"{type(error).__name__}: {error}")
+
+    @staticmethod
+    def _account(stream: Stream, call: Call) -> None:
+        """What a chunk brings besides its input: credit, upstream timings and usage."""
+        stream.credit += call.credit
+        if call.timings:
+            stream.timings += call.timings
+        stream.refs += _pool_refs(call)
+        add_usage(stream.usage, call.usage)
+
+    async def _handle_chunk(self, stream: Stream, call: Call, parts: list[Any]) -> None:
+        self._account(stream, call)
+        tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
+        request = Request(
+            call.request_id, call.data, tensors, call.params, call.session, call.seq, call.last
+        )
+        try:
+            if self._is_gen:
+                await self._drive_generator(stream, self.actor.handle(request, stream.ctx))
+            else:
+                started = time.perf_counter()
+                try:
+                    out = await self.actor.handle(request, stream.ctx)
+                finally:
+                    stream.compute += time.perf_counter() - started
+                if out is not None:
+                    if stream.queue is None:  # a single chunk: its output is the last one
+                        stream.last_output = out
+                    else:
+                        await stream.fanout.output(out)
+        finally:
+            self._take_usage(stream)
+
+    @staticmethod
+    def _take_usage(stream: Stream) -> None:
+        """Move what the handler counted (``ctx.add_usage``) into the request's usage."""
+        if stream.ctx.usage:
+            add_usage(stream.usage, stream.ctx.usage)
+            stream.ctx.usage = {}
+
+    async def _drive_generator(self, stream: Stream, gen: Any) -> None:
+        """Forward each yield; time the handler's own work, not the sends."""
+        try:
+            while True:
+                started = time.perf_counter()
+                try:
+                    out = await gen.__anext__()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    stream.compute += time.perf_counter() - started
+                if out is not None:
+                    await stream.fanout.output(out)
+        finally:
+            await gen.aclose()
+
+    async def _fail(self, stream: Stream, code: str, message: str) -> None:
+        call = stream.call
+        self._cancel_downstream(stream, code)
+        code = code.value if isinstance(code, Code) else str(code)
+        fail = Fail(code, message, self.role, call.request_id)
+        try:
+            await self.router.send(call.reply_to, fail, {})
+        except Exception:
+            log.warning("%s: could not deliver the failure of %s", self.role, call.request_id)
+
+    def _reject(self, call: Call, code: Code, message: str) -> None:
+        release_tensors(call.tensors.values())
+        fail = Fail(code.value, message, self.role, call.request_id)
+        try:
+            self.router.outbox.post(call.reply_to, [encode(fail)])
+        except Exception:
+            log.warning("%s: could not reject %s", self.role, call.request_id)
+
+    def _cancel_downstream(self, stream: Stream, reason: str) -> None:
+        cancel = Cancel(stream.call.request_id, str(reason))
+        for address in stream.fanout.addresses:
+            self._send_cancel(address, cancel)
+
+    def _send_cancel(self, address: str, cancel: Cancel) -> None:
+        try:
+            self.router.outbox.post(address, [encode(cancel)])
+        except Exception:
+            pass
+
+    def _close(self, stream: Stream) -> None:
+        # Outputs that reuse an input's block were shared onward before this release.
+        _release_inputs(stream.refs, stream.ctx)
+        stream.refs = []
+        key = (stream.call.request_id, stream.call.hops)
+        self._streams.pop(key, None)
+        self._remember(key, stream.fanout.addresses)
+        if not self._streams:
+            self._idle.set()
+
+    def _remember(self, key: tuple[str, int], addresses: set[str]) -> None:
+        self._finished[key] = addresses
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+
+    def _timing(self, compute: float, arrived: float) -> Timing:
+        """This actor's Timing for a request: ``compute`` seconds, leaving now."""
+        return Timing(self.role, self.actor.replica, compute * 1e3, arrived, time.time())
+
+    def _watch_deadlines(self) -> None:
+        """One timer for every deadline in flight: cheaper than a timeout per request."""
+        if self._sweeper is None:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(_DEADLINE_TICK, self._sweep_deadlines)
+
+    def _sweep_deadlines(self) -> None:
+        self._sweeper = None
+        now = time.time()
+        pending = False
+        for stream in self._streams.values():
+            deadline = stream.call.deadline
+            if not deadline or stream.finishing or stream.expired:
+                continue
+            if deadline <= now and stream.task is not None:
+                stream.expired = True
+                stream.task.cancel()
+            else:
+                pending = True
+        if pending:
+            self._watch_deadlines()
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop intake and wait for in-flight requests; True if all finished in time."""
+        self.accepting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            for stream in list(self._streams.values()):
+                if stream.task is not None:
+                    stream.task.cancel()
+            return False
+
+
+def _pool_refs(call: Call) -> list[Any]:
+    """The call's tensor refs that hold a pool block (every kind but an inline Frame)."""
+    if not call.tensors:
+        return []
+    return [ref for ref in call.tensors.values() if not isinstance(ref, Frame)]
+
+
+def _release_inputs(refs: list[Any], ctx: Context) -> None:
+    """Give back what a finished request held: its inputs' pool blocks, its leases."""
+    if refs:
+        release_tensors(refs)
+    if ctx.held:
+        for lease in ctx.held:
+            lease.release()
+        ctx.held = []

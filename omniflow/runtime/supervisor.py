@@ -1,0 +1,395 @@
+"""Spawns, watches and restarts the actor processes of one deployment.
+
+The supervisor owns the run directory (sockets, state file, logs), the
+embedded registry, and one process per replica. It never installs signal
+handlers itself: ``omniflow up`` does that for its own process, and an
+embedding program keeps its own. Children are watched through pidfds on the
+event loop; a child that dies unasked is restarted with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+import omniflow
+from omniflow.cache import unlink_pool
+from omniflow.control.discovery import (
+    EmbeddedRegistryServer,
+    Registry,
+    actor_key,
+    decode_record,
+    open_registry,
+)
+from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
+from omniflow.runtime.config import Config, to_json
+from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
+from omniflow.transport.endpoint import Inbox, Outbox
+
+if TYPE_CHECKING:
+    from omniflow.cache import PagePool
+
+log = logging.getLogger("omniflow.runtime.supervisor")
+_control_decoder = decoder_for(Hello | Ready | SetupFailed | Shutdown)
+
+
+class StartError(RuntimeError):
+    """The deployment could not start; the message names the replica and why."""
+
+
+def default_run_dir(name: str) -> Path:
+    base = os.environ.get("OMNIFLOW_RUN_ROOT") or f"/tmp/omniflow-{os.getuid()}"
+    return Path(base) / name
+
+
+class Replica:
+    def __init__(self, role: str, index: int) -> None:
+        self.role = role
+        self.index = index
+        self.proc: subprocess.Popen | None = None
+        self.pidfd: int | None = None
+        self.state = "stopped"  # spawned -> setup -> ready; restarting; failed
+        self.restarts = 0
+        self.ready: asyncio.Future | None = None
+        self.exited: asyncio.Future | None = None
+        self.endpoint = ""
+
+    @property
+    def actor_id(self) -> str:
+        return f"{self.role}/{self.index}"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: Config,
+        run_dir: Path | None = None,
+        on_progress: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir or config.runtime.run_dir or default_run_dir(config.name))
+        self.on_progress = on_progress or (lambda actor_id, state: None)
+        self.replicas = [
+            Replica(role, i) for role, rc in config.roles.items() for i in range(rc.replicas)
+        ]
+        self.ctx = zmq.Context()
+        self.outbox = Outbox(self.ctx, send_timeout=1.0)
+        self.registry_server: EmbeddedRegistryServer | None = None
+        self.registry_address = config.registry
+        self.control: Inbox | None = None
+        self.stopped = asyncio.Event()
+        self._stopping = False
+        self._tasks: set[asyncio.Task] = set()
+        self._registry: Registry | None = None
+        self.pool: PagePool | None = None
+        # Delete a dead replica's registry key at once instead of waiting out its lease.
+        self.forget_dead = True
+        self.generation = f"{os.getpid()}-{int(time.time() * 1000)}"  # names one start's barriers
+
+    @property
+    def state_path(self) -> Path:
+        return self.run_dir / "state.json"
+
+    # ------------------------------------------------------------------ start
+
+    @property
+    def pool_name(self) -> str:
+        # Named after the run dir too: two deployments of one name under different run
+        # roots must not unlink (or attach to) each other's pool.
+        where = hashlib.blake2b(str(self.run_dir.resolve()).encode(), digest_size=4).hexdigest()
+        return f"omniflow-{os.getuid()}-{self.config.name}-{where}"
+
+    async def start(self) -> None:
+        self._prepare_run_dir()
+        # One host page pool per deployment, mapped by every local process; a segment
+        # left by a supervisor that was killed is replaced, not reused.
+        unlink_pool(self.pool_name)
+        from omniflow.cache import PagePool  # torch: only a starting deployment pays for it
+
+        self.pool = PagePool.from_config(self.pool_name, self.config.cache, create=True)
+        if self.config.registry == "embedded":
+            self.registry_server = EmbeddedRegistryServer(
+                f"ipc://{self.run_dir}/registry.sock", self.ctx
+            )
+            await self.registry_server.start()
+            self.registry_address = self.registry_server.address
+        self._registry = open_registry(self.registry_address)
+        self.control = Inbox(self.ctx, f"ipc://{self.run_dir}/control.sock", self._on_control)
+        self.control.start()
+        try:
+            for replica in self.replicas:
+                self._spawn(replica)
+            await self._wait_ready(self.replicas)
+        except BaseException:
+            await self.stop()
+            raise
+        self._write_state()
+
+    def _prepare_run_dir(self) -> None:
+        if self.state_path.exists():
+            state = json.loads(self.state_path.read_text())
+            if pid_alive(state.get("pid", 0)):
+                raise StartError(
+                    f"deployment {self.config.name!r} is already running (pid {state['pid']}, "
+                    f"run dir {self.run_dir}); stop it with `omniflow down`"
+                )
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        if len(f"ipc://{self.run_dir}/") + 40 > 107:
+            raise StartError(f"run dir {self.run_dir} is too long for ipc:// socket paths")
+        (self.run_dir / "deployment.json").write_bytes(to_json(self.config))
+
+    def _spawn(self, replica: Replica) -> None:
+        assert self.control is not None
+        env = dict(os.environ)
+        package_root = str(Path(omniflow.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        env["OMNIFLOW_CONTROL"] = self.control.endpoint
+        env["OMNIFLOW_REGISTRY"] = self.registry_address
+        env["OMNIFLOW_GENERATION"] = self.generation
+        env["OMNIFLOW_POOL"] = self.pool_name
+        log_path = self.run_dir / "logs" / f"{replica.role}-{replica.index}.log"
+        with open(log_path, "ab") as log_file:
+            replica.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "omniflow.runtime.worker",
+                    str(self.run_dir),
+                    replica.role,
+                    str(replica.index),
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        replica.state = "spawned"
+        replica.ready = asyncio.get_running_loop().create_future()
+        replica.exited = asyncio.get_running_loop().create_future()
+        replica.pidfd = os.pidfd_open(replica.proc.pid)
+        asyncio.get_running_loop().add_reader(replica.pidfd, self._on_exit, replica)
+        self.on_progress(replica.actor_id, "spawned")
+
+    async def _wait_ready(self, replicas: list[Replica]) -> None:
+        futures = [r.ready for r in replicas if r.ready is not None]
+        timeout = self.config.runtime.start_timeout_s
+        done, pending = await asyncio.wait(futures, timeout=timeout)
+        for fut in done:
+            fut.result()  # raises StartError of a replica whose setup failed
+        if pending:
+            late = [r.actor_id for r in replicas if r.ready in pending]
+            raise StartError(f"not ready within {timeout:g}s: {', '.join(late)}")
+
+    def _on_control(self, identity: bytes, parts: list[Any]) -> None:
+        try:
+            msg = decode(parts[0], _control_decoder)
+        except BadMessage:
+            return
+        if isinstance(msg, Shutdown):
+            self.request_stop()
+            return
+        replica = self._find(msg.role, msg.replica)
+        if replica is None or replica.proc is None or replica.proc.pid != msg.pid:
+            return
+        if isinstance(msg, Hello):
+            replica.state = "setup"
+            self.on_progress(replica.actor_id, "setup")
+        elif isinstance(msg, Ready):
+            replica.state = "ready"
+            replica.endpoint = msg.endpoint
+            self.on_progress(replica.actor_id, "ready")
+            if replica.ready is not None and not replica.ready.done():
+                replica.ready.set_result(None)
+        elif isinstance(msg, SetupFailed):
+            replica.state = "failed"
+            self.on_progress(replica.actor_id, "failed")
+            err = StartError(f"{replica.actor_id} failed in setup: {msg.message}")
+            if replica.ready is not None and not replica.ready.done():
+                replica.ready.set_exception(err)
+
+    def _find(self, role: str, index: int) -> Replica | None:
+        for r in self.replicas:
+            if r.role == role and r.index == index:
+                return r
+        return None
+
+    # ------------------------------------------------------------------ watch
+
+    def _on_exit(self, replica: Replica) -> None:
+        loop = asyncio.get_running_loop()
+        assert replica.proc is not None and replica.pidfd is not None
+        loop.remove_reader(replica.pidfd)
+        os.close(replica.pidfd)
+        replica.pidfd = None
+        # Take back what the dead process held in the pool before its pid can be reused.
+        if self.pool is not None:
+            self.pool.reclaim({replica.proc.pid})
+        code = replica.proc.wait()
+        if replica.exited is not None and not replica.exited.done():
+            replica.exited.set_result(code)
+        if replica.ready is not None and not replica.ready.done():
+            replica.ready.set_exception(
+                StartError(
+                    f"{replica.actor_id} exited with code {code} during startup; "
+                    f"see {self.run_dir / 'logs' / (replica.role + '-' + str(replica.index) + '.log')}"
+                )
+            )
+        if self._stopping:
+            replica.state = "stopped"
+            return
+        log.warning(
+            "%s (pid %d) exited with code %s; restarting", replica.actor_id, replica.proc.pid, code
+        )
+        replica.state = "restarting"
+        self._own(self._restart(replica))
+
+    def _own(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, replica: Replica) -> None:
+        rt = self.config.runtime
+        if self._registry is not None and self.forget_dead:
+            key = actor_key(self.config.name, replica.role, replica.index)
+            with contextlib.suppress(Exception):
+                await self._fail_what_it_held(replica, key)
+            with contextlib.suppress(Exception):
+                await self._registry.delete(key)
+        delay = min(rt.restart_backoff_s * (2**replica.restarts), rt.restart_backoff_max_s)
+        replica.restarts += 1
+        await asyncio.sleep(delay)
+        if self._stopping:
+            return
+        self._spawn(replica)
+        try:
+            await self._wait_ready([replica])
+        except StartError as e:
+            log.error("restart of %s failed: %s", replica.actor_id, e)
+        else:
+            self._write_state()
+
+    async def _fail_what_it_held(self, replica: Replica, key: str) -> None:
+        """Fail the requests a dead replica held at its last heartbeat, at once.
+
+        Its branch of each is lost; without this the clients would wait out their
+        deadlines. A request it finished just before dying may be failed too: the
+        price of not waiting.
+        """
+        assert self._registry is not None
+        for found, value in await self._registry.list(key):
+            if found != key:
+                continue  # "reverse/1" is a prefix of "reverse/10"
+            record = decode_record(value)
+            if record.pid != (replica.proc.pid if replica.proc else -1):
+                continue  # a record of an earlier incarnation
+            for request_id, reply_to in record.holding:
+                fail = Fail(
+                    Code.UNAVAILABLE.value,
+                    f"{replica.actor_id} died while handling it",
+                    replica.role,
+                    request_id,
+                )
+                self.outbox.post(reply_to, [encode(fail)])
+
+    # ------------------------------------------------------------------ stop
+
+    def request_stop(self) -> None:
+        """Safe from a signal handler: only schedules the stop."""
+        if not self._stopping:
+            self._own(self.stop())
+
+    async def wait(self) -> None:
+        await self.stopped.wait()
+
+    async def stop(self) -> None:
+        if self._stopping:
+            await self.stopped.wait()
+            return
+        self._stopping = True
+        for task in list(self._tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+        live = [(r, r.proc) for r in self.replicas if r.proc is not None and r.proc.poll() is None]
+        for _, proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        exits = [r.exited for r, _ in live if r.exited is not None]
+        if exits:
+            _, late = await asyncio.wait(exits, timeout=self.config.runtime.drain_timeout_s + 2.0)
+            for r, proc in live:
+                if r.exited in late:
+                    log.warning("%s did not stop in time; killing it", r.actor_id)
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+            if late:
+                await asyncio.wait(late, timeout=5.0)
+        for r in self.replicas:
+            if r.pidfd is not None:
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_reader(r.pidfd)
+                os.close(r.pidfd)
+                r.pidfd = None
+            r.state = "stopped"
+        if self._registry is not None:
+            await self._registry.close()
+        self.outbox.close()
+        if self.control is not None:
+            self.control.close()
+        if self.registry_server is not None:
+            await self.registry_server.close()
+        self.ctx.term()
+        if self.pool is not None:
+            self.pool.unlink()
+            self.pool.close()
+            self.pool = None
+        self._clean_run_dir()
+        self.stopped.set()
+
+    def _clean_run_dir(self) -> None:
+        for path in list(self.run_dir.glob("*.sock")) + [self.state_path]:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    # ------------------------------------------------------------------ state
+
+    def _write_state(self) -> None:
+        state = {
+            "name": self.config.name,
+            "pid": os.getpid(),
+            "run_dir": str(self.run_dir),
+            "registry": self.registry_address,
+            "control": self.control.endpoint if self.control else "",
+            "config": self.config.source,
+            "pool": self.pool_name,
+            "started": time.time(),
+        }
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_path)
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

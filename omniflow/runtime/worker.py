@@ -1,0 +1,249 @@
+"""One actor replica's process: ``python -m omniflow.runtime.worker RUN_DIR ROLE REPLICA``.
+
+Startup is a handshake with the supervisor: HELLO as soon as the process runs,
+then ``setup()`` (weights, warm-up), then bind, register, READY. Shutdown
+(SIGTERM, a Shutdown message, or the supervisor's death) deregisters first,
+drains in-flight requests with a timeout, then closes in reverse order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import gc
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import zmq
+
+from omniflow.cache import PagePool
+from omniflow.control.balance import make_policy
+from omniflow.control.discovery import Registry, actor_key, encode_record, open_registry
+from omniflow.control.discovery.view import RegistryView
+from omniflow.control.routing import Router
+from omniflow.messages import ActorRecord, Hello, Ready, SetupFailed, Shutdown
+from omniflow.runtime.actor import Actor
+from omniflow.runtime.config import Config, from_json
+from omniflow.runtime.host import ActorHost
+from omniflow.runtime.resources import budget_after_barrier
+from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
+from omniflow.transport.endpoint import Inbox, Outbox, fd_of
+from omniflow.transport.tensors import attach_pool
+
+log = logging.getLogger("omniflow.runtime.worker")
+_control_decoder = decoder_for(Shutdown)
+
+
+def load_actor_class(path: str) -> type[Actor]:
+    module, _, name = path.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise TypeError(f"{path} is not an omniflow.Actor subclass")
+    return cls
+
+
+def endpoint_for(config: Config, run_dir: Path, role: str, replica: int) -> str:
+    if config.runtime.transport == "tcp":
+        return f"tcp://{config.runtime.bind_host}:*"
+    return f"ipc://{run_dir}/{role}-{replica}.sock"
+
+
+def die_with_parent() -> None:
+    """Ask the kernel for SIGTERM when the supervisor dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Worker:
+    def __init__(self, run_dir: Path, role: str, replica: int) -> None:
+        self.run_dir = run_dir
+        self.role = role
+        self.replica = replica
+        self.config = from_json((run_dir / "deployment.json").read_bytes())
+        self.role_config = self.config.roles[role]
+        self.ctx = zmq.Context()
+        self.stop = asyncio.Event()
+
+    async def run(self, control_address: str, registry_address: str) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        control = self.ctx.socket(zmq.DEALER)
+        control.setsockopt(zmq.LINGER, 1000)
+        control.connect(control_address)
+        loop.add_reader(fd_of(control), self._on_control, control)
+        pid = os.getpid()
+        control.send(encode(Hello(self.role, self.replica, pid)))
+        pool = PagePool.attach(os.environ["OMNIFLOW_POOL"], populate=self.config.cache.populate)
+        attach_pool(pool, self.config.cache.frame_threshold_bytes)
+        registry = open_registry(registry_address)
+        try:
+            cls = load_actor_class(self.role_config.actor)
+            actor = cls(self.role, self.replica, self.role_config.options)
+            use_pool = getattr(actor, "use_pool", None)
+            if use_pool is not None:  # roles that keep data in the pool (encoder caches)
+                use_pool(pool, self.config.cache)
+            await actor.setup()
+            budget = await budget_after_barrier(
+                self.config,
+                registry,
+                self.role,
+                self.replica,
+                os.environ.get("OMNIFLOW_GENERATION", "0"),
+            )
+            if budget is not None:
+                await actor.reserve(budget)
+        except Exception as e:
+            await registry.close()
+            traceback.print_exc()
+            message = f"{type(e).__name__}: {e}"
+            control.send(encode(SetupFailed(self.role, self.replica, pid, message)))
+            control.close()
+            return 3
+        # Weights, modules and torch are loaded now and live as long as the process:
+        # freeze them out of the collector, or every full collection walks them all
+        # (tens of milliseconds with torch imported) under the requests in flight.
+        gc.collect()
+        gc.freeze()
+        try:
+            return await self._serve(actor, control, registry)
+        finally:
+            control.close()
+            self.ctx.term()
+
+    async def _serve(self, actor: Actor, control: zmq.Socket, registry: Registry) -> int:
+        cfg, rt = self.config, self.config.runtime
+        view = RegistryView(registry, cfg.name)
+        await view.start()
+        policies = {name: make_policy(rc.policy, role=name) for name, rc in cfg.roles.items()}
+        idempotent = frozenset(n for n, rc in cfg.roles.items() if rc.idempotent)
+        outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s)
+        router = Router(cfg.plan(), view, outbox, policies, idempotent, socket.gethostname())
+        host = ActorHost(
+            actor, router, self.role_config.max_concurrency, self.role_config.max_queue
+        )
+        inbox = Inbox(
+            self.ctx, endpoint_for(cfg, self.run_dir, self.role, self.replica), host.on_message
+        )
+        inbox.start()
+        record = ActorRecord(
+            self.role,
+            self.replica,
+            os.getpid(),
+            inbox.endpoint,
+            socket.gethostname(),
+            list(self.role_config.gpus),
+            "ready",
+            started=time.time(),
+            meta=actor.meta(),
+        )
+        key = actor_key(cfg.name, self.role, self.replica)
+        await registry.put(key, encode_record(record), ttl=rt.ttl_s)
+        control.send(encode(Ready(self.role, self.replica, os.getpid(), inbox.endpoint)))
+        beat = asyncio.create_task(self._heartbeat(registry, key, record, host, actor))
+        try:
+            await self.stop.wait()
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            with contextlib.suppress(Exception):
+                await registry.delete(key)  # producers stop picking this replica
+            drained = await host.drain(rt.drain_timeout_s)
+            if not drained:
+                log.warning(
+                    "%s/%d: in-flight requests cancelled at shutdown", self.role, self.replica
+                )
+            inbox.close()
+            with contextlib.suppress(Exception):
+                await actor.close()
+            await view.close()
+            await registry.close()
+            outbox.close()
+        return 0
+
+    async def _heartbeat(
+        self, registry, key: str, record: ActorRecord, host: ActorHost, actor: Actor
+    ) -> None:
+        """Keep the lease alive; re-put the record when its load or the actor's meta changed.
+
+        ``meta()`` is what producers route on beyond load (an LLM's summary of the
+        sessions and media it holds): a change goes out at the next beat.
+        """
+        rt = self.config.runtime
+        published = (0, 0)
+        while True:
+            await asyncio.sleep(rt.heartbeat_s)
+            if os.getppid() == 1:  # orphaned before PDEATHSIG took hold
+                self.stop.set()
+                return
+            try:
+                now = (host.inflight, host.served)
+                meta = actor.meta()
+                if now != published or meta != record.meta:
+                    record.inflight, record.served = now
+                    record.holding = host.holding()
+                    record.meta = meta
+                    await registry.put(key, encode_record(record), ttl=rt.ttl_s)
+                    published = now
+                else:
+                    await registry.keepalive()
+            except Exception as e:  # the registry may be briefly away; the TTL is the judge
+                log.warning("%s/%d: heartbeat failed: %s", self.role, self.replica, e)
+
+    def _on_control(self, control: zmq.Socket) -> None:
+        while True:
+            try:
+                header = control.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            try:
+                if isinstance(decode(header, _control_decoder), Shutdown):
+                    self.stop.set()
+            except BadMessage:
+                continue
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omniflow.runtime.worker")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("role")
+    parser.add_argument("replica", type=int)
+    args = parser.parse_args(argv)
+    die_with_parent()
+    logging.basicConfig(
+        level=os.environ.get("OMNIFLOW_LOG", "INFO"),
+        format=f"%(asctime)s {args.role}/{args.replica} %(levelname)s %(message)s",
+    )
+    import uvloop
+
+    worker = Worker(args.run_dir, args.role, args.replica)
+    control = os.environ["OMNIFLOW_CONTROL"]
+    profile = os.environ.get("OMNIFLOW_PROFILE")  # a folder: write a cProfile of this worker
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            return uvloop.run(worker.run(control, os.environ["OMNIFLOW_REGISTRY"]))
+        finally:
+            profiler.disable()
+            profiler.dump_stats(f"{profile}/{args.role}-{args.replica}-{os.getpid()}.prof")
+    return uvloop.run(worker.run(control, os.environ["OMNIFLOW_REGISTRY"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

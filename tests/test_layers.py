@@ -1,0 +1,69 @@
+"""The layer contracts (.importlinter) hold, and they would catch an upward import; the
+CLI's control commands import no torch."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+
+
+def lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [LINT_IMPORTS, "--config", str(tree / ".importlinter"), "--no-cache"],
+        cwd=tree,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tree = tmp_path_factory.mktemp("layers")
+    shutil.copytree(ROOT / "omniflow", tree / "omniflow", ignore=shutil.ignore_patterns("*.so"))
+    shutil.copy(ROOT / ".importlinter", tree)
+    return tree
+
+
+def test_the_tree_keeps_every_contract(tree_copy: Path) -> None:
+    result = lint_imports(tree_copy)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "upward"),
+    [
+        ("cache/errors.py", "import omniflow.runtime.client"),  # memory -> runtime
+        ("engine/sampler.py", "import omniflow.transport.endpoint"),  # compute -> sockets
+        ("control/join.py", "import omniflow.cache.pool"),  # control -> memory, directly
+        ("runtime/actor.py", "import omniflow.cli.app"),  # anything -> cli
+    ],
+)
+def test_an_upward_import_is_rejected(tree_copy: Path, module: str, upward: str) -> None:
+    path = tree_copy / "omniflow" / module
+    original = path.read_text()
+    try:
+        path.write_text(original + f"\n{upward}  # noqa\n")
+        result = lint_imports(tree_copy)
+    finally:
+        path.write_text(original)
+    assert result.returncode != 0
+    assert "BROKEN" in result.stdout
+    assert upward.split()[1] in result.stdout
+
+
+def test_the_cli_imports_no_torch() -> None:
+    code = "import sys, omniflow.cli.app; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False", "False"]
