@@ -3,6 +3,7 @@ CLI's control commands import no torch."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -67,3 +68,22 @@ def test_the_cli_imports_no_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_model_free_deployment_imports_no_torch(run_root: Path) -> None:
+    """The echo deployment's supervisor and workers never map libtorch."""
+
+    def omniflow(*args: str) -> str:
+        cmd = [sys.executable, "-m", "omniflow.cli", *args]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    omniflow("up", "configs/echo.toml", "--detach")
+    try:
+        state = json.loads(omniflow("status", "--json"))
+        pids = [state["supervisor_pid"], *(actor["pid"] for actor in state["actors"])]
+        assert len(pids) == 4
+        assert "OLLEH" in omniflow("send", "--text", "hello")
+        for pid in pids:
+            assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
+    finally:
+        omniflow("down")

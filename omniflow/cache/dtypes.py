@@ -1,50 +1,65 @@
-"""Wire names of tensor dtypes, shared by the pool (``Shm`` refs) and the transport."""
+"""Wire names of tensor dtypes, shared by the pool (``Shm`` refs) and the transport.
+
+torch is imported on the first lookup of a torch dtype, not with this module: the pool
+checks handles (names, sizes) in processes that never make a tensor.
+"""
 
 from __future__ import annotations
 
 import math
+from functools import cache
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 ITEMSIZE: dict[str, int] = {
-    k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
 }
+
+
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in ITEMSIZE}
+
+
+@cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in _torch_dtypes().items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return DTYPE_NAMES[dtype]
+        return _dtype_names()[dtype]
     except KeyError:
         raise TypeError(
-            f"unsupported tensor dtype {dtype}; supported: {', '.join(TORCH_DTYPES)}"
+            f"unsupported tensor dtype {dtype}; supported: {', '.join(ITEMSIZE)}"
         ) from None
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype named ``name``; ``ValueError`` naming it when unknown."""
     try:
-        return TORCH_DTYPES[name]
+        return _torch_dtypes()[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; supported: {', '.join(TORCH_DTYPES)}") from None
+        raise ValueError(f"unknown dtype {name!r}; supported: {', '.join(ITEMSIZE)}") from None
 
 
 def nbytes_of(name: str, shape: tuple[int, ...]) -> int:
     """Bytes a contiguous tensor of dtype ``name`` and ``shape`` occupies."""
     if name not in ITEMSIZE:
-        raise ValueError(f"unknown dtype {name!r}; supported: {', '.join(TORCH_DTYPES)}")
+        raise ValueError(f"unknown dtype {name!r}; supported: {', '.join(ITEMSIZE)}")
     for d in shape:
         if not isinstance(d, int) or d < 0:
             raise ValueError(f"shape {list(shape)} has a dimension that is not a non-negative int")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from omniflow.cache.pool import PagePool
 
 

@@ -9,6 +9,7 @@ fallback. Without CUDA every function here is a no-op that says so by returning 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,8 @@ except Exception:  # noqa: BLE001 - a broken CUDA install must not break CPU-onl
 
 
 def cuda_available() -> bool:
+    if not _nvidia_driver_present():
+        return False  # and torch stays unimported in processes that never need it
     if _cupy is not None:
         try:
             return bool(_cupy.cuda.is_available())
@@ -33,6 +36,10 @@ def cuda_available() -> bool:
         return torch.cuda.is_available()
     except Exception:  # noqa: BLE001
         return False
+
+
+def _nvidia_driver_present() -> bool:
+    return os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidiactl")
 
 
 def register_host(ptr: int, nbytes: int) -> bool:

@@ -34,9 +34,9 @@ against a process that scribbles on it.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from omniflow.cache.config import CacheConfig
 from omniflow.cache.dtypes import ITEMSIZE, dtype_name, nbytes_of, torch_dtype
@@ -46,6 +46,9 @@ from omniflow.cache.pagetable import PageTable, plan
 from omniflow.cache.pinned import cuda_available, register_host, unregister_host
 from omniflow.cache.segment import Segment
 from omniflow.messages import Shm
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PagePool:
@@ -58,9 +61,8 @@ class PagePool:
         self.pages = table.n_pages
         self.data_offset = table.layout.data_offset
         self.size = table.layout.total
-        self._bytes = torch.frombuffer(segment.mm, dtype=torch.uint8, count=self.size)
-        self.base = self._bytes.data_ptr()
-        self._typed: dict[torch.dtype, torch.Tensor] = {torch.uint8: self._bytes}
+        self.base = segment.address()
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
         self.pinned = False
         if pin or (pin is None and cuda_available()):
             if pin and not cuda_available():
@@ -133,7 +135,6 @@ class PagePool:
             unregister_host(self.base + self.data_offset)
             self.pinned = False
         self._typed.clear()
-        del self._bytes
         self._table.close()
         self._seg.close()
 
@@ -245,10 +246,24 @@ class PagePool:
         # Outside inference mode even when called inside it (an engine step demoting KV):
         # a view made there could not be written to later, outside it. Entering the mode
         # costs more than the view, so only when it is on.
+        import torch
+
         if not torch.is_inference_mode_enabled():
             return self._typed_view(offset, dtype, shape)
         with torch.inference_mode(False):
             return self._typed_view(offset, dtype, shape)
+
+    @property
+    def _bytes(self) -> torch.Tensor:
+        # Made on first use, so that a process that never touches a tensor (the
+        # supervisor, a model-free role) never imports torch.
+        view = self._typed.get(_uint8())
+        if view is None:
+            import torch
+
+            view = torch.frombuffer(self._seg.mm, dtype=torch.uint8, count=self.size)
+            self._typed[torch.uint8] = view
+        return view
 
     def _typed_view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         typed = self._typed.get(dtype)
@@ -349,3 +364,8 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except (OSError, IndexError):
         return True
+
+
+def _uint8() -> Any:
+    torch = sys.modules.get("torch")
+    return torch.uint8 if torch is not None else None

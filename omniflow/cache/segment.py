@@ -12,6 +12,7 @@ never leaves the pool locked.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -56,6 +57,15 @@ class Segment:
         self._pid = os.getpid()
         # flock excludes other open file descriptions, not threads sharing this one.
         self._thread_lock = threading.Lock()
+
+    def address(self) -> int:
+        """The mapping's base address."""
+        # The ctypes view exports the buffer: drop it at once, or mmap.close() refuses.
+        view = ctypes.c_char.from_buffer(self.mm)
+        try:
+            return ctypes.addressof(view)
+        finally:
+            del view
 
     @classmethod
     def create(cls, name: str, size: int, populate: bool = True) -> Segment:

@@ -37,7 +37,7 @@ from omniflow.runtime.host import ActorHost
 from omniflow.runtime.resources import budget_after_barrier
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, fd_of
-from omniflow.transport.tensors import attach_pool
+from omniflow.transport.links import attach_pool
 
 log = logging.getLogger("omniflow.runtime.worker")
 _control_decoder = decoder_for(Shutdown)

@@ -1,11 +1,16 @@
-"""What a sender knows of a receiver, and the error for a ref that cannot be honoured.
+"""What a sender knows of a receiver, which pools this process sends through, and the
+error for a ref that cannot be honoured.
 
-Torch-free, so that routing and the hot path can name them without importing torch.
+Torch-free, so that routing, the hot path and a worker attaching its pool name them
+without importing torch (``transport.tensors`` does, where a tensor travels).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from omniflow.cache import PagePool
 
 FRAME_THRESHOLD = 64 << 10
 
@@ -20,3 +25,40 @@ class Link(NamedTuple):
 
 class TensorError(ValueError):
     """A tensor ref that cannot be honoured (forged, stale, or inconsistent)."""
+
+
+class _Attached:
+    pool: PagePool | None = None
+    frame_threshold: int = FRAME_THRESHOLD
+    device_pools: dict[int, Any] = {}  # cuda ordinal -> cache.cuda_ipc.DevicePool
+    opener: Any = None  # cache.cuda_ipc.IpcOpener, made on the first CudaIpc ref
+
+
+_attached = _Attached()
+
+
+def attach_pool(pool: PagePool, frame_threshold: int = FRAME_THRESHOLD) -> None:
+    """Use ``pool`` for same-host tensors of at least ``frame_threshold`` bytes."""
+    if frame_threshold < 0:
+        raise ValueError(f"frame_threshold: must be >= 0, got {frame_threshold}")
+    _attached.pool = pool
+    _attached.frame_threshold = frame_threshold
+
+
+def detach_pool() -> PagePool | None:
+    """Stop using the attached pool (and device pools); returns it, for the caller to close."""
+    pool, _attached.pool = _attached.pool, None
+    _attached.device_pools = {}
+    if _attached.opener is not None:
+        _attached.opener.close()
+        _attached.opener = None
+    return pool
+
+
+def attached_pool() -> PagePool | None:
+    return _attached.pool
+
+
+def attach_device_pool(device_pool: Any) -> None:
+    """Send CUDA tensors on ``device_pool.device`` to GPU receivers on this host by CUDA IPC."""
+    _attached.device_pools = {**_attached.device_pools, device_pool.device: device_pool}

@@ -40,47 +40,17 @@ from omniflow.cache.dtypes import dtype_name as _dtype_name
 from omniflow.cache.dtypes import nbytes_of
 from omniflow.cache.dtypes import torch_dtype as _torch_dtype
 from omniflow.messages import CudaIpc, Frame, Shm, TensorRef
-from omniflow.transport.links import FRAME_THRESHOLD, Link, TensorError
+from omniflow.transport.links import (  # re-exported: callers import them from here
+    FRAME_THRESHOLD as FRAME_THRESHOLD,
+)
+from omniflow.transport.links import Link, TensorError, _attached
+from omniflow.transport.links import attach_device_pool as attach_device_pool
+from omniflow.transport.links import attach_pool as attach_pool
+from omniflow.transport.links import attached_pool as attached_pool
+from omniflow.transport.links import detach_pool as detach_pool
 
 # Received frames are read-only; the views handed to roles are documented as such.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-
-class _Attached:
-    pool: PagePool | None = None
-    frame_threshold: int = FRAME_THRESHOLD
-    device_pools: dict[int, Any] = {}  # cuda ordinal -> cache.cuda_ipc.DevicePool
-    opener: Any = None  # cache.cuda_ipc.IpcOpener, made on the first CudaIpc ref
-
-
-_attached = _Attached()
-
-
-def attach_pool(pool: PagePool, frame_threshold: int = FRAME_THRESHOLD) -> None:
-    """Use ``pool`` for same-host tensors of at least ``frame_threshold`` bytes."""
-    if frame_threshold < 0:
-        raise ValueError(f"frame_threshold: must be >= 0, got {frame_threshold}")
-    _attached.pool = pool
-    _attached.frame_threshold = frame_threshold
-
-
-def detach_pool() -> PagePool | None:
-    """Stop using the attached pool (and device pools); returns it, for the caller to close."""
-    pool, _attached.pool = _attached.pool, None
-    _attached.device_pools = {}
-    if _attached.opener is not None:
-        _attached.opener.close()
-        _attached.opener = None
-    return pool
-
-
-def attached_pool() -> PagePool | None:
-    return _attached.pool
-
-
-def attach_device_pool(device_pool: Any) -> None:
-    """Send CUDA tensors on ``device_pool.device`` to GPU receivers on this host by CUDA IPC."""
-    _attached.device_pools = {**_attached.device_pools, device_pool.device: device_pool}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
