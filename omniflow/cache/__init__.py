@@ -8,8 +8,9 @@ that reading a config (``CacheConfig``) does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from omniflow.lazy import exports
 
 _WHERE = {
     "CacheConfig": "omniflow.cache.config",
@@ -84,11 +85,4 @@ if TYPE_CHECKING:
     from omniflow.cache.ssd import SsdBlock, SsdStore
     from omniflow.cache.tiers import TieredCache
 
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _WHERE)

@@ -8,8 +8,9 @@ the thread-priority helpers does not load the supervisor and the client.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from omniflow.lazy import exports
 
 _WHERE = {
     "Actor": "omniflow.runtime.actor",
@@ -66,11 +67,4 @@ if TYPE_CHECKING:
     )
     from omniflow.runtime.supervisor import StartError, Supervisor
 
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _WHERE)
