@@ -1,9 +1,18 @@
-# omniflow recipes. `just` itself comes from PyPI (rust-just); scripts/setup.sh installs it.
+# omniflow recipes. `just` itself comes from PyPI (rust-just); scripts/setup.sh installs it
+# into the project's virtual environment (.venv, or $OMNIFLOW_VENV).
+
+# Every recipe runs in that environment whether or not it is activated: its bin/ comes
+# first on PATH (omniflow, ruff, mypy, lint-imports) and `python` is its interpreter.
+# Without one (setup not run yet) they fall back to python3 and the tools on PATH.
+venv := join(justfile_directory(), env_var_or_default("OMNIFLOW_VENV", ".venv"))
+has_venv := path_exists(join(venv, "bin", "python"))
+export PATH := if has_venv == "true" { join(venv, "bin") + ":" + env_var("PATH") } else { env_var("PATH") }
+python := if has_venv == "true" { quote(join(venv, "bin", "python")) } else { "python3" }
 
 default:
     @just --list
 
-# Install everything: Python deps (CPU torch without a GPU), just, the etcd server.
+# Install everything: .venv with the Python deps (CPU torch without a GPU) and just, etcd, cc.
 setup:
     bash scripts/setup.sh
 
@@ -13,16 +22,17 @@ up config="configs/longcat.toml":
 
 # The test suite (GPU tests skip without CUDA).
 test *args:
-    python3 -m pytest -q {{args}}
+    {{python}} -m pytest -q {{args}}
 
 # Every benchmark; each prints a JSON object as its last line.
 bench:
-    python3 benchmarks/hop.py
-    python3 benchmarks/routing.py
-    python3 benchmarks/transport.py
-    python3 benchmarks/engine.py
-    python3 benchmarks/pipeline.py
+    {{python}} benchmarks/hop.py
+    {{python}} benchmarks/routing.py
+    {{python}} benchmarks/transport.py
+    {{python}} benchmarks/engine.py
+    {{python}} benchmarks/pipeline.py
 
+# Lint, format check, types, and the import contracts in .importlinter.
 lint:
     ruff check omniflow tests benchmarks
     ruff format --check omniflow tests benchmarks

@@ -1,18 +1,76 @@
 #!/usr/bin/env bash
-# Set up omniflow on a fresh Debian/Ubuntu machine: Python deps (CPU torch unless a GPU
-# is present), `just`, the etcd server that the registry tests start, and a C compiler.
+# Set up omniflow on a fresh Debian/Ubuntu machine: a virtual environment with the Python
+# deps (CPU torch unless a GPU is present) and `just`, the etcd server that the registry
+# tests start, and a C compiler.
+#
+# Everything Python goes into a virtual environment made with $PYTHON (default python3):
+# .venv at the project root, or $OMNIFLOW_VENV (a relative path is taken from the project
+# root). Always, not only where the interpreter is externally managed (PEP 668, as the
+# system python3 of Debian 12 and Ubuntu 24.04 is): one behaviour everywhere, and nothing
+# is ever installed into the interpreter itself. A second run reuses the environment.
+#
+#   scripts/setup.sh                 set everything up
+#   scripts/setup.sh --print-python  make (or reuse) the environment only, print the
+#                                    interpreter pip would install into; install nothing
 set -euo pipefail
+CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 EXTRAS=${OMNIFLOW_EXTRAS:-dev,etcd}
+VENV=${OMNIFLOW_VENV:-.venv}
+case $VENV in /*) ;; *) VENV="$PWD/$VENV" ;; esac
+VPY="$VENV/bin/python"
 
-# Debian packages: the etcd server the registry tests start, and a C compiler for
-# omniflow's CPU kernels (without one the engine keeps PyTorch ops). One apt run for both.
+PRINT_PYTHON=0
+case "${1:-}" in
+  "") ;;
+  --print-python) PRINT_PYTHON=1 ;;
+  *) echo "usage: scripts/setup.sh [--print-python]" >&2; exit 2 ;;
+esac
+
+die() { echo "setup: $*" >&2; exit 1; }
+
+# The environment at $VENV is usable: a virtual environment with pip, made from $PY.
+venv_ok() {
+  [ -x "$VPY" ] || return 1
+  local mine base
+  mine=$("$VPY" -c 'import sys; assert sys.prefix != sys.base_prefix; import pip
+print(sys.base_prefix)' 2>/dev/null) || return 1
+  base=$("$PY" -c 'import sys; print(sys.base_prefix)') || return 1
+  [ "$mine" = "$base" ]
+}
+
+# The one check between pip and the system: the interpreter pip installs into is a virtual
+# environment's, so no externally managed interpreter (PEP 668) is ever written to.
+refuse_unless_venv() {
+  "$1" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' ||
+    die "refusing to install into $1: not a virtual environment's interpreter"
+}
+
+command -v "$PY" >/dev/null 2>&1 || [ "$PY" = python3 ] || die "no interpreter $PY"
+
+# Debian packages, in one apt run: the etcd server the registry tests start, a C compiler
+# for omniflow's CPU kernels (without one the engine keeps PyTorch ops), and python3 with
+# its venv module (Debian and Ubuntu ship ensurepip apart, in python3.X-venv) where the
+# environment has yet to be made and cannot be without them.
 PACKAGES=()
-command -v etcd >/dev/null 2>&1 || PACKAGES+=(etcd-server)
-command -v cc >/dev/null 2>&1 || PACKAGES+=(gcc libc6-dev)
+if [ $PRINT_PYTHON = 0 ]; then
+  command -v etcd >/dev/null 2>&1 || PACKAGES+=(etcd-server)
+  command -v cc >/dev/null 2>&1 || PACKAGES+=(gcc libc6-dev)
+fi
+if ! venv_ok; then
+  if ! command -v "$PY" >/dev/null 2>&1; then
+    PACKAGES+=(python3 python3-venv)
+  elif ! "$PY" -c 'import ensurepip, venv' 2>/dev/null; then
+    read -r PYVER PYBASE < <("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2], sys.base_prefix)')
+    [ "$PYBASE" = /usr ] || die "$PY has no venv/ensurepip module; give setup another PYTHON"
+    PACKAGES+=("python$PYVER-venv")
+  fi
+fi
 if [ ${#PACKAGES[@]} -gt 0 ]; then
-  if command -v apt-get >/dev/null 2>&1; then
+  if [ $PRINT_PYTHON = 1 ]; then
+    die "--print-python installs nothing, and the environment needs ${PACKAGES[*]}; run setup"
+  elif command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get update -qq
@@ -23,13 +81,28 @@ if [ ${#PACKAGES[@]} -gt 0 ]; then
   fi
 fi
 
+if ! venv_ok; then
+  [ -e "$VENV" ] && echo "setup: remaking $VENV (not a working environment of $PY)" >&2
+  "$PY" -m venv --clear "$VENV" >&2 || die "could not make a virtual environment with $PY"
+  venv_ok || die "$VENV is not a working virtual environment of $PY"
+fi
+refuse_unless_venv "$VPY"
+if [ $PRINT_PYTHON = 1 ]; then
+  echo "$VPY"
+  exit 0
+fi
+
 # An unpinned torch resolves to a multi-GB CUDA build; without a GPU take the CPU one.
 CONSTRAINTS=()
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   CONSTRAINTS=(-c constraints-cpu.txt)
 fi
-$PY -m pip install -q --disable-pip-version-check "${CONSTRAINTS[@]}" -e ".[${EXTRAS}]" rust-just
+"$VPY" -m pip install -q --disable-pip-version-check "${CONSTRAINTS[@]}" -e ".[${EXTRAS}]" rust-just
 # Build the CPU kernels now rather than in the first engine that wants them.
-KERNELS=$($PY -c 'from omniflow.kernels import cpu_kernels, unavailable_reason as why
+KERNELS=$("$VPY" -c 'from omniflow.kernels import cpu_kernels, unavailable_reason as why
 print("built" if cpu_kernels() else f"off ({why()})")')
-echo "setup: done ($($PY -c 'import torch; print("torch", torch.__version__)'), $(etcd --version 2>/dev/null | head -1), CPU kernels $KERNELS)"
+echo "setup: done in $VENV ($("$VPY" -c 'import torch; print("torch", torch.__version__)'), $(etcd --version 2>/dev/null | head -1), CPU kernels $KERNELS)"
+ACTIVATE="$VENV/bin/activate"
+[ "$CALLER_DIR" = "$PWD" ] && ACTIVATE=${ACTIVATE#"$PWD"/}
+echo "setup: \`. $ACTIVATE\` puts omniflow and just on PATH in this shell;" \
+  "just recipes use the environment either way"
