@@ -4,23 +4,6 @@ A backend takes requests (prompt token ids, plus precomputed embeddings for mult
 placeholder positions), advances all of them by one `step()` at a time, and reports new
 tokens per request as `TokenDelta`s; `abort` drops a request at the next step boundary.
 Each request ends with exactly one delta whose finish_reason is set.
-
-Mapping an SGLang backend onto this protocol (see sglang_backend.py):
-- add_request  -> omniflow's Scheduler and Sequence stay as they are; SGLang is used only
-  for the forward pass, not its own scheduler/tokenizer manager.
-- pages        -> omniflow owns the KV pool. SGLang's `ReqToTokenPool` row of a request is
-  filled from omniflow's page table (slot = page * page_size + offset), and its
-  `TokenToKVPool` K/V buffers are views over omniflow's `KVCache.keys/values`; the
-  PageAllocator (later the radix cache in omniflow/cache/) decides what is free or shared.
-- step         -> one `ForwardBatch` per scheduled step: `input_ids`, `positions`,
-  `out_cache_loc` (= our slot_mapping), `seq_lens`, `extend_prefix_lens` (= chunk start)
-  and `forward_mode` EXTEND for prefill chunks / DECODE for single tokens, run through
-  SGLang's `model.forward(input_ids, positions, forward_batch)` with its attention backend
-  (FlashInfer/Triton) reading the shared pages. Multimodal embeddings enter as
-  `input_embeds` rows, as here.
-- sampling     -> the logits SGLang returns (`LogitsProcessorOutput.next_token_logits`)
-  go through omniflow's Sampler, so penalties, seeds, stop rules and logprobs behave the
-  same on every backend.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from omniflow.engine import (
     SamplingParams,
 )
 from omniflow.engine.llm_engine import EngineConfig
-from omniflow.engine.sglang_backend import SGLangBackend
 
 
 def test_match_acquires_and_free_keeps_pages_matchable():
@@ -89,8 +88,3 @@ def test_embedding_span_shape_is_checked(llama_path):
     engine = LLMEngine(llama_path, EngineConfig(device="cpu"))
     with pytest.raises(ValueError, match="r1.*embeddings\\[0\\]"):
         engine.add_request("r1", [3, 4, 5], SamplingParams(), [EmbeddingSpan(1, torch.zeros(5, 3))])
-
-
-def test_sglang_backend_names_what_is_missing(llama_path):
-    with pytest.raises(ImportError, match="sglang"):
-        SGLangBackend(llama_path)
