@@ -216,13 +216,6 @@ class Shutdown(msgspec.Struct, tag="shutdown", **_WIRE):
     reason: str = ""
 
 
-class Heartbeat(msgspec.Struct, tag="heartbeat", **_WIRE):
-    role: str
-    replica: int
-    inflight: int = 0
-    served: int = 0
-
-
 # Registry protocol (embedded registry, over ZeroMQ). Every request carries an
 # ``rid`` that its reply echoes.
 
@@ -287,7 +280,6 @@ Message = (
     | Ready
     | SetupFailed
     | Shutdown
-    | Heartbeat
     | RegPut
     | RegKeepalive
     | RegDelete

@@ -187,9 +187,6 @@ class Plan:
                 taken.append(route)
         return taken
 
-    def stream_edge(self, src: str, dst: str) -> bool:
-        return any(e.stream for e in self.out_edges.get(src, ()) if e.dst == dst)
-
     # ------------------------------------------------------------ validation
 
     def _check_reachable(self) -> None:
@@ -214,7 +211,7 @@ class Plan:
                 if e.max_iters:
                     continue
                 if state.get(e.dst) == 1:
-                    cycle = " , ".join(str(x) for x in [*path, e] if True)
+                    cycle = ", ".join(map(str, [*path, e]))
                     raise GraphError(
                         f"unbounded cycle through edge {e} (path: {cycle}); "
                         "give one of its edges max_iters"
