@@ -1,6 +1,6 @@
 """The ``[cache]`` table of a deployment config, and byte sizes written as ``"4GiB"``.
 
-``omniflow/config.py`` embeds ``CacheConfig``; decoding goes through msgspec, so a bad
+``omniflow/runtime/config.py`` embeds ``CacheConfig``; decoding goes through msgspec, so a bad
 value surfaces as a ``msgspec.ValidationError`` whose message names the field.
 """
 

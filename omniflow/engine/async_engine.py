@@ -54,7 +54,7 @@ _STOP = object()
 class AsyncEngine:
     def __init__(self, backend: EngineBackend, thread_setup: Callable[[], None] | None = None):
         """thread_setup: called on the engine thread before anything else (a role lowers the
-        thread's priority with it, see omniflow/priority.py)."""
+        thread's priority with it, see omniflow/runtime/priority.py)."""
         self.backend = backend
         self._thread_setup = thread_setup
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

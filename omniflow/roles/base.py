@@ -23,7 +23,7 @@ class ModelActor(Actor):
     option sets torch's intra-op threads for the process (each replica is its own
     process, so this is per replica). The model thread runs ``model_nice`` (default 10,
     0 turns it off) nice levels below the event loop, so the loop moves requests first
-    when the CPU is short (see omniflow/priority.py).
+    when the CPU is short (see omniflow/runtime/priority.py).
     """
 
     _executor: ThreadPoolExecutor | None = None

@@ -1,5 +1,5 @@
 """Model threads run below their event loop's priority, so the loop moves requests first
-when the CPU is short (omniflow/priority.py). Real threads, read back from the kernel."""
+when the CPU is short (omniflow/runtime/priority.py). Real threads, read back from the kernel."""
 
 from __future__ import annotations
 
