@@ -37,6 +37,7 @@ _WHERE = {
     "TieredCache": "omniflow.cache.tiers",
     "format_size": "omniflow.cache.config",
     "parse_size": "omniflow.cache.config",
+    "pid_alive": "omniflow.cache.liveness",
     "unlink_pool": "omniflow.cache.segment",
 }
 
@@ -65,6 +66,7 @@ __all__ = [
     "TieredCache",
     "format_size",
     "parse_size",
+    "pid_alive",
     "unlink_pool",
 ]
 
@@ -78,6 +80,7 @@ if TYPE_CHECKING:
         SsdError,
         StaleLease,
     )
+    from omniflow.cache.liveness import pid_alive
     from omniflow.cache.pages import ExtraKeys, OutOfPages, PageUsage, PrefixMatch
     from omniflow.cache.pool import Lease, PagePool, PoolStats, PoolTensor, Reclaimed
     from omniflow.cache.prefix import RadixNode, RadixPrefixCache, Residency

@@ -42,6 +42,7 @@ from omniflow.cache.config import CacheConfig
 from omniflow.cache.dtypes import ITEMSIZE, dtype_name, nbytes_of, torch_dtype
 from omniflow.cache.errors import InvalidHandle, PoolError
 from omniflow.cache.lease import Lease, PoolStats, PoolTensor, Reclaimed
+from omniflow.cache.liveness import pid_alive
 from omniflow.cache.pagetable import PageTable, plan
 from omniflow.cache.pinned import cuda_available, register_host, unregister_host
 from omniflow.cache.segment import Segment
@@ -349,21 +350,6 @@ def _address(tensor: torch.Tensor) -> int:
     # Not data_ptr(): an empty tensor reports 0 there, wherever its storage lies.
     offset = int(tensor.storage_offset()) * tensor.element_size()
     return int(tensor.untyped_storage().data_ptr()) + offset
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (not gone, not a zombie)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _uint8() -> Any:

@@ -25,8 +25,15 @@ from typing import Any
 
 import torch
 
-from omniflow.cache import CacheConfig, PagePool, PoolError, SsdError, SsdStore, TieredCache
-from omniflow.cache.pool import pid_alive
+from omniflow.cache import (
+    CacheConfig,
+    PagePool,
+    PoolError,
+    SsdError,
+    SsdStore,
+    TieredCache,
+    pid_alive,
+)
 from omniflow.roles.base import ModelActor
 from omniflow.runtime.actor import Context
 

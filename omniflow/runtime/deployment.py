@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from omniflow.cache import pid_alive
 from omniflow.messages import ActorRecord
 from omniflow.runtime.client import Client, Output, Result
 from omniflow.runtime.config import Config, from_json, load
-from omniflow.runtime.supervisor import Supervisor, default_run_dir, pid_alive
+from omniflow.runtime.supervisor import Supervisor, default_run_dir
 
 
 class DeploymentNotFound(LookupError):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 import omniflow
-from omniflow.cache import unlink_pool
+from omniflow.cache import pid_alive, unlink_pool
 from omniflow.control.discovery import (
     EmbeddedRegistryServer,
     Registry,
@@ -381,15 +381,3 @@ class Supervisor:
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.state_path)
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True

@@ -7,7 +7,8 @@ import signal
 from pathlib import Path
 
 import omniflow
-from tests.conftest import leftover_sockets, pid_alive
+from omniflow.cache import pid_alive
+from tests.conftest import leftover_sockets
 from tests.helpers import echo_config, expected_echo
 
 

@@ -13,8 +13,9 @@ import pytest
 import zmq
 
 import omniflow
+from omniflow.cache import pid_alive
 from omniflow.control.discovery import list_actors, open_registry
-from tests.conftest import leftover_sockets, pid_alive
+from tests.conftest import leftover_sockets
 from tests.helpers import cli, expected_echo
 
 CONFIG = """
