@@ -159,7 +159,7 @@ class Cancel(msgspec.Struct, tag="cancel", **_WIRE):
     """Stop work on a request; propagates along the path the request took."""
 
     request_id: str
-    reason: str = "cancelled"
+    reason: str = Code.CANCELLED.value
 
 
 # ---------------------------------------------------------------- actor records

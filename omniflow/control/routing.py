@@ -212,7 +212,7 @@ class Fanout:
         if join is not None and join.role == role:  # the join's replica was chosen at the split
             record = self.router.view.find(join.replica)
             if record is None:
-                raise RouteError("unavailable", f"the {role} replica {join.replica} is gone")
+                raise RouteError(Code.UNAVAILABLE, f"the {role} replica {join.replica} is gone")
         else:
             record = self._pick(role, key=self._key(role, data))
         branch = _Branch(role, record, edge.stream, join, loops)
@@ -236,7 +236,7 @@ class Fanout:
         try:
             record = self.router.pick(role, key or self._key(role), exclude)
         except NoReplicaError:
-            raise RouteError("unavailable", f"no live replica of role {role!r}") from None
+            raise RouteError(Code.UNAVAILABLE, f"no live replica of role {role!r}") from None
         self.router.policies[role].on_send(record.actor_id)
         return record
 
@@ -295,7 +295,8 @@ class Fanout:
                 retry = branch.seq == 0 and branch.join is None
                 if not retry or branch.role not in self.router.idempotent:
                     raise RouteError(
-                        "unavailable", f"replica {branch.record.actor_id} did not take the request"
+                        Code.UNAVAILABLE,
+                        f"replica {branch.record.actor_id} did not take the request",
                     ) from None
                 branch.record = self._pick(branch.role, frozenset({branch.record.actor_id}))
         self._sent(branch)

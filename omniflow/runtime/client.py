@@ -146,7 +146,7 @@ class Client:
             self._sweeper.cancel()
             self._sweeper = None
         for pending in list(self._pending.values()):
-            pending.push(RequestFailed("cancelled", "client closed", "client", ""))
+            pending.push(RequestFailed(Code.CANCELLED.value, "client closed", "client", ""))
         self.inbox.close()
         await self.view.close()
         await self.registry.close()

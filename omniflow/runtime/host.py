@@ -327,7 +327,7 @@ class ActorHost:
             if stream.expired:
                 await self._fail(stream, Code.DEADLINE, f"deadline exceeded in {self.role}")
             else:
-                self._cancel_downstream(stream, "cancelled")
+                self._cancel_downstream(stream, Code.CANCELLED)
         elif isinstance(error, BadRequest):
             await self._fail(stream, Code.BAD_REQUEST, str(error))
         elif isinstance(error, (TensorError, RouteError)):
