@@ -4,7 +4,6 @@ from omniflow.engine.async_engine import AsyncEngine, EngineDeadError
 from omniflow.engine.llm import LLM, GenerationOutput
 from omniflow.engine.llm_engine import EngineConfig, LLMEngine
 from omniflow.engine.page_allocator import OutOfPages, PageAllocator, PageUsage, PrefixMatch
-from omniflow.engine.prefix_page_cache import HashPrefixPageCache
 from omniflow.engine.protocol import EngineBackend, TokenDelta
 from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.sequence import EmbeddingSpan
@@ -17,7 +16,6 @@ __all__ = [
     "EngineBackend",
     "EngineConfig",
     "GenerationOutput",
-    "HashPrefixPageCache",
     "LLMEngine",
     "OutOfPages",
     "PageAllocator",

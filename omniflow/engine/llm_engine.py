@@ -17,7 +17,6 @@ from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.model_runner import ModelRunner
 from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.paged_attention import KVCache
-from omniflow.engine.prefix_page_cache import HashPrefixPageCache
 from omniflow.engine.protocol import TokenDelta
 from omniflow.engine.sampler import Sampler
 from omniflow.engine.sampling_params import SamplingParams
@@ -37,7 +36,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the config's max_position_embeddings
     enable_prefix_caching: bool = True
-    prefix_cache: str = "hash"  # "hash" (chained page hashes) or "radix" (omniflow.cache.prefix)
+    prefix_cache: str = "radix"  # the only kind (cache/prefix.py); the llm role still passes it
     seed: int | None = None  # for requests without their own seed
     # KV tiers below the device (radix prefix cache only): evicted pages are copied to the
     # host page pool (the deployment's, or a private one), then to SSD, before being dropped.
@@ -52,25 +51,12 @@ class EngineConfig:
     cpu_kernels: bool = True
 
 
-PREFIX_CACHES = ("hash", "radix")
-
-
-def _page_allocator(
-    kind: str, num_pages: int, page_size: int, tiers: KVTiers | None
-) -> PageAllocator:
-    if kind == "radix":
-        return RadixPrefixCache(num_pages, page_size, tiers=tiers)
-    return HashPrefixPageCache(num_pages, page_size)
+PREFIX_CACHES = ("radix",)
 
 
 def _kv_tiers(config: EngineConfig, cache: KVCache, pool: PagePool | None) -> KVTiers | None:
     if config.host_kv_bytes <= 0:
         return None
-    if config.prefix_cache != "radix":
-        raise ValueError(
-            f"engine config field host_kv_bytes needs prefix_cache='radix', "
-            f"not {config.prefix_cache!r}"
-        )
     return KVTiers.create(
         KVCachePages(cache), config.host_kv_bytes, config.ssd_kv_dir, config.ssd_kv_bytes, pool
     )
@@ -136,8 +122,8 @@ class LLMEngine:
                 self._kv_blocks.append(block.lease)
             self.leases = LeaseBook(kv_pool)
         self.tiers = _kv_tiers(config, self.cache, kv_pool)
-        self.allocator = _page_allocator(
-            config.prefix_cache, num_pages, config.page_size, self.tiers
+        self.allocator: PageAllocator = RadixPrefixCache(
+            num_pages, config.page_size, tiers=self.tiers
         )
         self.scheduler = Scheduler(
             self.allocator,

@@ -1,8 +1,8 @@
 """The page allocation interface the engine uses for its paged KV cache.
 
-Kept small on purpose: the hash-chained cache (prefix_page_cache.py) and the radix tree
-(omniflow/cache/prefix.py) both sit behind it without the scheduler knowing which. The result
-types live in omniflow/cache/pages.py so the cache layer need not import the engine.
+Kept small on purpose, so the scheduler does not depend on the radix tree
+(omniflow/cache/prefix.py) that implements it. The result types live in
+omniflow/cache/pages.py so the cache layer need not import the engine.
 """
 
 from __future__ import annotations

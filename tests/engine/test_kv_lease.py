@@ -40,9 +40,7 @@ def borrower(pool):
 
 
 def engine_in(pool, path, num_pages=12):
-    config = EngineConfig(
-        device="cpu", page_size=PAGE, num_pages=num_pages, prefix_cache="radix", share_kv=True
-    )
+    config = EngineConfig(device="cpu", page_size=PAGE, num_pages=num_pages, share_kv=True)
     return LLMEngine(path, config, kv_pool=pool)
 
 

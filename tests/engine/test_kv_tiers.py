@@ -29,7 +29,6 @@ def tiered_llm(path, tmp_path, host_pages, ssd_pages=0, num_pages=30):
         device="cpu",
         page_size=PAGE,
         num_pages=num_pages,
-        prefix_cache="radix",
         host_kv_bytes=host_pages * page_bytes,
         ssd_kv_dir=str(tmp_path) if ssd_pages else None,
         ssd_kv_bytes=ssd_pages * max(4096, page_bytes),

@@ -1,23 +1,20 @@
 """Cached-prefix, uncached and preempted runs produce identical greedy tokens."""
 
-import pytest
 from conftest import hf_greedy, random_prompts
 
 from omniflow.engine import LLM, LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-PREFIX_CACHES = pytest.mark.parametrize("prefix_cache", ["hash", "radix"])
 
 
-@PREFIX_CACHES
-def test_cached_prefix_gives_identical_tokens(tiny_models, prefix_cache):
+def test_cached_prefix_gives_identical_tokens(tiny_models):
     path = tiny_models["llama-gqa"]
     [shared] = random_prompts((48,), seed=11)
     suffixes = random_prompts((5, 9, 3), seed=12)
     prompts = [shared + suffix for suffix in suffixes]
     uncached = LLM(path, device="cpu", page_size=8, enable_prefix_caching=False)
-    cached = LLM(path, device="cpu", page_size=8, prefix_cache=prefix_cache)
+    cached = LLM(path, device="cpu", page_size=8)
     cached.generate([shared], SamplingParams(temperature=0.0, max_tokens=1))
     expected = uncached.generate(prompts, GREEDY)
     got = cached.generate(prompts, GREEDY)
@@ -36,11 +33,10 @@ def test_full_prompt_hit_still_computes_last_token(tiny_models):
     assert again.cached_tokens == 24  # the last page holds the token whose logits are needed
 
 
-@PREFIX_CACHES
-def test_generated_pages_are_reused_by_a_follow_up_turn(tiny_models, prefix_cache):
+def test_generated_pages_are_reused_by_a_follow_up_turn(tiny_models):
     path = tiny_models["llama-mha"]
     [prompt] = random_prompts((20,), seed=6)
-    llm = LLM(path, device="cpu", page_size=4, prefix_cache=prefix_cache)
+    llm = LLM(path, device="cpu", page_size=4)
     first = llm.generate([prompt], GREEDY)[0]
     follow_up = prompt + first.token_ids + [5, 6, 7]
     [second] = llm.generate([follow_up], GREEDY)
@@ -48,8 +44,7 @@ def test_generated_pages_are_reused_by_a_follow_up_turn(tiny_models, prefix_cach
     assert second.cached_tokens == 32
 
 
-@PREFIX_CACHES
-def test_preemption_under_small_page_budget_gives_identical_tokens(tiny_models, prefix_cache):
+def test_preemption_under_small_page_budget_gives_identical_tokens(tiny_models):
     path = tiny_models["qwen2-tied-odd-heads"]
     prompts = random_prompts((30, 12, 25, 7, 18, 22), seed=21)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -61,7 +56,6 @@ def test_preemption_under_small_page_budget_gives_identical_tokens(tiny_models, 
             page_size=4,
             num_pages=14,
             enable_prefix_caching=prefix_caching,
-            prefix_cache=prefix_cache,
         )
         engine = LLMEngine(path, config)
         for index, prompt in enumerate(prompts):

@@ -3,15 +3,13 @@ and every surviving request gets the tokens it would get alone."""
 
 import random
 
-import pytest
 from conftest import random_prompts
 
 from omniflow.engine import LLM, LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
 
 
-@pytest.mark.parametrize("prefix_cache", ["hash", "radix"])
-def test_random_arrivals_and_aborts_under_pressure(tiny_models, prefix_cache):
+def test_random_arrivals_and_aborts_under_pressure(tiny_models):
     path = tiny_models["llama-gqa"]
     rng = random.Random(0)
     prompts = random_prompts([rng.randint(1, 40) for _ in range(14)], seed=51)
@@ -27,7 +25,6 @@ def test_random_arrivals_and_aborts_under_pressure(tiny_models, prefix_cache):
         num_pages=16,
         max_num_seqs=5,
         max_num_batched_tokens=24,
-        prefix_cache=prefix_cache,
     )
     engine = LLMEngine(path, config)
     pending = list(range(len(prompts)))
