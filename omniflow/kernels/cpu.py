@@ -1,8 +1,9 @@
-"""omniflow's CPU kernels for a bf16 decoder step, built from cpu_kernels.c on first use.
+"""omniflow's CPU kernels for a bf16 decoder step, built from this folder's C files on first use.
 
-`cpu_kernels()` compiles the C source with the machine's compiler (`$CC`, else cc/gcc/clang;
--O3 -march=native -fopenmp) into a per-user cache, keyed by the source, the flags and the
-compiler, and loads it through ctypes. It returns None, and the engine keeps its PyTorch
+`cpu_kernels()` compiles every .c file here (one per kernel family, sharing cpu_kernels.h) with
+the machine's compiler (`$CC`, else cc/gcc/clang; -O3 -march=native -fopenmp) into one shared
+library in a per-user cache, keyed by the content of every source file, the flags, the
+compiler and the CPU's flags, and loads it through ctypes. It returns None, and the engine keeps its PyTorch
 ops, where that cannot work: no compiler, a failed build, not x86-64 Linux, or
 OMNIFLOW_CPU_KERNELS=0. The reason is logged once and kept in `unavailable_reason()`.
 
@@ -27,11 +28,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# The kernels' shared header; the library is built from every .c file beside it.
+SOURCE = Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC"]
 ENV_SWITCH = "OMNIFLOW_CPU_KERNELS"
 MAX_HEAD_DIM = 512  # the rotary kernel's per-head buffer
-# What CpuKernels.decode_layers reads of each layer, in order (cpu_kernels.c: L_NORM ...).
+# What CpuKernels.decode_layers reads of each layer, in order (decode_layers.c: L_NORM ...).
 DECODE_LAYER_FIELDS = (
     "norm",
     "qkv",
@@ -97,7 +99,7 @@ class CpuKernels:
         self.amx = bool(library.omniflow_amx_supported())
         # Addresses per layer that decode_layers reads (see DECODE_LAYER_FIELDS).
         if library.omniflow_decode_layer_fields() != len(DECODE_LAYER_FIELDS):
-            raise OSError("cpu_kernels.c and cpu.py disagree on the decode layer fields")
+            raise OSError("decode_layers.c and cpu.py disagree on the decode layer fields")
 
     @staticmethod
     def _threads(rows_elements: int) -> int:
@@ -394,7 +396,7 @@ class CpuKernels:
         scale: float,
     ) -> None:
         """A decode step's decoder layers in one call (one new token a row; see
-        cpu_kernels.c): x [rows, hidden] in place, from the embeddings to the last layer's
+        decode_layers.c): x [rows, hidden] in place, from the embeddings to the last layer's
         residual stream. layers: int64 [layers, len(DECODE_LAYER_FIELDS)] of addresses (0 for
         no bias): norms' weights, projections packed by pack_linear (gate/up fused), each
         layer's pages, laid out as `pages` (one layer's keys, [kv_heads, pages, page_size,
@@ -456,7 +458,7 @@ class CpuKernels:
         """A [out, in] weight re-laid for `CpuKernels.linear`: blocks of 32 output columns, each
         k-block of 32 inputs as two 16 x 16 x 2 AMX tiles (VNNI pairs of inputs), zero-padded.
         gate_up: W is [gate; up] of gate_up rows each; a block then holds 16 gate and the same 16
-        up columns (see cpu_kernels.c). Returns [blocks, k-blocks, 2, 16, 16, 2]."""
+        up columns (see linear_amx.c). Returns [blocks, k-blocks, 2, 16, 16, 2]."""
         out_features, in_features = weight.shape
         kblocks = (in_features + 31) // 32
         if gate_up:
@@ -576,11 +578,12 @@ def _build() -> Path:
         ).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise _Unavailable(f"{compiler} --version failed: {error}") from error
-    source = SOURCE.read_bytes()
-    # -march=native: the build is only good for CPUs with these features.
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags()])
-    )
+    sources = sorted(SOURCE.parent.glob("*.c"))
+    # Every file a build reads, headers included; -march=native: the build is only good for
+    # CPUs with these features.
+    key = hashlib.sha256(b"\0".join([" ".join(FLAGS).encode(), version.encode(), _cpu_flags()]))
+    for path in sorted([*sources, *SOURCE.parent.glob("*.h")]):
+        key.update(b"\0%s\0%s" % (path.name.encode(), path.read_bytes()))
     target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -588,7 +591,7 @@ def _build() -> Path:
     # Build beside the target and rename: processes building at once never load a half file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"]
+        command = [compiler, *FLAGS, *map(str, sources), "-o", str(built), "-lm"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as error:
