@@ -165,7 +165,7 @@ class KVTiers:
         The sources stay where they are until the tree finishes the job (``finish``). The
         host views are made here, so the worker runs a few large copies and needs the GIL
         only briefly: a busy engine thread would otherwise hand it over every switch
-        interval, once per small step (measured: ~300 ms to promote 60 pages).
+        interval, once per small step.
         """
         host = {
             row: self._host_view(h) for row, (tier, h) in enumerate(job.sources) if tier == HOST

@@ -50,8 +50,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax, the first maximum of each row as torch.argmax picks it.
 
-    On CPU in float32 it goes through numpy, whose argmax is vectorized: ~35 µs for 32 rows
-    of an 8k vocabulary here, against ~250 µs for torch's, every decode step.
+    On CPU in float32 it goes through numpy, whose argmax is vectorized and several times
+    faster than torch's there; it runs every decode step.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(logits.numpy().argmax(-1))

@@ -97,8 +97,7 @@ static inline __attribute__((always_inline)) __m512 silu_mul16(__m512 gate, __m5
  *
  * Work is handed out dynamically (schedule(dynamic)), not split evenly up front: on a shared
  * machine one core is now and then much slower than the other (a busy sibling thread), and
- * an even split then waits on it. Measured on a 2-vCPU VM, llama-bench-30m engine runs paired
- * in-process: 2,048-row projections 30% shorter in a slow phase, the whole run 7-13%. */
+ * an even split then waits on it. */
 #define PARALLEL_ELEMENTS (1 << 16)
 
 /* What one kernel file runs of another's: the row and task bodies that decode_layers.c calls

@@ -118,10 +118,8 @@ void amx_end(amx_scratch *scratch)
     _tile_release();
 }
 
-/* How far ahead (in 2 KB k-blocks of weight tiles) a projection over few rows prefetches.
- * Measured on a 2-vCPU AMX VM, llama-bench-30m engine runs paired in-process (medians of
- * 6-10 pairs): whole runs 2-8% shorter in three of four comparisons, 2% longer in one;
- * 16 k-blocks ahead no better than 8. */
+/* How far ahead (in 2 KB k-blocks of weight tiles) a projection over few rows prefetches;
+ * 16 measured no better than 8. */
 #define PREFETCH_KBLOCKS 8
 
 /* A decode step's 32 rows are read in place (a copy costs more than it saves there); more

@@ -59,8 +59,8 @@ class Stream:
 class Slots:
     """How many requests may run the handler at once; a Future only when none is free.
 
-    asyncio.Semaphore costs a few microseconds per request even uncontended (two
-    coroutines and a scan of its waiters); this is an integer on the fast path.
+    asyncio.Semaphore costs two coroutines and a scan of its waiters per request even
+    uncontended; this is an integer on the fast path.
     """
 
     __slots__ = ("free", "_waiters")

@@ -6,10 +6,9 @@ thread otherwise waits for the running compute slice to end, which takes millise
 under Linux's fair scheduler. With the model threads at a higher nice value, the woken
 loop runs first.
 
-At 32 concurrent requests through the five roles on 2 vCPUs, the pipeline's
-orchestration overhead p50 was 3.3-4.1 ms with it against 3.6-5.3 ms without
-(benchmarks/pipeline.py, three runs each, alternated). Compute threads share the CPU
-among themselves as before, and the loop threads use little of it. Torch's intra-op
+It lowers the pipeline's orchestration overhead under load (README, Benchmarks).
+Compute threads share the CPU among themselves as before, and the loop threads use
+little of it. Torch's intra-op
 worker threads (``threads`` > 1) keep the nice value of the thread that first started
 them.
 """
