@@ -1,4 +1,4 @@
-"""omniflow's CPU kernels (built here from cpu_kernels.c with the machine's compiler) against
+"""omniflow's CPU kernels (built here from kernels/*.c with the machine's compiler) against
 the PyTorch ops they replace, and the engine and decoder on them against PyTorch ops."""
 
 from dataclasses import replace
