@@ -20,6 +20,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from omniflow.cli.progress import StartProgress
 from omniflow.runtime.config import ConfigError, load
@@ -63,7 +64,8 @@ def _load(config: Path) -> Any:
     try:
         return load(config)
     except ConfigError as e:
-        err.print(f"[red]config error:[/] {e}")
+        # The message names tables as "[roles.x]": print it as text, not as rich markup.
+        err.print(f"[red]config error:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from None
 
 

@@ -15,6 +15,10 @@ then a single-chunk request's ``handle`` starts inside the socket reader, before
 exists, and moves into a Task only at its first real suspension, saving a Task per hop.
 Until then ``asyncio.current_task()`` is None and context variables set by the handler
 land in the reader's context, so only handlers that use neither should opt in.
+
+An actor class may set ``Options`` to a msgspec Struct: its config's ``options`` table is
+then checked against it when the config loads (unknown keys, types, ``Meta`` ranges) and
+``self.options`` is that Struct; without one, ``self.options`` is the table as a dict.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+from omniflow.runtime.tables import decode
 
 if TYPE_CHECKING:
     import torch
@@ -128,11 +134,16 @@ class Actor:
     """Base class of every role. Subclasses override ``handle``; others are optional."""
 
     eager = False  # start single-chunk handlers in the socket reader (see the module doc)
+    Options: ClassVar[Any] = None  # a msgspec Struct type for the options table; None: any
 
     def __init__(self, role: str, replica: int, options: Mapping[str, Any] | None = None) -> None:
         self.role = role
         self.replica = replica
-        self.options = dict(options or {})
+        raw = dict(options or {})
+        table = ("roles", role, "options")
+        self.options: Any = (
+            raw if self.Options is None else decode(raw, self.Options, table, "option")
+        )
 
     async def setup(self) -> None:
         """Load weights and warm up; the actor registers only after this returns."""

@@ -1,18 +1,23 @@
-"""Deployment config: TOML → typed msgspec structs, errors naming file and field.
+"""Deployment config: TOML → typed msgspec structs, checked whole before any process starts.
 
-configs/x.toml: roles.upper.replicas: expected int, got str
+Every table is a Struct (ranges and choices in ``Meta``); each role's ``options`` table is
+checked against the Struct its actor declares (omniflow.runtime.loading). An error names
+the file, the table and the field:
+
+    configs/x.toml: [roles.llm.options] hidden_sise: unknown option (did you mean hidden_size?)
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from omniflow.cache.config import CacheConfig
 from omniflow.control.graph import GraphError, Plan, graph_from_edges
+from omniflow.runtime.tables import FieldError, decode
 
 _STRICT = {"forbid_unknown_fields": True, "omit_defaults": True}
 
@@ -22,14 +27,25 @@ class ConfigError(ValueError):
 
 
 class RoleConfig(msgspec.Struct, **_STRICT):
-    actor: str  # "package.module:ClassName"
-    replicas: int = 1
-    max_concurrency: int = 64
-    max_queue: int = 1024
-    policy: str = "round_robin"
-    idempotent: bool = False
-    gpus: list[int] = []
-    options: dict[str, Any] = {}
+    actor: Annotated[
+        str,
+        Meta(pattern=r"^[\w.]+:\w+$", description="the Actor subclass, package.module:ClassName"),
+    ]
+    replicas: Annotated[int, Meta(ge=1, description="processes running this role")] = 1
+    max_concurrency: Annotated[
+        int, Meta(ge=1, description="requests one replica works on at once")
+    ] = 64
+    max_queue: Annotated[
+        int, Meta(ge=0, description="requests waiting beyond those; more are refused")
+    ] = 1024
+    policy: Annotated[
+        str, Meta(description="how producers pick a replica: round_robin, prefix_aware, ...")
+    ] = "round_robin"
+    idempotent: Annotated[
+        bool, Meta(description="a dead replica's request may be retried on another")
+    ] = False
+    gpus: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(description="GPU ids")] = []
+    options: Annotated[dict[str, Any], Meta(description="the actor's own options (below)")] = {}
 
 
 class EdgeConfig(msgspec.Struct, **_STRICT, rename={"src": "from", "dst": "to"}):
@@ -44,25 +60,42 @@ class GraphConfig(msgspec.Struct, **_STRICT):
     edges: list[EdgeConfig]
 
 
+Seconds = Annotated[float, Meta(gt=0)]
+
+
 class RuntimeConfig(msgspec.Struct, **_STRICT):
-    run_dir: str = ""  # default: /tmp/omniflow-<uid>/<name>
-    transport: str = "ipc"  # "ipc" on one host, "tcp" to reach across hosts
-    bind_host: str = "127.0.0.1"
-    heartbeat_s: float = 0.5
-    ttl_s: float = 3.0
-    start_timeout_s: float = 60.0
-    drain_timeout_s: float = 10.0
-    send_timeout_s: float = 2.0  # a peer that takes nothing this long counts as dead
-    request_timeout_s: float = 300.0  # the deadline of a request that names none (0: none)
-    restart_backoff_s: float = 0.5
-    restart_backoff_max_s: float = 10.0
+    run_dir: Annotated[str, Meta(description="default: /tmp/omniflow-<uid>/<name>")] = ""
+    transport: Annotated[
+        Literal["ipc", "tcp"], Meta(description="ipc on one host, tcp to reach across hosts")
+    ] = "ipc"
+    bind_host: Annotated[str, Meta(description="address tcp endpoints bind")] = "127.0.0.1"
+    heartbeat_s: Annotated[float, Meta(gt=0, description="registry keepalive period")] = 0.5
+    ttl_s: Annotated[
+        float, Meta(gt=0, description="a replica silent this long drops out (> heartbeat_s)")
+    ] = 3.0
+    start_timeout_s: Annotated[float, Meta(gt=0, description="for every actor's setup")] = 60.0
+    drain_timeout_s: Annotated[
+        float, Meta(ge=0, description="in-flight requests get this long at shutdown")
+    ] = 10.0
+    send_timeout_s: Annotated[
+        float, Meta(gt=0, description="a peer that takes nothing this long counts as dead")
+    ] = 2.0
+    request_timeout_s: Annotated[
+        float, Meta(ge=0, description="deadline of a request that names none (0: none)")
+    ] = 300.0
+    restart_backoff_s: Annotated[
+        float, Meta(ge=0, description="first wait before restarting a dead worker")
+    ] = 0.5
+    restart_backoff_max_s: Annotated[
+        float, Meta(ge=0, description="the backoff doubles up to this")
+    ] = 10.0
 
 
 class DeviceGroup(msgspec.Struct, **_STRICT):
     """Roles co-located on one device, each with a fraction of its free memory."""
 
-    device: str = "cpu"  # "cpu" or "cuda:N"
-    fractions: dict[str, float] = {}
+    device: Annotated[str, Meta(pattern=r"^(cpu|cuda:\d+)$")] = "cpu"
+    fractions: dict[str, Annotated[float, Meta(gt=0, le=1)]] = {}
 
 
 class ResourcesConfig(msgspec.Struct, **_STRICT):
@@ -80,10 +113,14 @@ class ResourcesConfig(msgspec.Struct, **_STRICT):
 
 
 class Config(msgspec.Struct, **_STRICT):
-    name: str
-    roles: dict[str, RoleConfig]
+    name: Annotated[
+        str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,40}$", description="names the deployment")
+    ]
+    roles: Annotated[dict[str, RoleConfig], Meta(min_length=1)]
     graph: GraphConfig
-    registry: str = "embedded"  # or "etcd://host:port"
+    registry: Annotated[
+        str, Meta(pattern=r"^(embedded|etcd://.+)$", description="embedded or etcd://host:port")
+    ] = "embedded"
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
     resources: ResourcesConfig = msgspec.field(default_factory=ResourcesConfig)
     cache: CacheConfig = msgspec.field(default_factory=lambda: CacheConfig(host_pool="256MiB"))
@@ -93,45 +130,28 @@ class Config(msgspec.Struct, **_STRICT):
         return build_plan(self, self.source or "<config>")
 
 
-_PATH = re.compile(r" - at `\$((?:\.[^`\[]+|\[\d+\])*)`$")
-_TYPE = re.compile(r"^Expected `([^`]+)`, got `([^`]+)`")
-_UNKNOWN = re.compile(r"^Object contains unknown field `([^`]+)`")
-_MISSING = re.compile(r"^Object missing required field `([^`]+)`")
-
-
-def _friendly(source: str, error: Exception, prefix: str = "") -> ConfigError:
-    text = str(error)
-    m = _PATH.search(text)
-    where = prefix + (m.group(1) if m else "")
-    where = where.lstrip(".")
-    what = text[: m.start()] if m else text
-    if t := _TYPE.match(what):
-        what = f"expected {t.group(1)}, got {t.group(2)}"
-    elif u := _UNKNOWN.match(what):
-        where = f"{where}.{u.group(1)}" if where else u.group(1)
-        what = "unknown field"
-    elif r := _MISSING.match(what):
-        where = f"{where}.{r.group(1)}" if where else r.group(1)
-        what = "missing required field"
-    return ConfigError(f"{source}: {where}: {what}" if where else f"{source}: {what}")
-
-
 def parse(raw: dict[str, Any], source: str = "<config>") -> Config:
-    # msgspec reports a dict key as "[...]": check each role alone to name it.
-    roles = raw.get("roles")
-    if isinstance(roles, dict):
-        for name, role in roles.items():
-            try:
-                msgspec.convert(role, RoleConfig)
-            except msgspec.ValidationError as e:
-                raise _friendly(source, e, prefix=f".roles.{name}") from None
     try:
-        config = msgspec.convert(raw, Config)
-    except msgspec.ValidationError as e:
-        raise _friendly(source, e) from None
-    config.source = source
+        config = decode(raw, Config)
+        config.source = source
+        check_options(config)
+    except ValueError as e:  # a FieldError, or [cache]'s __post_init__ naming its field
+        raise ConfigError(f"{source}: {e}") from None
     validate(config, source)
     return config
+
+
+def check_options(config: Config) -> None:
+    """Each role's options against its actor's Struct (importing what the actor names)."""
+    from omniflow.runtime.loading import options_type
+
+    for name, role in config.roles.items():
+        try:
+            options = options_type(role.actor)
+        except (ImportError, AttributeError, TypeError) as e:
+            raise FieldError("actor", f"cannot load {role.actor}: {e}", ("roles", name)) from None
+        if options is not None:
+            decode(role.options, options, ("roles", name, "options"), "option")
 
 
 def load(path: str | Path) -> Config:
@@ -151,28 +171,12 @@ def load(path: str | Path) -> Config:
 
 
 def validate(config: Config, source: str) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", config.name):
-        raise ConfigError(f"{source}: name: use 1-40 letters, digits, '_', '.', '-'")
-    if not config.roles:
-        raise ConfigError(f"{source}: roles: a deployment needs at least one role")
+    """What the Structs cannot say: checks across fields and tables."""
     for name, role in config.roles.items():
-        where = f"{source}: roles.{name}"
-        if ":" not in role.actor:
-            raise ConfigError(f"{where}.actor: expected 'package.module:ClassName'")
-        if role.replicas < 1:
-            raise ConfigError(f"{where}.replicas: must be >= 1, got {role.replicas}")
-        if role.max_concurrency < 1:
-            raise ConfigError(f"{where}.max_concurrency: must be >= 1")
-        if role.max_queue < 0:
-            raise ConfigError(f"{where}.max_queue: must be >= 0")
-        _check_policy(f"{where}.policy", role.policy)
+        _check_policy(f"{source}: [roles.{name}] policy", role.policy)
     rt = config.runtime
-    if rt.transport not in ("ipc", "tcp"):
-        raise ConfigError(f"{source}: runtime.transport: expected 'ipc' or 'tcp'")
     if rt.ttl_s <= rt.heartbeat_s:
-        raise ConfigError(f"{source}: runtime.ttl_s: must exceed runtime.heartbeat_s")
-    if not (config.registry == "embedded" or config.registry.startswith("etcd://")):
-        raise ConfigError(f"{source}: registry: expected 'embedded' or 'etcd://host:port'")
+        raise ConfigError(f"{source}: [runtime] ttl_s: must exceed heartbeat_s")
     _check_resources(config, source)
     build_plan(config, source)
 
@@ -180,20 +184,16 @@ def validate(config: Config, source: str) -> None:
 def _check_resources(config: Config, source: str) -> None:
     seen: dict[str, str] = {}
     for name, group in config.resources.groups.items():
-        where = f"{source}: resources.groups.{name}"
-        if not re.fullmatch(r"cpu|cuda:\d+", group.device):
-            raise ConfigError(f"{where}.device: expected 'cpu' or 'cuda:N', got {group.device!r}")
-        for role, fraction in group.fractions.items():
+        where = f"{source}: [resources.groups.{name}] fractions"
+        for role in group.fractions:
             if role not in config.roles:
-                raise ConfigError(f"{where}.fractions.{role}: unknown role")
+                raise ConfigError(f"{where}.{role}: unknown role")
             if role in seen:
-                raise ConfigError(f"{where}.fractions.{role}: already in group {seen[role]!r}")
-            if not 0 < fraction <= 1:
-                raise ConfigError(f"{where}.fractions.{role}: must be in (0, 1], got {fraction}")
+                raise ConfigError(f"{where}.{role}: already in group {seen[role]!r}")
             seen[role] = name
         total = sum(group.fractions.values())
         if total > 1.0 + 1e-9:
-            raise ConfigError(f"{where}.fractions: sum to {total:g}, more than the whole device")
+            raise ConfigError(f"{where}: sum to {total:g}, more than the whole device")
 
 
 def _check_policy(where: str, name: str) -> None:
@@ -213,7 +213,7 @@ def build_plan(config: Config, source: str) -> Plan:
     try:
         return graph_from_edges(specs).compile(config.roles)
     except GraphError as e:
-        raise ConfigError(f"{source}: graph: {e}") from None
+        raise ConfigError(f"{source}: [graph] {e}") from None
 
 
 def to_json(config: Config) -> bytes:

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import ctypes
 import gc
-import importlib
 import logging
 import os
 import signal
@@ -34,6 +33,7 @@ from omniflow.messages import ActorRecord, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.actor import Actor
 from omniflow.runtime.config import Config, from_json
 from omniflow.runtime.host import ActorHost
+from omniflow.runtime.loading import load_actor_class
 from omniflow.runtime.resources import budget_after_barrier
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, fd_of
@@ -41,14 +41,6 @@ from omniflow.transport.links import attach_pool
 
 log = logging.getLogger("omniflow.runtime.worker")
 _control_decoder = decoder_for(Shutdown)
-
-
-def load_actor_class(path: str) -> type[Actor]:
-    module, _, name = path.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    if not (isinstance(cls, type) and issubclass(cls, Actor)):
-        raise TypeError(f"{path} is not an omniflow.Actor subclass")
-    return cls
 
 
 def endpoint_for(config: Config, run_dir: Path, role: str, replica: int) -> str:

@@ -91,11 +91,11 @@ def test_bounded_loop_is_accepted_and_counted():
 
 
 def test_config_graph_errors_name_the_file():
-    with pytest.raises(ConfigError, match="<x>: graph: edge input -> b: unknown role 'b'"):
+    with pytest.raises(ConfigError, match=r"<x>: \[graph\] edge input -> b: unknown role 'b'"):
         parse(
             {
                 "name": "x",
-                "roles": {"a": {"actor": "m:A"}},
+                "roles": {"a": {"actor": "omniflow.roles.echo:Upper"}},
                 "graph": {"edges": [{"from": "input", "to": "b"}]},
             },
             "<x>",

@@ -203,7 +203,7 @@ def test_cli_exit_codes(run_root):
     bad.write_text(CONFIG.replace("replicas = 2", 'replicas = "two"'))
     proc = cli("up", str(bad), check=False)
     assert proc.returncode == 2
-    assert "roles.reverse.replicas: expected int, got str" in proc.stderr.replace("\n", "")
+    assert '[roles.reverse] replicas = "two": expected int, got str' in proc.stderr
     assert cli("send", "--name", "nothing", "--text", "x", check=False).returncode == 3
 
 
