@@ -52,24 +52,38 @@ def role_specs(models: Path) -> dict[str, dict]:
     return {
         "vision_encoder": {
             "actor": f"{r}.vision_encoder:VisionEncoderRole",
-            "options": {"model_path": str(models / "vision"), "threads": 1, "cache_entries": 0},
+            "options": {
+                "build_tiny": True,
+                "model_path": str(models / "vision"),
+                "threads": 1,
+                "cache_entries": 0,
+            },
         },
         "audio_encoder": {
             "actor": f"{r}.audio_encoder:AudioEncoderRole",
-            "options": {"model_path": str(models / "audio"), "threads": 1},
+            "options": {"build_tiny": True, "model_path": str(models / "audio"), "threads": 1},
         },
         "llm": {
             "actor": f"{r}.llm:LLMRole",
             "max_concurrency": 64,
-            "options": {"model_path": str(models / "llm"), "threads": 1},
+            "options": {"build_tiny": True, "model_path": str(models / "llm"), "threads": 1},
         },
         "image_decoder": {
             "actor": f"{r}.image_decoder:ImageDecoderRole",
-            "options": {"model_path": str(models / "image_decoder"), "steps": 1, "threads": 1},
+            "options": {
+                "build_tiny": True,
+                "model_path": str(models / "image_decoder"),
+                "steps": 1,
+                "threads": 1,
+            },
         },
         "audio_decoder": {
             "actor": f"{r}.audio_decoder:AudioDecoderRole",
-            "options": {"model_path": str(models / "audio_decoder"), "threads": 1},
+            "options": {
+                "build_tiny": True,
+                "model_path": str(models / "audio_decoder"),
+                "threads": 1,
+            },
         },
     }
 

@@ -69,11 +69,15 @@ def vision_llm_config(
         "roles": {
             "vision_encoder": {
                 "actor": "omniflow.roles.vision_encoder:VisionEncoderRole",
-                "options": {"model_path": str(models / "vision"), "threads": 1},
+                "options": {"model_path": str(models / "vision"), "build_tiny": True, "threads": 1},
             },
             "llm": {
                 "actor": "omniflow.roles.llm:LLMRole",
-                "options": {"model_path": str(models / "llm"), "kv_cache_mb": 8},
+                "options": {
+                    "model_path": str(models / "llm"),
+                    "build_tiny": True,
+                    "kv_cache_mb": 8,
+                },
                 **(llm or {}),
             },
         },

@@ -11,9 +11,7 @@ A client assembles the WAV by concatenating the ``audio_chunk`` bytes in ``index
 writing them with ``wave``: ``setnchannels(1)``, ``setsampwidth(2)``, ``setframerate(24000)``,
 ``writeframes(b"".join(chunks))``. A chunk with no codes (a closing chunk) yields nothing.
 
-Options: ``model_path`` (built tiny there if empty), ``device``, ``seed`` (only for that
-build), ``max_chunk_tokens`` (largest n accepted in one chunk, default 512), ``threads``
-(torch threads of the process).
+Options: ``AudioDecoderOptions`` in roles/options.py.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import torch
 
 from omniflow.models.omni import AudioDecoder, ensure_model, load_audio_decoder, to_pcm16
 from omniflow.roles.base import ModelActor
+from omniflow.roles.options import AudioDecoderOptions
 from omniflow.runtime.actor import BadRequest, Context, Request
 
 
@@ -39,8 +38,11 @@ class _StreamState:
 
 
 class AudioDecoderRole(ModelActor):
+    Options = AudioDecoderOptions
+    options: AudioDecoderOptions
+
     async def setup(self) -> None:
-        self.max_chunk_tokens = int(self.options.get("max_chunk_tokens", 512))
+        self.max_chunk_tokens = self.options.max_chunk_tokens
         # Keyed by the request's Context, which lives exactly as long as the request's stream:
         # state goes away with the request even if it ends by cancel or without a last chunk.
         self._streams: weakref.WeakKeyDictionary[Context, _StreamState] = (
@@ -54,9 +56,10 @@ class AudioDecoderRole(ModelActor):
         await self._run(self._decode, warm, 0)
 
     def _load(self) -> AudioDecoder:
-        path = self.options.get("model_path", "models/longcat-tiny/audio_decoder")
-        ensure_model("audio_decoder", path, int(self.options.get("seed", 0)))
-        return load_audio_decoder(path, self.options.get("device", "cpu"))
+        opts = self.options
+        if opts.build_tiny:
+            ensure_model("audio_decoder", opts.model_path, opts.seed)
+        return load_audio_decoder(opts.model_path, opts.device)
 
     async def handle(self, request: Request, ctx: Context):
         codes = request.tensors.get("audio_codes")

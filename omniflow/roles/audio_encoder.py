@@ -9,9 +9,7 @@ Output:
     audio_hash:    str                        blake2b-128 hex of the WAV bytes
     audio_seconds: float                      duration of the input
 
-Options: ``model_path`` (built tiny there if empty), ``device``, ``seed`` and ``hidden_size``
-(only for that build), ``sample_rates`` (accepted input rates), ``max_seconds``, ``max_bytes``,
-``cache_entries``, ``cache_mb``, ``threads`` (torch threads of the process).
+Options: ``AudioEncoderOptions`` in roles/options.py.
 """
 
 from __future__ import annotations
@@ -27,9 +25,8 @@ import torch
 from omniflow.content import content_hash
 from omniflow.models.omni import AudioTokenizer, ensure_model, load_audio
 from omniflow.roles.encoder_cache import CachingEncoder, role_cache
+from omniflow.roles.options import AudioEncoderOptions
 from omniflow.runtime.actor import BadRequest, Context, Request
-
-ACCEPTED_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 
 
 def read_wav(data: bytes, accepted_rates: tuple[int, ...]) -> tuple[np.ndarray, int]:
@@ -82,11 +79,14 @@ def resample(samples: torch.Tensor, rate: int, target: int) -> torch.Tensor:
 
 
 class AudioEncoderRole(CachingEncoder):
+    Options = AudioEncoderOptions
+    options: AudioEncoderOptions
+
     async def setup(self) -> None:
         opts = self.options
-        self.sample_rates = tuple(int(r) for r in opts.get("sample_rates", ACCEPTED_RATES))
-        self.max_seconds = float(opts.get("max_seconds", 120.0))
-        self.max_bytes = int(opts.get("max_bytes", 64 << 20))
+        self.sample_rates = tuple(opts.sample_rates)
+        self.max_seconds = opts.max_seconds
+        self.max_bytes = opts.max_bytes
         self.cache = role_cache(self)  # in the deployment's page pool when there is one
         self.encoded = 0
         self.start_model_thread()
@@ -95,10 +95,10 @@ class AudioEncoderRole(CachingEncoder):
         await self._run(self.model.encode, torch.zeros(self.model.config.samples_per_token))
 
     def _load(self) -> AudioTokenizer:
-        path = self.options.get("model_path", "models/longcat-tiny/audio_encoder")
-        seed = int(self.options.get("seed", 0))
-        ensure_model("audio", path, seed, hidden_size=int(self.options.get("hidden_size", 64)))
-        return load_audio(path, self.options.get("device", "cpu"))
+        opts = self.options
+        if opts.build_tiny:
+            ensure_model("audio", opts.model_path, opts.seed, hidden_size=opts.hidden_size)
+        return load_audio(opts.model_path, opts.device)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
         raw = request.data.get("audio")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from omniflow.cache import CacheConfig, PagePool
+from omniflow.roles.options import ModelThreadOptions
 from omniflow.runtime.actor import Actor
-from omniflow.runtime.priority import DEFAULT_MODEL_NICE, check_nice, lower_thread_priority
+from omniflow.runtime.priority import lower_thread_priority
 
 T = TypeVar("T")
 
@@ -26,6 +27,9 @@ class ModelActor(Actor):
     when the CPU is short (see omniflow/runtime/priority.py).
     """
 
+    Options: ClassVar[type[ModelThreadOptions]] = ModelThreadOptions
+    options: ModelThreadOptions
+
     _executor: ThreadPoolExecutor | None = None
     pool: PagePool | None = None  # the deployment's page pool, given by the worker
     cache_config: CacheConfig | None = None
@@ -36,8 +40,8 @@ class ModelActor(Actor):
         self.cache_config = config
 
     def start_model_thread(self, name: str = "") -> None:
-        if "threads" in self.options:
-            torch.set_num_threads(int(self.options["threads"]))
+        if self.options.threads is not None:
+            torch.set_num_threads(self.options.threads)
         label = name or f"{self.role}-{self.replica}"
         self._executor = ThreadPoolExecutor(
             1,
@@ -48,8 +52,7 @@ class ModelActor(Actor):
 
     @property
     def model_nice(self) -> int:
-        value = self.options.get("model_nice", DEFAULT_MODEL_NICE)
-        return check_nice(value, f"{self.role}: option model_nice")
+        return self.options.model_nice
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._executor is None:

@@ -13,6 +13,7 @@ import asyncio
 import os
 import re
 
+from omniflow.roles.options import EchoOptions
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
 
 
@@ -24,17 +25,20 @@ def _text(request: Request) -> str:
 
 
 class _Echo(Actor):
+    Options = EchoOptions
+    options: EchoOptions
+
     async def _maybe_misbehave(self, text: str, request: Request) -> None:
-        if text and text == self.options.get("fail_on"):
+        if text and text == self.options.fail_on:
             raise RuntimeError(f"asked to fail on {text!r}")
-        if text and text == self.options.get("crash_on"):
+        if text and text == self.options.crash_on:
             os._exit(17)
-        delay = float(self.options.get("delay_ms", 0)) + float(request.params.get("delay_ms", 0))
+        delay = self.options.delay_ms + float(request.params.get("delay_ms", 0))
         if delay:
             await asyncio.sleep(delay / 1e3)
 
     def meta(self) -> dict:
-        return {"delay_ms": self.options.get("delay_ms", 0)}
+        return {"delay_ms": self.options.delay_ms}
 
 
 class Upper(_Echo):

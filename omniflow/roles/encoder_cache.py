@@ -204,8 +204,8 @@ def role_cache(actor: Any) -> EncoderOutputCache:
     page pool the worker gave it (``ModelActor.use_pool``) when there is one."""
     opts = actor.options
     return EncoderOutputCache(
-        int(opts.get("cache_entries", 256)),
-        int(opts.get("cache_mb", 256)) << 20,
+        opts.cache_entries,
+        opts.cache_mb << 20,
         actor.pool,
         actor.cache_config,
         name=f"encoder-{actor.role}-{actor.replica}",

@@ -10,9 +10,7 @@ Output:
     height: int
     mime:   "image/png"
 
-Options: ``model_path`` (built tiny there if empty), ``device``, ``seed`` (only for that
-build), ``steps`` (Euler steps, default 4), ``cfg_scale`` (default 2.0), ``max_tokens``
-(largest h*w accepted, default 1024), ``threads`` (torch threads of the process).
+Options: ``ImageDecoderOptions`` in roles/options.py.
 """
 
 from __future__ import annotations
@@ -25,19 +23,21 @@ from PIL import Image
 
 from omniflow.models.omni import ImageDecoder, ensure_model, load_image_decoder
 from omniflow.roles.base import ModelActor
+from omniflow.roles.options import ImageDecoderOptions
 from omniflow.runtime.actor import BadRequest, Context, Request
 
 _MAX_CFG_SCALE = 30.0
 
 
 class ImageDecoderRole(ModelActor):
+    Options = ImageDecoderOptions
+    options: ImageDecoderOptions
+
     async def setup(self) -> None:
         opts = self.options
-        self.steps = int(opts.get("steps", 4))
-        self.cfg_scale = float(opts.get("cfg_scale", 2.0))
-        self.max_tokens = int(opts.get("max_tokens", 1024))
-        if self.steps < 1:
-            raise ValueError(f"option steps must be at least 1, got {self.steps}")
+        self.steps = opts.steps
+        self.cfg_scale = opts.cfg_scale
+        self.max_tokens = opts.max_tokens
         self.start_model_thread()
         self.model: ImageDecoder = await self._run(self._load)
         # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
@@ -45,9 +45,10 @@ class ImageDecoderRole(ModelActor):
         await self._run(self._decode, warm, (1, 1), self.cfg_scale, 0)
 
     def _load(self) -> ImageDecoder:
-        path = self.options.get("model_path", "models/longcat-tiny/image_decoder")
-        ensure_model("image_decoder", path, int(self.options.get("seed", 0)))
-        return load_image_decoder(path, self.options.get("device", "cpu"))
+        opts = self.options
+        if opts.build_tiny:
+            ensure_model("image_decoder", opts.model_path, opts.seed)
+        return load_image_decoder(opts.model_path, opts.device)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
         grid = self._grid(request.data.get("image_grid"))

@@ -20,14 +20,11 @@ use classifier-free guidance against a paired unconditional sequence (the prompt
 the user's turn) in the same process. Random weights cannot choose a modality, so
 ``want`` forces which outputs are made.
 
-Options: ``model_path`` (tiny model built there if empty), ``device``, ``seed``,
-``hidden_size`` (for that build; must match the encoders'), ``kv_cache_mb``,
-``prefix_cache`` ("radix", the default, or "hash"), ``host_kv_mb`` (KV pages evicted
-from the device go to this much of the deployment's host pool; 0: dropped), ``ssd_kv_mb``
-(and below that to this much of ``[cache] ssd_dir``), ``share_kv`` (K/V tensors in
-the host pool, so the engine can lend a request's KV read-only to another process),
-``max_tokens`` (default cap 64), ``max_sessions``, ``summary_media`` (leading media
-remembered for the routing summary, default 256).
+Options: ``LLMOptions`` in roles/options.py. ``hidden_size`` of a build_tiny model must
+match the encoders'. ``host_kv_mb``: KV pages evicted from the device go to this much of
+the deployment's host pool (0: dropped), ``ssd_kv_mb``: and below that to this much of
+``[cache] ssd_dir``; ``share_kv``: K/V tensors in the host pool, so the engine can lend a
+request's KV read-only to another process.
 
 Routing summary: ``meta()`` publishes (in the replica's registry record) the
 ``summary_key`` of every session this replica holds and of the media that began the
@@ -52,6 +49,7 @@ from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
 from omniflow.models.tiny import build_tiny_model
 from omniflow.roles.base import ModelActor
+from omniflow.roles.options import LLMOptions
 from omniflow.runtime.actor import BadRequest, Context, Request
 from omniflow.runtime.priority import lower_thread_priority
 
@@ -81,26 +79,28 @@ class _Session:
 
 
 class LLMRole(ModelActor):
+    Options = LLMOptions
+    options: LLMOptions
+
     async def setup(self) -> None:
-        self.options.setdefault("threads", 1)
-        self.path = Path(self.options.get("model_path", "models/longcat-tiny/llm"))
-        hidden = int(self.options.get("hidden_size", 64))
-        seed = int(self.options.get("seed", 0))
+        opts = self.options
+        self.path = Path(opts.model_path)
         self.start_model_thread(f"{self.role}-heads")
-        await self._run(self._build_if_missing, hidden, seed)
-        device = self.options.get("device", "cpu")
+        if opts.build_tiny:
+            await self._run(self._build_tiny, opts.hidden_size, opts.seed)
+        device = opts.device
         cache = self.cache_config
-        ssd_kv_mb = int(self.options.get("ssd_kv_mb", 0))
+        ssd_kv_mb = opts.ssd_kv_mb
         config = EngineConfig(
             device=device,
-            kv_cache_bytes=int(self.options.get("kv_cache_mb", 64)) << 20,
+            kv_cache_bytes=opts.kv_cache_mb << 20,
             # The radix tree keys media positions by content hash, per turn and session.
-            prefix_cache=str(self.options.get("prefix_cache", "radix")),
+            prefix_cache=opts.prefix_cache,
             # Evicted KV pages go to the deployment's host pool, then to [cache] ssd_dir.
-            host_kv_bytes=int(self.options.get("host_kv_mb", 0)) << 20,
+            host_kv_bytes=opts.host_kv_mb << 20,
             ssd_kv_dir=(cache.ssd_dir or None) if cache is not None and ssd_kv_mb else None,
             ssd_kv_bytes=ssd_kv_mb << 20,
-            share_kv=bool(self.options.get("share_kv", False)) and self.pool is not None,
+            share_kv=opts.share_kv and self.pool is not None,
         )
         self.tokenizer = load_tokenizer(self.path)
         self.engine = AsyncEngine(
@@ -118,12 +118,12 @@ class LLMRole(ModelActor):
         self.placeholder = self.tokenizer.tokenizer.token_to_id("<pad>") or 0
         self.bos = self.tokenizer.encode("", add_special_tokens=True)
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
-        self.max_sessions = int(self.options.get("max_sessions", 1024))
+        self.max_sessions = opts.max_sessions
         self.leading_media: OrderedDict[int, None] = OrderedDict()  # summary keys, LRU
-        self.summary_media = int(self.options.get("summary_media", 256))
+        self.summary_media = opts.summary_media
         self._ids = itertools.count()
 
-    def _build_if_missing(self, hidden: int, seed: int) -> None:
+    def _build_tiny(self, hidden: int, seed: int) -> None:
         if not (self.path / "config.json").is_file():
             build_tiny_model(self.path, "llama-mha", seed=seed, hidden_size=hidden, vocab_size=512)
         omni = self.path / "omni"
@@ -267,7 +267,7 @@ class LLMRole(ModelActor):
     def _sampling(self, request: Request) -> SamplingParams:
         values = {k: request.params[k] for k in _SAMPLING_KEYS if k in request.params}
         values.setdefault("max_tokens", 16)
-        cap = int(self.options.get("max_tokens", 64))
+        cap = self.options.max_tokens
         if isinstance(values["max_tokens"], int) and values["max_tokens"] > cap:
             raise BadRequest(
                 "params.max_tokens", f"{values['max_tokens']} exceeds this role's cap of {cap}"

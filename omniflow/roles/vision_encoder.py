@@ -12,9 +12,7 @@ Output:
 
 The image is resized to a multiple of the model's pixels per token (aspect kept) with at most
 ``max_pixels`` pixels. An image whose header claims more than ``max_image_pixels`` is rejected
-before its pixels are decoded. Options: ``model_path`` (built tiny there if empty), ``device``,
-``seed`` and ``hidden_size`` (only for that build), ``max_pixels``, ``max_image_pixels``,
-``max_bytes``, ``cache_entries``, ``cache_mb``, ``threads`` (torch threads of the process).
+before its pixels are decoded. Options: ``VisionEncoderOptions`` in roles/options.py.
 """
 
 from __future__ import annotations
@@ -31,11 +29,10 @@ from PIL import Image, UnidentifiedImageError
 from omniflow.content import content_hash
 from omniflow.models.omni import VisionTokenizer, ensure_model, load_vision
 from omniflow.roles.encoder_cache import CachingEncoder, EncoderOutputCache, role_cache
+from omniflow.roles.options import VisionEncoderOptions
 from omniflow.runtime.actor import BadRequest, Context, Request
 
 __all__ = ["EncoderOutputCache", "VisionEncoderRole", "content_hash", "fit_to_grid"]
-
-DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
 
 
 def fit_to_grid(width: int, height: int, step: int, max_pixels: int) -> tuple[int, int]:
@@ -52,11 +49,14 @@ def fit_to_grid(width: int, height: int, step: int, max_pixels: int) -> tuple[in
 
 
 class VisionEncoderRole(CachingEncoder):
+    Options = VisionEncoderOptions
+    options: VisionEncoderOptions
+
     async def setup(self) -> None:
         opts = self.options
-        self.max_pixels = int(opts.get("max_pixels", 448 * 448))
-        self.max_image_pixels = int(opts.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
-        self.max_bytes = int(opts.get("max_bytes", 64 << 20))
+        self.max_pixels = opts.max_pixels
+        self.max_image_pixels = opts.max_image_pixels
+        self.max_bytes = opts.max_bytes
         self.cache = role_cache(self)  # in the deployment's page pool when there is one
         self.encoded = 0
         self.start_model_thread()
@@ -68,10 +68,10 @@ class VisionEncoderRole(CachingEncoder):
         await self._run(self.model.encode, torch.zeros(step, step, 3, dtype=torch.uint8))
 
     def _load(self) -> VisionTokenizer:
-        path = self.options.get("model_path", "models/longcat-tiny/vision_encoder")
-        seed = int(self.options.get("seed", 0))
-        ensure_model("vision", path, seed, hidden_size=int(self.options.get("hidden_size", 64)))
-        return load_vision(path, self.options.get("device", "cpu"))
+        opts = self.options
+        if opts.build_tiny:
+            ensure_model("vision", opts.model_path, opts.seed, hidden_size=opts.hidden_size)
+        return load_vision(opts.model_path, opts.device)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
         images = request.data.get("images")

@@ -27,17 +27,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NICE = 10
 
 
-def check_nice(value: object, where: str) -> int:
-    """A model thread's nice increment, from a role's option: 0 (off) to 19."""
-    try:
-        nice = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: expected an integer 0..19, got {value!r}") from None
-    if not 0 <= nice <= 19:
-        raise ValueError(f"{where}: expected an integer 0..19, got {nice}")
-    return nice
-
-
 def thread_nice() -> int:
     """The calling thread's nice value (Linux keeps one per thread)."""
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

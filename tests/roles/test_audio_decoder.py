@@ -22,6 +22,7 @@ def _codes(n, seed=0):
 
 def _actor(models_root, **options):
     options.setdefault("model_path", str(models_root / "audio_decoder"))
+    options.setdefault("build_tiny", True)
     return AudioDecoderRole("audio_decoder", 0, options)
 
 

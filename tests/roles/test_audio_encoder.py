@@ -12,6 +12,7 @@ from tests.roles.media import drive, make_ctx, make_request, run, wav_bytes
 
 def _actor(models_root, **options):
     options.setdefault("model_path", str(models_root / "audio"))
+    options.setdefault("build_tiny", True)
     return AudioEncoderRole("audio_encoder", 0, options)
 
 

@@ -22,6 +22,7 @@ def _codes(grid, size=1024, seed=0):
 def _decode_all(models_root, requests, **options):
     async def main():
         options.setdefault("model_path", str(models_root / "image_decoder"))
+        options.setdefault("build_tiny", True)
         actor = ImageDecoderRole("image_decoder", 0, options)
         await actor.setup()
         try:
@@ -92,10 +93,12 @@ def test_bad_inputs_name_the_field(models_root, request_, field):
 def test_vision_codes_round_trip_to_an_image_of_the_same_size(models_root):
     async def main():
         encoder = VisionEncoderRole(
-            "vision_encoder", 0, {"model_path": str(models_root / "vision")}
+            "vision_encoder", 0, {"model_path": str(models_root / "vision"), "build_tiny": True}
         )
         decoder = ImageDecoderRole(
-            "image_decoder", 0, {"model_path": str(models_root / "image_decoder"), "steps": 2}
+            "image_decoder",
+            0,
+            {"model_path": str(models_root / "image_decoder"), "build_tiny": True, "steps": 2},
         )
         await encoder.setup()
         await decoder.setup()

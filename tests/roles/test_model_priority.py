@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import sys
 
 import pytest
@@ -14,6 +15,7 @@ from omniflow.engine.llm_engine import EngineConfig
 from omniflow.models import build_tiny_model
 from omniflow.roles.base import ModelActor
 from omniflow.runtime.priority import DEFAULT_MODEL_NICE, lower_thread_priority, thread_nice
+from omniflow.runtime.tables import FieldError
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's"
@@ -37,11 +39,18 @@ def test_model_thread_runs_model_nice_levels_below_the_loop(options, step):
     assert thread_nice() == loop  # the loop's own thread is left as it was
 
 
-@pytest.mark.parametrize("value", [-1, 20, "high", None])
-def test_a_bad_model_nice_names_the_role_and_option(value):
-    actor = ModelActor("image_decoder", 0, {"model_nice": value})
-    with pytest.raises(ValueError, match="image_decoder: option model_nice: expected an integer"):
-        actor.start_model_thread()
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (-1, "model_nice = -1: expected int >= 0"),
+        (20, "model_nice = 20: expected int <= 19"),
+        ("high", 'model_nice = "high": expected int, got str'),
+        (None, "model_nice = null: expected int, got null"),
+    ],
+)
+def test_a_bad_model_nice_names_the_role_and_option(value, message):
+    with pytest.raises(FieldError, match=re.escape(f"[roles.image_decoder.options] {message}")):
+        ModelActor("image_decoder", 0, {"model_nice": value})
 
 
 @linux_only

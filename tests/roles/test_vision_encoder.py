@@ -22,6 +22,7 @@ from tests.roles.media import (
 
 def _actor(models_root, **options):
     options.setdefault("model_path", str(models_root / "vision"))
+    options.setdefault("build_tiny", True)
     return VisionEncoderRole("vision_encoder", 0, options)
 
 
@@ -57,7 +58,9 @@ def test_png_contract_and_cache_hit(models_root):
 
 def test_setup_builds_the_tiny_model_on_a_fresh_path(tmp_path):
     async def main():
-        actor = VisionEncoderRole("vision_encoder", 0, {"model_path": str(tmp_path / "v")})
+        actor = VisionEncoderRole(
+            "vision_encoder", 0, {"model_path": str(tmp_path / "v"), "build_tiny": True}
+        )
         await actor.setup()
         await actor.close()
 

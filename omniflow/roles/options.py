@@ -1,0 +1,142 @@
+"""The ``options`` table of every shipped role, as msgspec Structs (ranges in ``Meta``).
+
+Torch-free on purpose: the config loader checks a deployment's options before any process
+starts, and looks them up here (``OPTIONS``, by actor string) rather than importing the
+role modules, which import torch (seconds, and hundreds of MB in the supervisor).
+tests/roles/test_options.py checks that ``OPTIONS`` matches each role class's ``Options``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from omniflow.runtime.priority import DEFAULT_MODEL_NICE
+from omniflow.runtime.tables import FieldError
+
+
+class ModelThreadOptions(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """What every role with a model thread takes."""
+
+    threads: (
+        Annotated[int, Meta(ge=1, description="torch intra-op threads (default: torch's)")] | None
+    ) = None
+    model_nice: Annotated[
+        int, Meta(ge=0, le=19, description="nice levels of the model thread below the loop")
+    ] = DEFAULT_MODEL_NICE
+
+
+class WeightsOptions(ModelThreadOptions, kw_only=True):
+    """What every role that loads weights takes."""
+
+    model_path: Annotated[
+        str, Meta(min_length=1, description="checkpoint folder (relative: to the working dir)")
+    ]
+    build_tiny: Annotated[
+        bool, Meta(description="build tiny random weights at model_path if it holds none")
+    ] = False
+    seed: Annotated[int, Meta(ge=0, description="seed of the build_tiny weights")] = 0
+    device: Annotated[
+        str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$", description="where the model runs")
+    ] = "cpu"
+
+    def __post_init__(self) -> None:
+        path = Path(self.model_path)
+        if not self.build_tiny and not path.exists():
+            raise FieldError(
+                "model_path",
+                f"{self.model_path} ({path.resolve()}) does not exist; "
+                "set build_tiny = true to build tiny random weights there",
+            )
+
+
+Hidden = Annotated[int, Meta(ge=1, description="hidden size of the build_tiny model")]
+
+
+class _EncoderOptions(WeightsOptions, kw_only=True):
+    hidden_size: Hidden = 64
+    max_bytes: Annotated[int, Meta(ge=1, description="largest encoded input accepted")] = 64 << 20
+    cache_entries: Annotated[int, Meta(ge=0, description="encoder-output cache entries")] = 256
+    cache_mb: Annotated[int, Meta(ge=0, description="encoder-output cache MiB")] = 256
+
+
+class VisionEncoderOptions(_EncoderOptions, kw_only=True):
+    max_pixels: Annotated[
+        int, Meta(ge=1, description="images are resized to at most this many pixels")
+    ] = 448 * 448
+    max_image_pixels: Annotated[
+        int, Meta(ge=1, description="larger images are refused before decoding")
+    ] = 64_000_000
+
+
+ACCEPTED_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+
+
+class AudioEncoderOptions(_EncoderOptions, kw_only=True):
+    sample_rates: Annotated[
+        list[Annotated[int, Meta(ge=1)]],
+        Meta(min_length=1, description="WAV sample rates accepted"),
+    ] = msgspec.field(default_factory=lambda: list(ACCEPTED_RATES))
+    max_seconds: Annotated[float, Meta(gt=0, description="longest clip accepted")] = 120.0
+
+
+class LLMOptions(WeightsOptions, kw_only=True):
+    threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
+    hidden_size: Hidden = 64
+    kv_cache_mb: Annotated[int, Meta(ge=1, description="device KV cache MiB")] = 64
+    prefix_cache: Annotated[
+        Literal["radix", "hash"], Meta(description="prefix cache (radix keys media by content)")
+    ] = "radix"
+    host_kv_mb: Annotated[
+        int, Meta(ge=0, description="evicted KV pages kept in the host pool (radix only)")
+    ] = 0
+    ssd_kv_mb: Annotated[int, Meta(ge=0, description="and below that in [cache] ssd_dir")] = 0
+    share_kv: Annotated[
+        bool, Meta(description="K/V in the host pool, lendable to other processes")
+    ] = False
+    max_tokens: Annotated[int, Meta(ge=1, description="cap on a request's max_tokens")] = 64
+    max_sessions: Annotated[int, Meta(ge=1, description="dialogue sessions kept")] = 1024
+    summary_media: Annotated[
+        int, Meta(ge=0, description="leading media published for prefix_aware routing")
+    ] = 256
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.host_kv_mb or self.ssd_kv_mb) and self.prefix_cache != "radix":
+            raise FieldError("prefix_cache", 'host_kv_mb and ssd_kv_mb need "radix"')
+
+
+class ImageDecoderOptions(WeightsOptions, kw_only=True):
+    steps: Annotated[int, Meta(ge=1, description="Euler steps of the refiner")] = 4
+    cfg_scale: Annotated[
+        float, Meta(ge=0, le=30, description="guidance scale (a request's cfg_scale wins)")
+    ] = 2.0
+    max_tokens: Annotated[int, Meta(ge=1, description="largest image grid h*w accepted")] = 1024
+
+
+class AudioDecoderOptions(WeightsOptions, kw_only=True):
+    max_chunk_tokens: Annotated[
+        int, Meta(ge=1, description="largest chunk of audio tokens accepted")
+    ] = 512
+
+
+class EchoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    fail_on: Annotated[str, Meta(description="raise for this text (tests)")] = ""
+    crash_on: Annotated[str, Meta(description="exit the process for this text (tests)")] = ""
+    delay_ms: Annotated[float, Meta(ge=0, description="sleep this long per request")] = 0.0
+
+
+OPTIONS: dict[str, type[msgspec.Struct]] = {
+    "omniflow.roles.vision_encoder:VisionEncoderRole": VisionEncoderOptions,
+    "omniflow.roles.audio_encoder:AudioEncoderRole": AudioEncoderOptions,
+    "omniflow.roles.llm:LLMRole": LLMOptions,
+    "omniflow.roles.image_decoder:ImageDecoderRole": ImageDecoderOptions,
+    "omniflow.roles.audio_decoder:AudioDecoderRole": AudioDecoderOptions,
+    "omniflow.roles.echo:Upper": EchoOptions,
+    "omniflow.roles.echo:Reverse": EchoOptions,
+}
