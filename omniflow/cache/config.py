@@ -7,8 +7,10 @@ value surfaces as a ``msgspec.ValidationError`` whose message names the field.
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
 _UNITS = {
     "": 1,
@@ -66,15 +68,29 @@ def format_size(n: int) -> str:
 class CacheConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
     """``[cache]``: the host page pool, the SSD tier below it, and when tensors ride as frames."""
 
-    host_pool: str | int = "1GiB"  # bytes of page data in the shared host pool
-    page_size: str | int = "64KiB"  # a power of two, 4KiB..1GiB
-    ssd_dir: str = ""  # empty: no SSD tier
-    ssd_capacity: str | int = 0
-    high_watermark: float = 0.90  # demote LRU blocks to SSD above this share of the pool...
-    low_watermark: float = 0.75  # ...until usage is back under this one
-    frame_threshold: str | int = "64KiB"  # smaller tensors travel as frames even on one host
-    populate: bool = True  # fault the whole pool in at create/attach, not on the first message
-    pin_memory: bool = True  # register the pool with CUDA when a GPU is present
+    host_pool: Annotated[
+        str | int, Meta(description="page data in the shared host pool (a page_size multiple)")
+    ] = "1GiB"
+    page_size: Annotated[str | int, Meta(description="a power of two, 4KiB..1GiB")] = "64KiB"
+    ssd_dir: Annotated[str, Meta(description="folder of the SSD tier (empty: none)")] = ""
+    ssd_capacity: Annotated[
+        str | int, Meta(description="bytes of the SSD tier (a page_size multiple)")
+    ] = 0
+    high_watermark: Annotated[
+        float, Meta(description="demote LRU pages to SSD above this share of the pool...")
+    ] = 0.90
+    low_watermark: Annotated[
+        float, Meta(description="...until usage is back under this one (0 < low < high <= 1)")
+    ] = 0.75
+    frame_threshold: Annotated[
+        str | int, Meta(description="smaller tensors travel as frames even on one host")
+    ] = "64KiB"
+    populate: Annotated[
+        bool, Meta(description="fault the whole pool in at start, not on the first message")
+    ] = True
+    pin_memory: Annotated[
+        bool, Meta(description="register the pool with CUDA when a GPU is present")
+    ] = True
 
     def __post_init__(self) -> None:
         pool = parse_size(self.host_pool, "cache.host_pool")

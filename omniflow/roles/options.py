@@ -38,7 +38,7 @@ class WeightsOptions(ModelThreadOptions, kw_only=True):
         str, Meta(min_length=1, description="checkpoint folder (relative: to the working dir)")
     ]
     build_tiny: Annotated[
-        bool, Meta(description="build tiny random weights at model_path if it holds none")
+        bool, Meta(description="build tiny random weights for what model_path lacks")
     ] = False
     seed: Annotated[int, Meta(ge=0, description="seed of the build_tiny weights")] = 0
     device: Annotated[

@@ -49,11 +49,13 @@ class RoleConfig(msgspec.Struct, **_STRICT):
 
 
 class EdgeConfig(msgspec.Struct, **_STRICT, rename={"src": "from", "dst": "to"}):
-    src: str
-    dst: str
-    when: str | None = None
-    stream: bool = False
-    max_iters: int = 0
+    src: Annotated[str, Meta(description='a role, or "input"')]
+    dst: Annotated[str, Meta(description="a role")]
+    when: Annotated[
+        str | None, Meta(description="a predicate: has_image, has:KEY, not:NAME, module:fn")
+    ] = None
+    stream: Annotated[bool, Meta(description="forward each output as a chunk at once")] = False
+    max_iters: Annotated[int, Meta(ge=0, description="a loop edge's bound")] = 0
 
 
 class GraphConfig(msgspec.Struct, **_STRICT):
@@ -94,16 +96,23 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
 class DeviceGroup(msgspec.Struct, **_STRICT):
     """Roles co-located on one device, each with a fraction of its free memory."""
 
-    device: Annotated[str, Meta(pattern=r"^(cpu|cuda:\d+)$")] = "cpu"
-    fractions: dict[str, Annotated[float, Meta(gt=0, le=1)]] = {}
+    device: Annotated[str, Meta(pattern=r"^(cpu|cuda:\d+)$", description="the device shared")] = (
+        "cpu"
+    )
+    fractions: Annotated[
+        dict[str, Annotated[float, Meta(gt=0, le=1)]],
+        Meta(description="role -> share of the free memory (0, 1], summing to <= 1"),
+    ] = {}
 
 
 class ResourcesConfig(msgspec.Struct, **_STRICT):
     # Co-located roles finish setup() (weights) before any measures free memory
     # and sizes its KV pool: a registry barrier over every replica in the group.
-    kv_barrier: bool = True
-    barrier_timeout_s: float = 120.0
-    groups: dict[str, DeviceGroup] = {}
+    kv_barrier: Annotated[
+        bool, Meta(description="a group's roles load weights before any sizes its KV")
+    ] = True
+    barrier_timeout_s: Annotated[float, Meta(gt=0, description="wait for that at most")] = 120.0
+    groups: Annotated[dict[str, DeviceGroup], Meta(description="[resources.groups.NAME]")] = {}
 
     def group_of(self, role: str) -> tuple[str, DeviceGroup] | None:
         for name, group in self.groups.items():
@@ -116,14 +125,20 @@ class Config(msgspec.Struct, **_STRICT):
     name: Annotated[
         str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,40}$", description="names the deployment")
     ]
-    roles: Annotated[dict[str, RoleConfig], Meta(min_length=1)]
-    graph: GraphConfig
+    roles: Annotated[dict[str, RoleConfig], Meta(min_length=1, description="[roles.NAME]")]
+    graph: Annotated[GraphConfig, Meta(description="edges between roles")]
     registry: Annotated[
         str, Meta(pattern=r"^(embedded|etcd://.+)$", description="embedded or etcd://host:port")
     ] = "embedded"
-    runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
-    resources: ResourcesConfig = msgspec.field(default_factory=ResourcesConfig)
-    cache: CacheConfig = msgspec.field(default_factory=lambda: CacheConfig(host_pool="256MiB"))
+    runtime: Annotated[RuntimeConfig, Meta(description="[runtime]")] = msgspec.field(
+        default_factory=RuntimeConfig
+    )
+    resources: Annotated[ResourcesConfig, Meta(description="co-located roles' memory shares")] = (
+        msgspec.field(default_factory=ResourcesConfig)
+    )
+    cache: Annotated[CacheConfig, Meta(description='[cache] (host_pool "256MiB" when absent)')] = (
+        msgspec.field(default_factory=lambda: CacheConfig(host_pool="256MiB"))
+    )
     source: str = ""  # the file this came from (filled by load)
 
     def plan(self) -> Plan:

@@ -131,11 +131,11 @@ def describe(tp: Any) -> tuple[str, str, str]:
 
 
 def _metas(tp: Any) -> list[msgspec.Meta]:
-    """The Meta of ``tp``, of a union's members and of a list's items."""
+    """The Meta of ``tp`` and of a union's members."""
     if typing.get_origin(tp) is Annotated:
         base, *extras = typing.get_args(tp)
         return [m for m in extras if isinstance(m, msgspec.Meta)] + _metas(base)
-    if typing.get_origin(tp) in (Union, types.UnionType, list):
+    if typing.get_origin(tp) in (Union, types.UnionType):
         return [m for arg in typing.get_args(tp) for m in _metas(arg)]
     return []
 
@@ -145,7 +145,7 @@ def _type_name(tp: Any) -> str:
         return _type_name(typing.get_args(tp)[0])
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is not None:
         args = ", ".join(_type_name(a) for a in typing.get_args(tp))
         return f"{origin.__name__}[{args}]"
