@@ -100,7 +100,8 @@ CASES = [
         "actor-not-found",
         "omniflow.roles.echo:Upper",
         "omniflow.roles.echo:Uper",
-        "[roles.upper] actor: cannot load omniflow.roles.echo:Uper:",
+        '[roles.upper] actor = "omniflow.roles.echo:Uper": cannot load: '
+        "module omniflow.roles.echo has no Uper",
     ),
 ]
 

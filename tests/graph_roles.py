@@ -41,6 +41,11 @@ class Counter(Actor):
         return {"n": int(request.data.get("n", 0)) + 1}
 
 
+class FailsSetup(Actor):
+    async def setup(self):
+        raise RuntimeError("no weights here")
+
+
 class Colocated(Actor):
     """Loads 'weights' slowly in setup, then records when it measured free memory."""
 

@@ -164,7 +164,8 @@ def check_options(config: Config) -> None:
         try:
             options = options_type(role.actor)
         except (ImportError, AttributeError, TypeError) as e:
-            raise FieldError("actor", f"cannot load {role.actor}: {e}", ("roles", name)) from None
+            field = f'actor = "{role.actor}"'
+            raise FieldError(field, f"cannot load: {e}", ("roles", name)) from None
         if options is not None:
             decode(role.options, options, ("roles", name, "options"), "option")
 

@@ -22,6 +22,8 @@ from omniflow.runtime.actor import Actor
 def load_actor_class(path: str) -> type[Actor]:
     module, _, name = path.partition(":")
     cls = getattr(_import(module), name, None)
+    if cls is None:
+        raise AttributeError(f"module {module} has no {name}")
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"{path} is not an omniflow.Actor subclass")
     return cls

@@ -52,7 +52,7 @@ def test_runtime_in_a_plain_asyncio_program(run_root):
 
 
 def test_setup_failure_is_reported_with_the_role(run_root):
-    cfg = echo_config(name="bad", upper={"actor": "omniflow.roles.echo:NoSuchRole"})
+    cfg = echo_config(name="bad", upper={"actor": "tests.graph_roles:FailsSetup"})
 
     async def main():
         try:
@@ -63,7 +63,7 @@ def test_setup_failure_is_reported_with_the_role(run_root):
 
     err = asyncio.run(main())
     assert isinstance(err, omniflow.runtime.supervisor.StartError)
-    assert "upper/0" in str(err) and "NoSuchRole" in str(err)
+    assert "upper/0" in str(err) and "no weights here" in str(err)
     assert leftover_sockets(run_root) == []
 
 
