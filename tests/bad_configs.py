@@ -58,7 +58,7 @@ CASES = [
         "not-a-choice",
         "kv_cache_mb = 8",
         'prefix_cache = "lru"',
-        '[roles.llm.options] prefix_cache: "lru" is not one of "radix", "hash"',
+        '[roles.llm.options] prefix_cache: "lru" is not one of "radix"',
     ),
     (
         "model-path-does-not-exist",

@@ -90,11 +90,9 @@ class LLMOptions(WeightsOptions, kw_only=True):
     hidden_size: Hidden = 64
     kv_cache_mb: Annotated[int, Meta(ge=1, description="device KV cache MiB")] = 64
     prefix_cache: Annotated[
-        Literal["radix", "hash"], Meta(description="prefix cache (radix keys media by content)")
+        Literal["radix"], Meta(description="a radix tree keying media by content (the only kind)")
     ] = "radix"
-    host_kv_mb: Annotated[
-        int, Meta(ge=0, description="evicted KV pages kept in the host pool (radix only)")
-    ] = 0
+    host_kv_mb: Annotated[int, Meta(ge=0, description="evicted KV pages kept in the host pool")] = 0
     ssd_kv_mb: Annotated[int, Meta(ge=0, description="and below that in [cache] ssd_dir")] = 0
     share_kv: Annotated[
         bool, Meta(description="K/V in the host pool, lendable to other processes")
@@ -104,11 +102,6 @@ class LLMOptions(WeightsOptions, kw_only=True):
     summary_media: Annotated[
         int, Meta(ge=0, description="leading media published for prefix_aware routing")
     ] = 256
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if (self.host_kv_mb or self.ssd_kv_mb) and self.prefix_cache != "radix":
-            raise FieldError("prefix_cache", 'host_kv_mb and ssd_kv_mb need "radix"')
 
 
 class ImageDecoderOptions(WeightsOptions, kw_only=True):

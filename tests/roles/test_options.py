@@ -57,9 +57,3 @@ def test_a_role_built_in_code_checks_its_options_too(tmp_path):
     assert not (tmp_path / "nothing").exists()
     with pytest.raises(FieldError, match=r"^\[roles.x.options\] steps: unknown option"):
         LLMRole("x", 0, {"model_path": str(tmp_path), "steps": 2})
-
-
-def test_host_kv_needs_the_radix_prefix_cache(tmp_path):
-    options = {"model_path": str(tmp_path), "host_kv_mb": 8, "prefix_cache": "hash"}
-    with pytest.raises(FieldError, match=r"prefix_cache: host_kv_mb and ssd_kv_mb need"):
-        LLMRole("llm", 0, options)
