@@ -13,7 +13,7 @@ from omniflow.engine.scheduler import ScheduledChunk
 from omniflow.engine.sequence import Sequence
 from omniflow.kernels import CpuKernels, cpu_kernels
 from omniflow.models import DecoderLM
-from omniflow.models.decoder import packed_weights_supported
+from omniflow.models.cpu_layouts import packed_weights_supported
 
 # Rows per pass of a long bf16 prefill on CPU (DecoderLM.set_row_block): over the MLPs on
 # PyTorch ops, over every projection on the CPU kernels. Measured on llama-bench-30m, 32
