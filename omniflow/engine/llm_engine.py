@@ -1,4 +1,5 @@
-"""The torch backend: paged KV, continuous batching, sampling, prefix caching."""
+"""The torch backend: paged KV, continuous batching, sampling, prefix caching; output heads
+(text, codes), guided pairs and block steps (engine/heads.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from omniflow.cache.kv_share import KVLease, LeaseBook
 from omniflow.cache.lease import Lease
 from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
+from omniflow.engine.heads import BlockRows, CodesHead, Guidance, guided
 from omniflow.engine.kv_pages import KVCachePages
-from omniflow.engine.model_runner import ModelRunner
+from omniflow.engine.model_runner import ModelRunner, StepOutput
 from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.paged_attention import KVCache
 from omniflow.engine.prefix_page_cache import HashPrefixPageCache
@@ -22,7 +24,7 @@ from omniflow.engine.protocol import TokenDelta
 from omniflow.engine.sampler import Sampler
 from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.scheduler import Scheduler
-from omniflow.engine.sequence import EmbeddingSpan, Sequence
+from omniflow.engine.sequence import EmbeddingSpan, Sequence, SequenceStatus
 from omniflow.models import DecoderLM, TextTokenizer, load_decoder, load_tokenizer
 
 
@@ -148,8 +150,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, kernels=config.cpu_kernels)
         self.sampler = Sampler(config.seed)
         self.sequences: dict[str, Sequence] = {}
+        # Finished requests added with keep=True, their pages held: for continue_from and
+        # block steps, until `release`.
+        self.kept: dict[str, Sequence] = {}
         self.pending_aborts: list[TokenDelta] = []
-        self.stats = {"prompt_tokens_computed": 0}
+        # rows_forwarded: every row the model ran, prompt, generated and block rows alike.
+        self.stats = {"prompt_tokens_computed": 0, "rows_forwarded": 0}
 
     def close(self) -> None:
         """Stop the KV tiers' thread and free their host and SSD space."""
@@ -171,9 +177,20 @@ class LLMEngine:
         params: SamplingParams | None = None,
         embeddings: list[EmbeddingSpan] | None = None,
         lend_kv_to: int | None = None,
+        head: CodesHead | None = None,
+        guidance: Guidance | None = None,
+        keep: bool = False,
+        continue_from: str | None = None,
     ) -> None:
         """Queue a request. With ``lend_kv_to`` (a pid on this host), its last delta carries a
-        read-only ``KVLease`` on the KV of all its computed tokens (see cache/kv_share.py)."""
+        read-only ``KVLease`` on the KV of all its computed tokens (see cache/kv_share.py).
+
+        head: a codes head (None: text); each delta then carries the media tokens' ids.
+        guidance: classifier-free guidance against an unconditional sequence, scheduled with
+        this one. keep: at the end, hold the sequence's pages (``kept``) for a continuation
+        or block steps until `release`. continue_from: a kept request to go on from: its
+        tokens, KV and unconditional partner; prompt_token_ids then extend it (may be empty),
+        and embedding spans' starts count from the kept sequence's start."""
         if lend_kv_to is not None and self.leases is None:
             raise NotImplementedError(
                 f"request {request_id}: lend_kv_to needs the engine's KV in a host page pool "
@@ -182,17 +199,108 @@ class LLMEngine:
         params = params or SamplingParams()
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params, request_id)
-        if request_id in self.sequences:
+        if request_id in self.sequences or request_id in self.kept:
             raise ValueError(f"request {request_id}: request_id is already in use")
         params.validate(request_id, self.vocab_size)
-        prompt = self._validated_prompt(request_id, prompt_token_ids, params)
-        spans = self._validated_spans(request_id, embeddings or [], len(prompt))
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id}: sampling field stop needs a tokenizer")
-        sequence = Sequence(request_id, prompt, params, spans)
+        if continue_from is not None:
+            sequence = self._continued(request_id, continue_from, prompt_token_ids, params)
+            spans = self._validated_spans(request_id, embeddings or [], len(sequence))
+            sequence.continue_with(request_id, [], params, spans)
+        else:
+            prompt = self._validated_prompt(request_id, prompt_token_ids, params)
+            spans = self._validated_spans(request_id, embeddings or [], len(prompt))
+            sequence = Sequence(request_id, prompt, params, spans)
         sequence.lend_kv_to = lend_kv_to
+        sequence.head, sequence.keep = head, keep
+        self._guide(sequence, guidance)
         self.sequences[request_id] = sequence
-        self.scheduler.add(sequence)
+        if sequence.status is SequenceStatus.KEPT:
+            self.scheduler.requeue(sequence)
+        else:
+            self.scheduler.add(sequence)
+
+    def _continued(self, request_id, continue_from, extra_token_ids, params) -> Sequence:
+        """The kept sequence continue_from, its prompt extended by extra_token_ids."""
+        sequence = self.kept.get(continue_from)
+        if sequence is None:
+            raise ValueError(f"request {request_id}: continue_from {continue_from!r} is not kept")
+        extra = [int(t) for t in extra_token_ids]
+        self._validated_prompt(request_id, sequence.token_ids + extra, params)
+        del self.kept[continue_from]
+        sequence.token_ids += extra
+        if sequence.extra_keys is not None:
+            sequence.extra_keys += [None] * len(extra)
+        return sequence
+
+    def _guide(self, sequence: Sequence, guidance: Guidance | None) -> None:
+        """Pair a sequence with its unconditional follower: a kept one extended, or a new one."""
+        follower = sequence.partner
+        if guidance is None:
+            if follower is not None:  # a kept pair continued without guidance: drop that half
+                sequence.partner = None
+                self.scheduler.finish(follower, "abort")
+            return
+        rid = f"{sequence.request_id}/uncond"
+        params = sequence.params
+        if follower is not None:
+            extra = [int(t) for t in guidance.prompt_token_ids]
+            follower.token_ids += extra
+            if follower.extra_keys is not None:
+                follower.extra_keys += [None] * len(extra)
+            spans = self._validated_spans(rid, guidance.embeddings or [], len(follower))
+            follower.continue_with(rid, [], params, spans)
+        else:
+            prompt = self._validated_prompt(rid, guidance.prompt_token_ids, params)
+            spans = self._validated_spans(rid, guidance.embeddings or [], len(prompt))
+            follower = Sequence(rid, prompt, params, spans)
+            follower.partner, follower.follows = sequence, True
+            sequence.partner = follower
+        follower.head = sequence.head
+        sequence.guidance_scale = follower.guidance_scale = float(guidance.scale)
+
+    def block_step(
+        self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Queue a block step over the kept request context_id: rows [N, hidden] at rotary
+        positions [N] attend bidirectionally among themselves and causally to the context's
+        tokens (computed once, reused by every block step). Its one delta carries the rows'
+        final hidden states (guided: combined with the context's unconditional half, which
+        runs the same rows); the context is kept again under context_id."""
+        sequence = self.kept.get(context_id)
+        if sequence is None:
+            raise ValueError(f"request {request_id}: context {context_id!r} is not kept")
+        if request_id in self.sequences or request_id in self.kept:
+            raise ValueError(f"request {request_id}: request_id is already in use")
+        hidden = self.model.config.hidden_size
+        if rows.dim() != 2 or rows.shape[1] != hidden or positions.shape != (rows.shape[0],):
+            raise ValueError(
+                f"request {request_id}: block rows {list(rows.shape)} / positions "
+                f"{list(positions.shape)}, expected [n, {hidden}] / [n]"
+            )
+        halves = 2 if sequence.partner is not None else 1
+        if halves * rows.shape[0] > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"request {request_id}: {halves} x {rows.shape[0]} block rows exceed "
+                f"max_num_batched_tokens {self.config.max_num_batched_tokens}"
+            )
+        if len(sequence) + rows.shape[0] > self.capacity_tokens:
+            raise ValueError(f"request {request_id}: context + block exceed the KV cache")
+        del self.kept[context_id]
+        block = BlockRows(rows.to(self.cache.keys.dtype), positions.to(torch.long))
+        for member in (sequence, sequence.partner):
+            if member is not None:
+                member.block = block
+        sequence.request_id, sequence.keep_as = request_id, context_id
+        self.sequences[request_id] = sequence
+        self.scheduler.requeue(sequence)
+
+    def release(self, request_id: str) -> None:
+        """Free a kept request's pages (and its unconditional half's)."""
+        sequence = self.kept.pop(request_id, None)
+        if sequence is not None:
+            self.scheduler.finish(sequence, "stop")
 
     def _validated_prompt(self, request_id, prompt_token_ids, params) -> list[int]:
         prompt = [int(t) for t in prompt_token_ids]
@@ -234,11 +342,28 @@ class LLMEngine:
         return list(spans)
 
     def abort(self, request_id: str) -> None:
+        """Drop a request (with its unconditional half). An aborted block step leaves its
+        context kept; a kept request is not running: `release` frees it."""
         sequence = self.sequences.pop(request_id, None)
         if sequence is None:
             return
+        if sequence.keep_as is not None:
+            delta = self._delta(sequence, 0)._replace(finish_reason="abort")
+            self._park(sequence)
+            self.pending_aborts.append(delta)
+            return
         self.scheduler.finish(sequence, "abort")
         self.pending_aborts.append(self._delta(sequence, 0))
+
+    def _park(self, sequence: Sequence) -> None:
+        """A block step is done: its context is kept again, under its own id."""
+        assert sequence.keep_as is not None
+        for member in (sequence, sequence.partner):
+            if member is not None:
+                member.block = None
+        sequence.request_id, sequence.keep_as = sequence.keep_as, None
+        self.scheduler.keep(sequence)
+        self.kept[sequence.request_id] = sequence
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending_aborts)
@@ -256,23 +381,83 @@ class LLMEngine:
         for chunk in chunks:
             prompt_end = min(chunk.start + chunk.num_tokens, chunk.sequence.num_prompt_tokens)
             self.stats["prompt_tokens_computed"] += max(0, prompt_end - chunk.start)
-        step_logits = self.runner.execute(chunks)
+        self.stats["rows_forwarded"] += sum(chunk.num_rows for chunk in chunks)
+        output = self.runner.execute(chunks)
         self.scheduler.commit(chunks)
-        if not step_logits.sequences:
+        deltas += self._block_outputs(output)
+        leaders = [s for s in output.sequences if not s.follows]
+        if not leaders:
             return deltas
-        sampled = self.sampler(step_logits.logits, step_logits.sequences)
-        for row, sequence in enumerate(step_logits.sequences):
-            sequence.append_token(
-                sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row]
-            )
+        if output.logits is not None:  # text alone, no guidance
+            self._append_text(leaders, output.logits)
+        else:
+            self._append_from_hidden(output, leaders)
+        for sequence in leaders:
             self._check_stop(sequence)
             lease = None
             if sequence.finish_reason is not None:
                 if sequence.lend_kv_to is not None:
                     lease = self._lend(sequence, sequence.lend_kv_to)
-                self.scheduler.finish(sequence, sequence.finish_reason)
+                if sequence.keep:
+                    self.scheduler.keep(sequence)
+                    self.kept[sequence.request_id] = sequence
+                else:
+                    self.scheduler.finish(sequence, sequence.finish_reason)
                 del self.sequences[sequence.request_id]
             deltas.append(self._delta(sequence, 1)._replace(kv_lease=lease))
+        return deltas
+
+    def _append_text(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
+        sampled = self.sampler(logits, sequences)
+        for row, sequence in enumerate(sequences):
+            token = sampled.token_ids[row]
+            for member in (sequence, sequence.partner):
+                if member is not None:
+                    member.append_token(token, sampled.logprobs[row], sampled.top_logprobs[row])
+
+    def _append_from_hidden(self, output: StepOutput, leaders: list[Sequence]) -> None:
+        """Guidance on the hidden states, then each leader's head: lm_head + sampler for text,
+        the codes head for media tokens (one batched call per head)."""
+        assert output.hidden is not None
+        rows = {id(sequence): row for row, sequence in enumerate(output.sequences)}
+        hidden = []
+        for sequence in leaders:
+            state = output.hidden[rows[id(sequence)]]
+            if sequence.partner is not None:
+                base = output.hidden[rows[id(sequence.partner)]]
+                state = guided(state, base, sequence.guidance_scale)
+            hidden.append(state)
+        states = torch.stack(hidden)
+        text = [i for i, s in enumerate(leaders) if s.head is None]
+        if text:
+            logits = self.model.logits(states[text]).float()
+            self._append_text([leaders[i] for i in text], logits)
+        heads: dict[int, list[int]] = {}
+        for i, sequence in enumerate(leaders):
+            if sequence.head is not None:
+                heads.setdefault(id(sequence.head), []).append(i)
+        for indices in heads.values():
+            head = leaders[indices[0]].head
+            assert head is not None
+            codes = head.codes(states[indices])
+            inputs = head.embed(codes).to(states.dtype)
+            for j, i in enumerate(indices):
+                for member in (leaders[i], leaders[i].partner):
+                    if member is not None:
+                        member.append_codes(head, codes[j], inputs[j])
+
+    def _block_outputs(self, output: StepOutput) -> list[TokenDelta]:
+        """Deltas for the block steps this step finished (guided: combined halves)."""
+        outputs = {id(sequence): hidden for sequence, hidden in output.blocks}
+        deltas = []
+        for sequence, hidden in output.blocks:
+            if sequence.follows:
+                continue
+            if sequence.partner is not None:
+                hidden = guided(hidden, outputs[id(sequence.partner)], sequence.guidance_scale)
+            del self.sequences[sequence.request_id]
+            deltas.append(self._delta(sequence, 0)._replace(finish_reason="stop", hidden=hidden))
+            self._park(sequence)
         return deltas
 
     def _lend(self, sequence: Sequence, borrower_pid: int) -> KVLease:
@@ -305,6 +490,10 @@ class LLMEngine:
 
     def _check_stop(self, sequence: Sequence) -> None:
         params, token = sequence.params, sequence.output_token_ids[-1]
+        if sequence.head is not None:  # media tokens: their count ends them
+            if len(sequence.output_token_ids) >= params.max_tokens:
+                sequence.finish_reason = "length"
+            return
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
@@ -330,6 +519,9 @@ class LLMEngine:
         tops = None
         if sequence.params.logprobs is not None:
             tops = sequence.output_top_logprobs[start:]
+        codes = None
+        if sequence.head is not None and num_new:
+            codes = torch.stack(sequence.output_codes[start:])
         return TokenDelta(
             sequence.request_id,
             sequence.output_token_ids[start:],
@@ -338,6 +530,7 @@ class LLMEngine:
             sequence.finish_reason,
             sequence.stop_reason,
             sequence.num_cached_tokens or 0,
+            codes=codes,
         )
 
     @torch.inference_mode()

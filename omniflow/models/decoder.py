@@ -231,8 +231,11 @@ class DecoderLM(nn.Module):
         logits_rows: torch.Tensor | None = None,
         embed_rows: torch.Tensor | None = None,
         embed_values: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
-        """Flat batch: input_ids, positions [tokens]. Returns logits [len(logits_rows), vocab].
+        """Flat batch: input_ids, positions [tokens]. Returns logits [len(logits_rows), vocab],
+        or with ``hidden`` the final normed hidden states of those rows [rows, hidden_size]
+        (for heads other than lm_head; `logits` takes them on).
 
         embed_rows/embed_values replace the token embeddings of those rows (multimodal
         placeholder positions) with precomputed embeddings.
@@ -251,12 +254,17 @@ class DecoderLM(nn.Module):
                 delta = fused.forward_fused(x, delta, cos, sin, attention, kernels)
             if delta is not None:
                 x += delta
-            return self._logits_on_kernels(x, logits_rows, kernels)
+            if logits_rows is not None:
+                x = x.index_select(0, logits_rows)
+            norm = self.model.norm
+            x = kernels.add_rms_norm(x, None, norm.weight, norm.eps)
+            return x if hidden else self.logits(x)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
-        return self.logits(self.model.norm(x))
+        x = self.model.norm(x)
+        return x if hidden else self.logits(x)
 
     def decodes_on_pages(self) -> bool:
         """Whether `decode_on_pages` runs here: the CPU kernels with AMX, every projection
