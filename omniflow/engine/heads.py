@@ -30,8 +30,15 @@ if TYPE_CHECKING:
 class CodesHead(Protocol):
     """A role-supplied output head for discrete media tokens of K codebooks."""
 
-    key: Hashable  # names the head in prefix-cache keys: ("image", ids) != ("audio", ids)
-    placeholder_id: int  # the token id a media token holds in the sequence
+    @property
+    def key(self) -> Hashable:
+        """Names the head in prefix-cache keys: ("image", ids) != ("audio", ids)."""
+        ...
+
+    @property
+    def placeholder_id(self) -> int:
+        """The token id a media token holds in the sequence."""
+        ...
 
     def codes(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [B, hidden] -> codebook ids [B, K] int64."""
