@@ -108,6 +108,17 @@ class AsyncEngine:
             last = delta
         return last
 
+    async def keep_context(
+        self,
+        context_id: str,
+        prompt_token_ids: Sequence[int],
+        embeddings: list[EmbeddingSpan] | None = None,
+        guidance: Any = None,
+    ) -> None:
+        """Hold a prompt as a kept context for block steps (LLMEngine.keep_context)."""
+        tokens = list(prompt_token_ids)
+        await self.call(lambda: self.backend.keep_context(context_id, tokens, embeddings, guidance))
+
     def release(self, request_id: str) -> None:
         """Free a kept request's pages (LLMEngine.release)."""
         self._commands.put(_Release(request_id))

@@ -260,6 +260,27 @@ class LLMEngine:
         follower.head = sequence.head
         sequence.guidance_scale = follower.guidance_scale = float(guidance.scale)
 
+    def keep_context(
+        self,
+        context_id: str,
+        prompt_token_ids: SequenceOf[int],
+        embeddings: list[EmbeddingSpan] | None = None,
+        guidance: Guidance | None = None,
+    ) -> None:
+        """Hold a prompt (and its unconditional half) as a kept context for block steps,
+        without running it: the first block step computes it, the next ones reuse it."""
+        if context_id in self.sequences or context_id in self.kept:
+            raise ValueError(f"request {context_id}: request_id is already in use")
+        params = SamplingParams(max_tokens=1)
+        prompt = self._validated_prompt(context_id, prompt_token_ids, params)
+        spans = self._validated_spans(context_id, embeddings or [], len(prompt))
+        sequence = Sequence(context_id, prompt, params, spans)
+        self._guide(sequence, guidance)
+        for member in (sequence, sequence.partner):
+            if member is not None:
+                member.status = SequenceStatus.KEPT
+        self.kept[context_id] = sequence
+
     def block_step(
         self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
     ) -> None:

@@ -73,6 +73,16 @@ class EngineBackend(Protocol):
         (another head, more prompt) without recomputing it."""
         ...
 
+    def keep_context(
+        self,
+        context_id: str,
+        prompt_token_ids: SequenceOf[int],
+        embeddings: list[EmbeddingSpan] | None = None,
+        guidance: Guidance | None = None,
+    ) -> None:
+        """Hold a prompt as a kept context for block steps (computed by the first one)."""
+        ...
+
     def block_step(
         self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
     ) -> None:

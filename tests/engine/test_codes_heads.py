@@ -161,3 +161,17 @@ def test_kept_media_tokens_are_a_prefix_cache_hit_for_the_next_turn(llama_path):
     assert cached > start
     engine.release("image")
     assert not engine.kept
+
+
+def test_codes_in_bf16_on_the_cpu_kernels_path(llama_path):
+    """The kernels' per-layer path (bf16 on CPU) serves codes and pairs too."""
+    config = EngineConfig(page_size=4, num_pages=256, dtype="bfloat16")
+    engine = LLMEngine(llama_path, config)
+    head = GreedyHead(engine.model.config.hidden_size)
+    prompts = random_prompts([9, 23], seed=4)
+    expected = [recompute_codes(engine.model, head, p, 6, UNCOND, 3.0)[0] for p in prompts]
+    for index, prompt in enumerate(prompts):
+        add_codes(engine, f"r{index}", prompt, 6, head, 3.0)
+    out = run(engine)
+    for index in range(len(prompts)):
+        assert torch.equal(codes_of(out[f"r{index}"]), expected[index])
