@@ -14,9 +14,10 @@ from omniflow.cache.kv_share import KVLease, LeaseBook
 from omniflow.cache.lease import Lease
 from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
-from omniflow.engine.heads import BlockRows, CodesHead, Guidance, guided
+from omniflow.engine.heads import BlockRows, CodesHead, Guidance
 from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.model_runner import ModelRunner, StepOutput
+from omniflow.engine.outputs import append_from_hidden, append_text, block_outputs
 from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.paged_attention import KVCache
 from omniflow.engine.prefix_page_cache import HashPrefixPageCache
@@ -410,9 +411,9 @@ class LLMEngine:
         if not leaders:
             return deltas
         if output.logits is not None:  # text alone, no guidance
-            self._append_text(leaders, output.logits)
+            append_text(self.sampler, leaders, output.logits)
         else:
-            self._append_from_hidden(output, leaders)
+            append_from_hidden(self.model, self.sampler, output, leaders)
         for sequence in leaders:
             self._check_stop(sequence)
             lease = None
@@ -428,54 +429,10 @@ class LLMEngine:
             deltas.append(self._delta(sequence, 1)._replace(kv_lease=lease))
         return deltas
 
-    def _append_text(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
-        sampled = self.sampler(logits, sequences)
-        for row, sequence in enumerate(sequences):
-            token = sampled.token_ids[row]
-            for member in (sequence, sequence.partner):
-                if member is not None:
-                    member.append_token(token, sampled.logprobs[row], sampled.top_logprobs[row])
-
-    def _append_from_hidden(self, output: StepOutput, leaders: list[Sequence]) -> None:
-        """Guidance on the hidden states, then each leader's head: lm_head + sampler for text,
-        the codes head for media tokens (one batched call per head)."""
-        assert output.hidden is not None
-        rows = {id(sequence): row for row, sequence in enumerate(output.sequences)}
-        hidden = []
-        for sequence in leaders:
-            state = output.hidden[rows[id(sequence)]]
-            if sequence.partner is not None:
-                base = output.hidden[rows[id(sequence.partner)]]
-                state = guided(state, base, sequence.guidance_scale)
-            hidden.append(state)
-        states = torch.stack(hidden)
-        text = [i for i, s in enumerate(leaders) if s.head is None]
-        if text:
-            logits = self.model.logits(states[text]).float()
-            self._append_text([leaders[i] for i in text], logits)
-        heads: dict[int, list[int]] = {}
-        for i, sequence in enumerate(leaders):
-            if sequence.head is not None:
-                heads.setdefault(id(sequence.head), []).append(i)
-        for indices in heads.values():
-            head = leaders[indices[0]].head
-            assert head is not None
-            codes = head.codes(states[indices])
-            inputs = head.embed(codes).to(states.dtype)
-            for j, i in enumerate(indices):
-                for member in (leaders[i], leaders[i].partner):
-                    if member is not None:
-                        member.append_codes(head, codes[j], inputs[j])
-
     def _block_outputs(self, output: StepOutput) -> list[TokenDelta]:
         """Deltas for the block steps this step finished (guided: combined halves)."""
-        outputs = {id(sequence): hidden for sequence, hidden in output.blocks}
         deltas = []
-        for sequence, hidden in output.blocks:
-            if sequence.follows:
-                continue
-            if sequence.partner is not None:
-                hidden = guided(hidden, outputs[id(sequence.partner)], sequence.guidance_scale)
+        for sequence, hidden in block_outputs(output):
             del self.sequences[sequence.request_id]
             deltas.append(self._delta(sequence, 0)._replace(finish_reason="stop", hidden=hidden))
             self._park(sequence)
