@@ -348,8 +348,9 @@ class DecoderLM(nn.Module):
     def hidden_states(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states [T, hidden] of one causal sequence of input embeddings.
 
-        A plain (non-paged) forward for heads that read hidden states rather than
-        logits: the image/audio depth heads, and diffusion over latent tokens.
+        A plain (non-paged, no KV) forward on PyTorch ops: the reference that tests and
+        benchmarks compare the engine's heads against. Serving runs codes heads and block
+        steps through the engine (engine/heads.py), never this.
         """
         positions = torch.arange(inputs_embeds.shape[0], device=inputs_embeds.device)
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
