@@ -137,7 +137,8 @@ class Scheduler:
         (tokens, block rows); the pair's halves complete in the same step or neither does."""
         follower = sequence.partner
         if follower is None:
-            return [(sequence, _fit(sequence, budget))]
+            fit = _fit(sequence, budget)
+            return [(sequence, fit)] if sum(fit) > 0 else []
         second = _fit(follower, budget)
         first = _fit(sequence, budget - sum(second))
         if _completes(follower, second) != _completes(sequence, first):
