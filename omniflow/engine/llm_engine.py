@@ -480,9 +480,16 @@ class LLMEngine:
         if params.stop:
             if self.tokenizer is None:
                 raise RuntimeError("sampling field stop needs a tokenizer")
-            text = self.tokenizer.decode(sequence.output_token_ids)
+            # Incremental: only the new text and the few characters before it can hold a
+            # stop string that was not there a token ago.
+            if sequence.text_stream is None:
+                sequence.text_stream = self.tokenizer.stream()
+            stream = sequence.text_stream
+            new = len(stream.push([token]))
+            longest = max(len(stop) for stop in params.stop)
+            tail = stream.text[-(new + longest - 1) :] if new else ""
             for stop in params.stop:
-                if stop in text:
+                if stop in tail:
                     sequence.finish_reason, sequence.stop_reason = "stop", stop
                     return
         if (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -70,6 +70,7 @@ class Sequence:
         self.block: BlockRows | None = None  # a pending block step over this prefix
         self.keep = False  # at the end, hold the pages for a continuation (KEPT)
         self.keep_as: str | None = None  # a block step's context id: kept under it again
+        self.text_stream: Any = None  # the output's text so far, for stop strings (TextStream)
         self._key_spans(self.embedding_spans)
 
     def _key_spans(self, spans: list[EmbeddingSpan]) -> None:
@@ -96,6 +97,7 @@ class Sequence:
         self.prompt_token_ids = list(self.token_ids)
         self.output_token_ids, self.output_logprobs, self.output_top_logprobs = [], [], []
         self.output_codes = []
+        self.text_stream = None
         if self.extra_keys is not None:
             self.extra_keys += [None] * len(extra_token_ids)
         self.embedding_spans = self.embedding_spans + spans
