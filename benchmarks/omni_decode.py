@@ -147,9 +147,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    parser.add_argument("--tokens", type=int, default=9, help="image tokens per measurement")
+    parser.add_argument("--tokens", type=int, default=17, help="image tokens per measurement")
     parser.add_argument("--grid-tokens", type=int, default=256, help="tokens per image (16x16)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    # One thread by default: on a small shared VM a step's second thread often waits on a
+    # busy core, and the figures swing by several times from run to run.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,10 +183,10 @@ def main() -> None:
             recompute_ms[n].append(recompute_ms_per_token(model, head, context, 3))
         c1.append(throughput(engine, head, 1, args.grid_tokens, round_index))
         c8.append(throughput(engine, head, 8, args.grid_tokens, round_index))
-        reuse_ms.append(block_step_ms(engine, prefix, block_rows, True, f"r{round_index}"))
-        recompute_block_ms.append(
-            block_step_ms(baseline, prefix, block_rows, False, f"x{round_index}")
-        )
+        for repeat in range(3):  # short: a few pairs a round, for a steadier median
+            tag = f"{round_index}-{repeat}"
+            reuse_ms.append(block_step_ms(engine, prefix, block_rows, True, f"r{tag}"))
+            recompute_block_ms.append(block_step_ms(baseline, prefix, block_rows, False, f"x{tag}"))
     med = statistics.median
     emit(
         {

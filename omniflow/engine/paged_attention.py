@@ -310,17 +310,21 @@ class PagedAttention:
         keys = layer_keys.index_select(1, segment.context_pages).view(shape)
         values = layer_values.index_select(1, segment.context_pages).view(shape)
         keys, values = keys[:, : segment.context_len], values[:, : segment.context_len]
+        if segment.bidirectional:
+            # No mask: SDPA's fused kernel, never the [heads, rows, context] scores in memory.
+            # 4-d: with 3-d inputs CPU SDPA takes its slower unfused path.
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys[None], values[None], scale=self.scale, enable_gqa=True
+            )
+            return out[0].transpose(0, 1)
         tokens, heads, _ = q.shape
         group = heads // kv_heads
         grouped_q = (q * self.scale).transpose(0, 1).reshape(kv_heads, group * tokens, head_dim)
         mask = segment.causal_mask
-        if mask is None:  # a block step: no mask, on PyTorch ops (not the AMX kernel)
-            bias = torch.zeros((1, 1), dtype=q.dtype, device=q.device)
-        else:
-            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-            bias.masked_fill_(~mask, float("-inf"))
-            bias = bias.repeat(group, 1)
-        out = _attend(grouped_q, keys, values, bias)
+        assert mask is not None, "a prefill over cached context has a causal mask"
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(~mask, float("-inf"))
+        out = _attend(grouped_q, keys, values, bias.repeat(group, 1))
         return out.view(heads, tokens, head_dim).transpose(0, 1)
 
     def _prefill_fresh(self, segment: PrefillSegment, q, k, v):
