@@ -15,6 +15,7 @@ from omniflow.cache.lease import Lease
 from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
 from omniflow.engine.heads import BlockRows, CodesHead, Guidance
+from omniflow.engine.intake import Limits, check_block, check_length, checked_spans, checked_tokens
 from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.model_runner import ModelRunner, StepOutput
 from omniflow.engine.outputs import append_from_hidden, append_text, block_outputs
@@ -149,6 +150,13 @@ class LLMEngine:
             config.enable_prefix_caching,
         )
         self.runner = ModelRunner(model, self.cache, kernels=config.cpu_kernels)
+        self.limits = Limits(
+            self.vocab_size,
+            model_config.hidden_size,
+            self.max_model_len,
+            self.capacity_tokens,
+            config.max_num_batched_tokens,
+        )
         self.sampler = Sampler(config.seed)
         self.sequences: dict[str, Sequence] = {}
         # Finished requests added with keep=True, their pages held: for continue_from and
@@ -200,66 +208,87 @@ class LLMEngine:
         params = params or SamplingParams()
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params, request_id)
-        if request_id in self.sequences or request_id in self.kept:
-            raise ValueError(f"request {request_id}: request_id is already in use")
+        self._check_unused(request_id)
         params.validate(request_id, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id}: sampling field stop needs a tokenizer")
+        kept = None
         if continue_from is not None:
-            sequence = self._continued(request_id, continue_from, prompt_token_ids, params)
-            spans = self._validated_spans(request_id, embeddings or [], len(sequence))
-            sequence.continue_with(request_id, [], params, spans)
+            kept = self.kept.get(continue_from)
+            if kept is None:
+                raise ValueError(
+                    f"request {request_id}: continue_from {continue_from!r} is not kept"
+                )
+        # Everything is checked before anything changes: a bad request leaves no trace.
+        tokens, spans = self._checked(request_id, kept, prompt_token_ids, embeddings, params)
+        unconditional = None
+        if guidance is not None:
+            follower = None if kept is None else kept.partner
+            unconditional = self._checked(
+                f"{request_id}/uncond",
+                follower,
+                guidance.prompt_token_ids,
+                guidance.embeddings,
+                params,
+            )
+        if kept is None:
+            sequence = Sequence(request_id, tokens, params, spans)
         else:
-            prompt = self._validated_prompt(request_id, prompt_token_ids, params)
-            spans = self._validated_spans(request_id, embeddings or [], len(prompt))
-            sequence = Sequence(request_id, prompt, params, spans)
+            del self.kept[str(continue_from)]
+            sequence = kept
+            sequence.continue_with(request_id, tokens, params, spans)
         sequence.lend_kv_to = lend_kv_to
         sequence.head, sequence.keep = head, keep
-        self._guide(sequence, guidance)
+        self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
         self.sequences[request_id] = sequence
         if sequence.status is SequenceStatus.KEPT:
             self.scheduler.requeue(sequence)
         else:
             self.scheduler.add(sequence)
 
-    def _continued(self, request_id, continue_from, extra_token_ids, params) -> Sequence:
-        """The kept sequence continue_from, its prompt extended by extra_token_ids."""
-        sequence = self.kept.get(continue_from)
-        if sequence is None:
-            raise ValueError(f"request {request_id}: continue_from {continue_from!r} is not kept")
-        extra = [int(t) for t in extra_token_ids]
-        self._validated_prompt(request_id, sequence.token_ids + extra, params)
-        del self.kept[continue_from]
-        sequence.token_ids += extra
-        if sequence.extra_keys is not None:
-            sequence.extra_keys += [None] * len(extra)
-        return sequence
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self.sequences or request_id in self.kept:
+            raise ValueError(f"request {request_id}: request_id is already in use")
 
-    def _guide(self, sequence: Sequence, guidance: Guidance | None) -> None:
-        """Pair a sequence with its unconditional follower: a kept one extended, or a new one."""
+    def _checked(
+        self,
+        request_id: str,
+        kept: Sequence | None,
+        token_ids: SequenceOf[int],
+        embeddings: list[EmbeddingSpan] | None,
+        params: SamplingParams,
+    ) -> tuple[list[int], list[EmbeddingSpan]]:
+        """A new prompt, or the tokens that extend a kept sequence, and their spans."""
+        base = 0 if kept is None else len(kept)
+        tokens = checked_tokens(request_id, token_ids, self.limits, allow_empty=kept is not None)
+        check_length(request_id, base + len(tokens), params.max_tokens, self.limits)
+        spans = checked_spans(request_id, embeddings or [], base + len(tokens), self.limits)
+        return tokens, spans
+
+    def _guide(
+        self,
+        sequence: Sequence,
+        unconditional: tuple[list[int], list[EmbeddingSpan]] | None,
+        scale: float | None,
+    ) -> None:
+        """Pair a sequence with its unconditional follower (checked prompt or extension): a
+        kept one extended, or a new one. None: no guidance (a kept follower is freed)."""
         follower = sequence.partner
-        if guidance is None:
+        if unconditional is None or scale is None:
             if follower is not None:  # a kept pair continued without guidance: drop that half
                 sequence.partner = None
                 self.scheduler.finish(follower, "abort")
             return
         rid = f"{sequence.request_id}/uncond"
-        params = sequence.params
+        tokens, spans = unconditional
         if follower is not None:
-            extra = [int(t) for t in guidance.prompt_token_ids]
-            follower.token_ids += extra
-            if follower.extra_keys is not None:
-                follower.extra_keys += [None] * len(extra)
-            spans = self._validated_spans(rid, guidance.embeddings or [], len(follower))
-            follower.continue_with(rid, [], params, spans)
+            follower.continue_with(rid, tokens, sequence.params, spans)
         else:
-            prompt = self._validated_prompt(rid, guidance.prompt_token_ids, params)
-            spans = self._validated_spans(rid, guidance.embeddings or [], len(prompt))
-            follower = Sequence(rid, prompt, params, spans)
+            follower = Sequence(rid, tokens, sequence.params, spans)
             follower.partner, follower.follows = sequence, True
             sequence.partner = follower
         follower.head = sequence.head
-        sequence.guidance_scale = follower.guidance_scale = float(guidance.scale)
+        sequence.guidance_scale = follower.guidance_scale = float(scale)
 
     def keep_context(
         self,
@@ -270,13 +299,16 @@ class LLMEngine:
     ) -> None:
         """Hold a prompt (and its unconditional half) as a kept context for block steps,
         without running it: the first block step computes it, the next ones reuse it."""
-        if context_id in self.sequences or context_id in self.kept:
-            raise ValueError(f"request {context_id}: request_id is already in use")
+        self._check_unused(context_id)
         params = SamplingParams(max_tokens=1)
-        prompt = self._validated_prompt(context_id, prompt_token_ids, params)
-        spans = self._validated_spans(context_id, embeddings or [], len(prompt))
-        sequence = Sequence(context_id, prompt, params, spans)
-        self._guide(sequence, guidance)
+        tokens, spans = self._checked(context_id, None, prompt_token_ids, embeddings, params)
+        unconditional = None
+        if guidance is not None:
+            unconditional = self._checked(
+                f"{context_id}/uncond", None, guidance.prompt_token_ids, guidance.embeddings, params
+            )
+        sequence = Sequence(context_id, tokens, params, spans)
+        self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
         for member in (sequence, sequence.partner):
             if member is not None:
                 member.status = SequenceStatus.KEPT
@@ -293,22 +325,9 @@ class LLMEngine:
         sequence = self.kept.get(context_id)
         if sequence is None:
             raise ValueError(f"request {request_id}: context {context_id!r} is not kept")
-        if request_id in self.sequences or request_id in self.kept:
-            raise ValueError(f"request {request_id}: request_id is already in use")
-        hidden = self.model.config.hidden_size
-        if rows.dim() != 2 or rows.shape[1] != hidden or positions.shape != (rows.shape[0],):
-            raise ValueError(
-                f"request {request_id}: block rows {list(rows.shape)} / positions "
-                f"{list(positions.shape)}, expected [n, {hidden}] / [n]"
-            )
+        self._check_unused(request_id)
         halves = 2 if sequence.partner is not None else 1
-        if halves * rows.shape[0] > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"request {request_id}: {halves} x {rows.shape[0]} block rows exceed "
-                f"max_num_batched_tokens {self.config.max_num_batched_tokens}"
-            )
-        if len(sequence) + rows.shape[0] > self.capacity_tokens:
-            raise ValueError(f"request {request_id}: context + block exceed the KV cache")
+        check_block(request_id, rows, positions, halves, len(sequence), self.limits)
         del self.kept[context_id]
         block = BlockRows(rows.to(self.cache.keys.dtype), positions.to(torch.long))
         for member in (sequence, sequence.partner):
@@ -323,45 +342,6 @@ class LLMEngine:
         sequence = self.kept.pop(request_id, None)
         if sequence is not None:
             self.scheduler.finish(sequence, "stop")
-
-    def _validated_prompt(self, request_id, prompt_token_ids, params) -> list[int]:
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError(f"request {request_id}: prompt_token_ids is empty")
-        for index, token in enumerate(prompt):
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(
-                    f"request {request_id}: prompt_token_ids[{index}]={token} is outside the "
-                    f"vocabulary [0, {self.vocab_size})"
-                )
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {request_id}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
-        if total > self.capacity_tokens:
-            raise ValueError(
-                f"request {request_id}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
-                f"exceeds the KV cache's {self.capacity_tokens} tokens"
-            )
-        return prompt
-
-    def _validated_spans(self, request_id, spans, prompt_len) -> list[EmbeddingSpan]:
-        hidden = self.model.config.hidden_size
-        for index, span in enumerate(spans):
-            shape = tuple(span.embeddings.shape)
-            if len(shape) != 2 or shape[1] != hidden:
-                raise ValueError(
-                    f"request {request_id}: embeddings[{index}] has shape {shape}, "
-                    f"expected [n, {hidden}]"
-                )
-            if span.start < 0 or span.start + shape[0] > prompt_len:
-                raise ValueError(
-                    f"request {request_id}: embeddings[{index}] covers positions "
-                    f"{span.start}..{span.start + shape[0] - 1}, outside the prompt"
-                )
-        return list(spans)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (with its unconditional half). An aborted block step leaves its

@@ -175,3 +175,23 @@ def test_codes_in_bf16_on_the_cpu_kernels_path(llama_path):
     out = run(engine)
     for index in range(len(prompts)):
         assert torch.equal(codes_of(out[f"r{index}"]), expected[index])
+
+
+def test_a_bad_continuation_leaves_the_kept_sequence_as_it_was(engine):
+    prompt = random_prompts([10], seed=11)[0]
+    engine.add_request("t", prompt, SamplingParams(max_tokens=2, ignore_eos=True), keep=True)
+    run(engine)
+    kept = engine.kept["t"]
+    before = (list(kept.token_ids), list(kept.page_ids))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("c", [10**6], SamplingParams(max_tokens=2), continue_from="t")
+    with pytest.raises(ValueError, match="uncond.*vocabulary"):
+        guidance = Guidance([10**6], 2.0)
+        engine.add_request(
+            "c", [], SamplingParams(max_tokens=2), continue_from="t", guidance=guidance
+        )
+    with pytest.raises(ValueError, match="not kept"):
+        engine.add_request("c", [], SamplingParams(max_tokens=2), continue_from="nope")
+    assert engine.kept["t"] is kept and (kept.token_ids, kept.page_ids) == before
+    engine.release("t")
+    assert engine.allocator.usage().free_pages == engine.cache.num_pages
