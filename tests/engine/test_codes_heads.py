@@ -195,3 +195,15 @@ def test_a_bad_continuation_leaves_the_kept_sequence_as_it_was(engine):
     assert engine.kept["t"] is kept and (kept.token_ids, kept.page_ids) == before
     engine.release("t")
     assert engine.allocator.usage().free_pages == engine.cache.num_pages
+
+
+def test_the_unconditional_prompt_is_served_from_the_prefix_cache(engine):
+    head = GreedyHead(engine.model.config.hidden_size)
+    uncond = random_prompts([9], seed=12)[0]
+    for rid, seed in (("a", 13), ("b", 14)):
+        prompt = random_prompts([6], seed=seed)[0]
+        guidance = Guidance(uncond, 2.0)
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=2), head=head, guidance=guidance)
+        follower = engine.sequences[rid].partner
+        run(engine)
+    assert follower.num_cached_tokens == 8  # the second pair: two full pages of uncond
