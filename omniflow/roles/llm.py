@@ -238,14 +238,15 @@ class LLMRole(ModelActor):
                 if stages:
                     kept.append(rid)
                     previous = rid
-            else:  # every LLM request reports it
+            elif not stages:  # every LLM request reports it
                 ctx.add_usage(cached_tokens=0)
             tokens = prompt + generated
             for index, stage in enumerate(stages):
                 rid = f"{request.request_id}-{next(self._ids)}"
                 keep = index + 1 < len(stages)
                 codes = []
-                async for out in self._media(rid, stage, tokens, all_spans, previous, keep):
+                media = self._media(rid, stage, tokens, all_spans, previous, keep, ctx)
+                async for out in media:
                     if isinstance(out, torch.Tensor):
                         codes.append(out)
                     else:
@@ -289,17 +290,22 @@ class LLMRole(ModelActor):
             stages.append(_Stage(self.audio_head, chunks * per_chunk, per_chunk, None, None))
         return stages
 
-    async def _media(self, rid, stage, tokens, spans, previous, keep):
+    async def _media(self, rid, stage, tokens, spans, previous, keep, ctx):
         """One media stage through the engine, going on from request ``previous`` (or from
-        the prompt ``tokens``): yields each delta's new ids [n, K] (for the session), then the
-        outputs: one image at the end, or audio chunks as they complete."""
+        the prompt ``tokens``, then reporting its cache hit): yields each delta's new ids
+        [n, K] (for the session), then the outputs: one image at the end, or audio chunks as
+        they complete."""
         guidance = None if stage.cfg is None else Guidance(self.bos, stage.cfg)
         options = dict(head=stage.head, guidance=guidance, keep=keep, continue_from=previous)
         prompt, spans = (tokens, spans or None) if previous is None else ([], None)
         params = SamplingParams(max_tokens=stage.tokens)
         buffered: list[torch.Tensor] = []  # ids rows not yet sent
         index = 0
+        first = previous is None
         async for delta in self.engine.generate(rid, prompt, params, spans, **options):
+            if first:
+                ctx.add_usage(cached_tokens=delta.num_cached_tokens)
+                first = False
             if delta.codes is None:
                 continue
             yield delta.codes
