@@ -255,8 +255,7 @@ class LLMRole(ModelActor):
                     kept.append(rid)
                 previous = rid
                 ids = torch.cat(codes)
-                with torch.inference_mode():
-                    rows = stage.head.embed(ids)
+                rows = await self._run(_embed_codes, stage.head, ids)  # off the event loop
                 keys = [codes_key(stage.head, row) for row in ids]
                 all_spans = all_spans + [EmbeddingSpan(len(tokens), rows, keys)]
                 tokens = tokens + [self.placeholder] * len(ids)
@@ -387,6 +386,12 @@ class LLMRole(ModelActor):
             return SamplingParams.from_dict(values, request.request_id)
         except (TypeError, ValueError) as e:
             raise BadRequest("params", str(e)) from None
+
+
+def _embed_codes(head: MediaHead, ids: torch.Tensor) -> torch.Tensor:
+    """The input rows of media tokens [n, K], as the engine fed them: the session's spans."""
+    with torch.inference_mode():
+        return head.embed(ids)
 
 
 def _want(params: dict[str, Any]) -> set[str]:
