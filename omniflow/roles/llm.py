@@ -48,8 +48,15 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from omniflow.content import SUMMARY_META, summary_key
-from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
-from omniflow.engine.heads import Guidance, codes_key
+from omniflow.engine import (
+    AsyncEngine,
+    EmbeddingSpan,
+    EngineConfig,
+    Guidance,
+    LLMEngine,
+    SamplingParams,
+)
+from omniflow.engine.heads import codes_key
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
