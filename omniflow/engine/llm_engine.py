@@ -18,7 +18,13 @@ from omniflow.engine.heads import BlockRows, CodesHead, Guidance
 from omniflow.engine.intake import Limits, check_block, check_length, checked_spans, checked_tokens
 from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.model_runner import ModelRunner, StepOutput
-from omniflow.engine.outputs import append_from_hidden, append_text, block_outputs
+from omniflow.engine.outputs import (
+    append_from_hidden,
+    append_text,
+    block_outputs,
+    check_stop,
+    delta_of,
+)
 from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.paged_attention import KVCache
 from omniflow.engine.prefix_page_cache import HashPrefixPageCache
@@ -350,12 +356,12 @@ class LLMEngine:
         if sequence is None:
             return
         if sequence.keep_as is not None:
-            delta = self._delta(sequence, 0)._replace(finish_reason="abort")
+            delta = delta_of(sequence, 0)._replace(finish_reason="abort")
             self._park(sequence)
             self.pending_aborts.append(delta)
             return
         self.scheduler.finish(sequence, "abort")
-        self.pending_aborts.append(self._delta(sequence, 0))
+        self.pending_aborts.append(delta_of(sequence, 0))
 
     def _park(self, sequence: Sequence) -> None:
         """A block step is done: its context is kept again, under its own id."""
@@ -395,7 +401,7 @@ class LLMEngine:
         else:
             append_from_hidden(self.model, self.sampler, output, leaders)
         for sequence in leaders:
-            self._check_stop(sequence)
+            check_stop(sequence, self.eos_token_ids, self.tokenizer, self.max_model_len)
             lease = None
             if sequence.finish_reason is not None:
                 if sequence.lend_kv_to is not None:
@@ -406,7 +412,7 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(sequence, sequence.finish_reason)
                 del self.sequences[sequence.request_id]
-            deltas.append(self._delta(sequence, 1)._replace(kv_lease=lease))
+            deltas.append(delta_of(sequence, 1)._replace(kv_lease=lease))
         return deltas
 
     def _block_outputs(self, output: StepOutput) -> list[TokenDelta]:
@@ -414,7 +420,7 @@ class LLMEngine:
         deltas = []
         for sequence, hidden in block_outputs(output):
             del self.sequences[sequence.request_id]
-            deltas.append(self._delta(sequence, 0)._replace(finish_reason="stop", hidden=hidden))
+            deltas.append(delta_of(sequence, 0)._replace(finish_reason="stop", hidden=hidden))
             self._park(sequence)
         return deltas
 
@@ -444,58 +450,6 @@ class LLMEngine:
         )
         return self.leases.lend(
             self.cache.keys, self.cache.values, match.page_ids, size, tail, borrower_pid
-        )
-
-    def _check_stop(self, sequence: Sequence) -> None:
-        params, token = sequence.params, sequence.output_token_ids[-1]
-        if sequence.head is not None:  # media tokens: their count ends them
-            if len(sequence.output_token_ids) >= params.max_tokens:
-                sequence.finish_reason = "length"
-            return
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
-            sequence.finish_reason, sequence.stop_reason = "stop", token
-            return
-        if params.stop:
-            if self.tokenizer is None:
-                raise RuntimeError("sampling field stop needs a tokenizer")
-            # Incremental: only the new text and the few characters before it can hold a
-            # stop string that was not there a token ago.
-            if sequence.text_stream is None:
-                sequence.text_stream = self.tokenizer.stream()
-            stream = sequence.text_stream
-            new = len(stream.push([token]))
-            longest = max(len(stop) for stop in params.stop)
-            tail = stream.text[-(new + longest - 1) :] if new else ""
-            for stop in params.stop:
-                if stop in tail:
-                    sequence.finish_reason, sequence.stop_reason = "stop", stop
-                    return
-        if (
-            len(sequence.output_token_ids) >= params.max_tokens
-            or len(sequence) >= self.max_model_len
-        ):
-            sequence.finish_reason = "length"
-
-    @staticmethod
-    def _delta(sequence: Sequence, num_new: int) -> TokenDelta:
-        start = len(sequence.output_token_ids) - num_new
-        tops = None
-        if sequence.params.logprobs is not None:
-            tops = sequence.output_top_logprobs[start:]
-        codes = None
-        if sequence.head is not None and num_new:
-            codes = torch.stack(sequence.output_codes[start:])
-        return TokenDelta(
-            sequence.request_id,
-            sequence.output_token_ids[start:],
-            sequence.output_logprobs[start:],
-            tops,
-            sequence.finish_reason,
-            sequence.stop_reason,
-            sequence.num_cached_tokens or 0,
-            codes=codes,
         )
 
     @torch.inference_mode()

@@ -1,5 +1,5 @@
 """What a step's output becomes: tokens appended through each request's head, guided pairs
-combined before it, block steps' hidden states handed back."""
+combined before it, stop rules, the deltas reported, block steps' hidden states."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import torch
 
 from omniflow.engine.heads import guided
 from omniflow.engine.model_runner import StepOutput
+from omniflow.engine.protocol import TokenDelta
 from omniflow.engine.sampler import Sampler
 from omniflow.engine.sequence import Sequence
-from omniflow.models import DecoderLM
+from omniflow.models import DecoderLM, TextTokenizer
 
 
 def append_text(sampler: Sampler, sequences: list[Sequence], logits: torch.Tensor) -> None:
@@ -68,3 +69,58 @@ def block_outputs(output: StepOutput) -> list[tuple[Sequence, torch.Tensor]]:
             hidden = guided(hidden, by_sequence[id(sequence.partner)], sequence.guidance_scale)
         done.append((sequence, hidden))
     return done
+
+
+def check_stop(
+    sequence: Sequence,
+    eos_token_ids: set[int],
+    tokenizer: TextTokenizer | None,
+    max_model_len: int,
+) -> None:
+    """Set finish_reason (and stop_reason) if the token just appended ends the request."""
+    params, token = sequence.params, sequence.output_token_ids[-1]
+    if sequence.head is not None:  # media tokens: their count ends them
+        if len(sequence.output_token_ids) >= params.max_tokens:
+            sequence.finish_reason = "length"
+        return
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        sequence.finish_reason, sequence.stop_reason = "stop", token
+        return
+    if params.stop:
+        if tokenizer is None:
+            raise RuntimeError("sampling field stop needs a tokenizer")
+        # Incremental: only the new text and the few characters before it can hold a stop
+        # string that was not there a token ago.
+        if sequence.text_stream is None:
+            sequence.text_stream = tokenizer.stream()
+        stream = sequence.text_stream
+        new = len(stream.push([token]))
+        longest = max(len(stop) for stop in params.stop)
+        tail = stream.text[-(new + longest - 1) :] if new else ""
+        for stop in params.stop:
+            if stop in tail:
+                sequence.finish_reason, sequence.stop_reason = "stop", stop
+                return
+    if len(sequence.output_token_ids) >= params.max_tokens or len(sequence) >= max_model_len:
+        sequence.finish_reason = "length"
+
+
+def delta_of(sequence: Sequence, num_new: int) -> TokenDelta:
+    """The delta reporting a sequence's last num_new tokens (0: only its state)."""
+    start = len(sequence.output_token_ids) - num_new
+    tops = None
+    if sequence.params.logprobs is not None:
+        tops = sequence.output_top_logprobs[start:]
+    codes = None
+    if sequence.head is not None and num_new:
+        codes = torch.stack(sequence.output_codes[start:])
+    return TokenDelta(
+        sequence.request_id,
+        sequence.output_token_ids[start:],
+        sequence.output_logprobs[start:],
+        tops,
+        sequence.finish_reason,
+        sequence.stop_reason,
+        sequence.num_cached_tokens or 0,
+        codes=codes,
+    )
