@@ -46,7 +46,7 @@ from _common import scratch_dir  # noqa: E402
 from omniflow.engine import LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
 from omniflow.models import build_tiny_model  # noqa: E402
-from omniflow.models.decoder import packed_weights_supported  # noqa: E402
+from omniflow.models.cpu_layouts import packed_weights_supported  # noqa: E402
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

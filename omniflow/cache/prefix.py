@@ -194,9 +194,19 @@ class RadixPrefixCache:
         *,
         namespace: Hashable | None = None,
     ) -> None:
-        keys = self._page_keys(token_ids, extra_keys)
+        """Publish the full pages of token_ids (stored in page_ids). A sequence inserts again
+        each time a page fills: the walk starts at the node holding the last of its pages
+        already in the tree, and only the pages after it are keyed."""
+        size = self.page_size
+        full = len(token_ids) // size
+        node, done = self._inserted(page_ids, full, namespace)
+        begin, end = done * size, full * size
+        keys = self._page_keys(
+            token_ids[begin:end], None if extra_keys is None else extra_keys[begin:end]
+        )
+        page_ids = page_ids[done:]
         now = next(self._clock)
-        node, index = self._root(namespace), 0
+        index = 0
         while index < len(keys) and keys[index] in node.children:
             # Device pages already in the tree win; the caller's duplicates stay uncached.
             child = node.children[keys[index]]
@@ -221,6 +231,25 @@ class RadixPrefixCache:
         )
         node.children[leaf.page_keys[0]] = leaf
         self._own(leaf)
+
+    def _inserted(
+        self, page_ids: Sequence[int], full: int, namespace: Hashable | None
+    ) -> tuple[RadixNode, int]:
+        """(node, k): the first k of page_ids are the tree's pages on the path to node, found
+        from the caller's last page in the tree (node_of_page holds attached nodes only).
+        Probes only the pages not in the tree yet; (root, 0) when it cannot tell."""
+        root = self._root(namespace)
+        if namespace is not None and namespace != self.namespace:
+            return root, 0
+        for k in range(min(full, len(page_ids)), 0, -1):
+            node = self.node_of_page.get(page_ids[k - 1])
+            if node is None:
+                continue
+            device = node.residency.device
+            if device and device[-1] == page_ids[k - 1]:
+                return node, k
+            return root, 0  # mid-edge: the tree holds other pages after it
+        return root, 0
 
     def block_hashes(self) -> set[int]:
         """The chained hash of every cached page (any tier), as ``chain_hashes`` computes it

@@ -1,6 +1,7 @@
 """LLM engines: the protocol, the torch backend, the offline and asyncio-facing APIs."""
 
 from omniflow.engine.async_engine import AsyncEngine, EngineDeadError
+from omniflow.engine.heads import BlockRows, CodesHead, Guidance
 from omniflow.engine.llm import LLM, GenerationOutput
 from omniflow.engine.llm_engine import EngineConfig, LLMEngine
 from omniflow.engine.page_allocator import OutOfPages, PageAllocator, PageUsage, PrefixMatch
@@ -11,11 +12,14 @@ from omniflow.engine.sequence import EmbeddingSpan
 __all__ = [
     "LLM",
     "AsyncEngine",
+    "BlockRows",
+    "CodesHead",
     "EngineDeadError",
     "EmbeddingSpan",
     "EngineBackend",
     "EngineConfig",
     "GenerationOutput",
+    "Guidance",
     "LLMEngine",
     "OutOfPages",
     "PageAllocator",

@@ -36,7 +36,18 @@ class _Add(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams | None
     embeddings: list[EmbeddingSpan] | None
-    lend_kv_to: int | None = None
+    options: dict[str, Any]  # add_request's keywords beyond these (lend_kv_to, head, ...)
+
+
+class _BlockStep(NamedTuple):
+    request_id: str
+    context_id: str
+    rows: torch.Tensor
+    positions: torch.Tensor
+
+
+class _Release(NamedTuple):
+    request_id: str
 
 
 class _Abort(NamedTuple):
@@ -75,9 +86,44 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         embeddings: list[EmbeddingSpan] | None = None,
         lend_kv_to: int | None = None,
+        **options: Any,
     ) -> AsyncIterator[TokenDelta]:
         """Yield this request's TokenDeltas as steps produce them; raises ValueError for a bad
-        request, EngineDeadError if the engine thread died."""
+        request, EngineDeadError if the engine thread died. options: the backend's further
+        add_request keywords (head, guidance, keep, continue_from)."""
+        if lend_kv_to is not None:
+            options["lend_kv_to"] = lend_kv_to
+        command = _Add(request_id, list(prompt_token_ids), params, embeddings, options)
+        async for delta in self._stream(request_id, command):
+            yield delta
+
+    async def block_step(
+        self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
+    ) -> TokenDelta:
+        """One block step over the kept request context_id (LLMEngine.block_step): its delta,
+        whose ``hidden`` holds the rows' final hidden states."""
+        async for delta in self._stream(
+            request_id, _BlockStep(request_id, context_id, rows, positions)
+        ):
+            last = delta
+        return last
+
+    async def keep_context(
+        self,
+        context_id: str,
+        prompt_token_ids: Sequence[int],
+        embeddings: list[EmbeddingSpan] | None = None,
+        guidance: Any = None,
+    ) -> None:
+        """Hold a prompt as a kept context for block steps (LLMEngine.keep_context)."""
+        tokens = list(prompt_token_ids)
+        await self.call(lambda: self.backend.keep_context(context_id, tokens, embeddings, guidance))
+
+    def release(self, request_id: str) -> None:
+        """Free a kept request's pages (LLMEngine.release)."""
+        self._commands.put(_Release(request_id))
+
+    async def _stream(self, request_id: str, command: Any) -> AsyncIterator[TokenDelta]:
         if self._dead is not None:
             raise EngineDeadError("engine thread is not running") from self._dead
         stream: asyncio.Queue = asyncio.Queue()
@@ -85,7 +131,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request {request_id}: request_id is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, embeddings, lend_kv_to))
+        self._commands.put(command)
         finished = False
         try:
             while True:
@@ -134,18 +180,22 @@ class AsyncEngine:
     def _apply(self, command) -> bool:
         if command is _STOP:
             return False
-        if isinstance(command, _Add):
+        if isinstance(command, _Add | _BlockStep):
             try:
-                extra = {} if command.lend_kv_to is None else {"lend_kv_to": command.lend_kv_to}
-                self.backend.add_request(
-                    command.request_id,
-                    command.prompt_token_ids,
-                    command.params,
-                    command.embeddings,
-                    **extra,
-                )
+                if isinstance(command, _Add):
+                    self.backend.add_request(
+                        command.request_id,
+                        command.prompt_token_ids,
+                        command.params,
+                        command.embeddings,
+                        **command.options,
+                    )
+                else:
+                    self.backend.block_step(*command)
             except (ValueError, NotImplementedError) as error:
                 self._deliver(command.request_id, error)
+        elif isinstance(command, _Release):
+            self.backend.release(command.request_id)
         elif isinstance(command, _Abort):
             self.backend.abort(command.request_id)
         elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():

@@ -1,4 +1,5 @@
-"""The torch backend: paged KV, continuous batching, sampling, prefix caching."""
+"""The torch backend: paged KV, continuous batching, sampling, prefix caching; output heads
+(text, codes), guided pairs and block steps (engine/heads.py)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,24 @@ from omniflow.cache.kv_share import KVLease, LeaseBook
 from omniflow.cache.lease import Lease
 from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
+from omniflow.engine.heads import BlockRows, CodesHead, Guidance
+from omniflow.engine.intake import Limits, check_block, check_length, checked_spans, checked_tokens
 from omniflow.engine.kv_pages import KVCachePages
-from omniflow.engine.model_runner import ModelRunner
+from omniflow.engine.model_runner import ModelRunner, StepOutput
+from omniflow.engine.outputs import (
+    append_from_hidden,
+    append_text,
+    block_outputs,
+    check_stop,
+    delta_of,
+)
 from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.paged_attention import KVCache
 from omniflow.engine.protocol import TokenDelta
 from omniflow.engine.sampler import Sampler
 from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.scheduler import Scheduler
-from omniflow.engine.sequence import EmbeddingSpan, Sequence
+from omniflow.engine.sequence import EmbeddingSpan, Sequence, SequenceStatus
 from omniflow.models import DecoderLM, TextTokenizer, load_decoder, load_tokenizer
 
 
@@ -132,10 +142,21 @@ class LLMEngine:
             config.enable_prefix_caching,
         )
         self.runner = ModelRunner(model, self.cache, kernels=config.cpu_kernels)
+        self.limits = Limits(
+            self.vocab_size,
+            model_config.hidden_size,
+            self.max_model_len,
+            self.capacity_tokens,
+            config.max_num_batched_tokens,
+        )
         self.sampler = Sampler(config.seed)
         self.sequences: dict[str, Sequence] = {}
+        # Finished requests added with keep=True, their pages held: for continue_from and
+        # block steps, until `release`.
+        self.kept: dict[str, Sequence] = {}
         self.pending_aborts: list[TokenDelta] = []
-        self.stats = {"prompt_tokens_computed": 0}
+        # rows_forwarded: every row the model ran, prompt, generated and block rows alike.
+        self.stats = {"prompt_tokens_computed": 0, "rows_forwarded": 0}
 
     def close(self) -> None:
         """Stop the KV tiers' thread and free their host and SSD space."""
@@ -157,9 +178,20 @@ class LLMEngine:
         params: SamplingParams | None = None,
         embeddings: list[EmbeddingSpan] | None = None,
         lend_kv_to: int | None = None,
+        head: CodesHead | None = None,
+        guidance: Guidance | None = None,
+        keep: bool = False,
+        continue_from: str | None = None,
     ) -> None:
         """Queue a request. With ``lend_kv_to`` (a pid on this host), its last delta carries a
-        read-only ``KVLease`` on the KV of all its computed tokens (see cache/kv_share.py)."""
+        read-only ``KVLease`` on the KV of all its computed tokens (see cache/kv_share.py).
+
+        head: a codes head (None: text); each delta then carries the media tokens' ids.
+        guidance: classifier-free guidance against an unconditional sequence, scheduled with
+        this one. keep: at the end, hold the sequence's pages (``kept``) for a continuation
+        or block steps until `release`. continue_from: a kept request to go on from: its
+        tokens, KV and unconditional partner; prompt_token_ids then extend it (may be empty),
+        and embedding spans' starts count from the kept sequence's start."""
         if lend_kv_to is not None and self.leases is None:
             raise NotImplementedError(
                 f"request {request_id}: lend_kv_to needs the engine's KV in a host page pool "
@@ -168,63 +200,164 @@ class LLMEngine:
         params = params or SamplingParams()
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params, request_id)
-        if request_id in self.sequences:
-            raise ValueError(f"request {request_id}: request_id is already in use")
+        self._check_unused(request_id)
         params.validate(request_id, self.vocab_size)
-        prompt = self._validated_prompt(request_id, prompt_token_ids, params)
-        spans = self._validated_spans(request_id, embeddings or [], len(prompt))
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id}: sampling field stop needs a tokenizer")
-        sequence = Sequence(request_id, prompt, params, spans)
+        kept = None
+        if continue_from is not None:
+            kept = self.kept.get(continue_from)
+            if kept is None:
+                raise ValueError(
+                    f"request {request_id}: continue_from {continue_from!r} is not kept"
+                )
+        # Everything is checked before anything changes: a bad request leaves no trace.
+        tokens, spans = self._checked(request_id, kept, prompt_token_ids, embeddings, params)
+        unconditional = None
+        if guidance is not None:
+            follower = None if kept is None else kept.partner
+            unconditional = self._checked(
+                f"{request_id}/uncond",
+                follower,
+                guidance.prompt_token_ids,
+                guidance.embeddings,
+                params,
+            )
+        if kept is None:
+            sequence = Sequence(request_id, tokens, params, spans)
+        else:
+            del self.kept[str(continue_from)]
+            sequence = kept
+            sequence.continue_with(request_id, tokens, params, spans)
         sequence.lend_kv_to = lend_kv_to
+        sequence.head, sequence.keep = head, keep
+        self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
         self.sequences[request_id] = sequence
-        self.scheduler.add(sequence)
+        if sequence.status is SequenceStatus.KEPT:
+            self.scheduler.requeue(sequence)
+        else:
+            self.scheduler.add(sequence)
 
-    def _validated_prompt(self, request_id, prompt_token_ids, params) -> list[int]:
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError(f"request {request_id}: prompt_token_ids is empty")
-        for index, token in enumerate(prompt):
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(
-                    f"request {request_id}: prompt_token_ids[{index}]={token} is outside the "
-                    f"vocabulary [0, {self.vocab_size})"
-                )
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {request_id}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
-        if total > self.capacity_tokens:
-            raise ValueError(
-                f"request {request_id}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
-                f"exceeds the KV cache's {self.capacity_tokens} tokens"
-            )
-        return prompt
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self.sequences or request_id in self.kept:
+            raise ValueError(f"request {request_id}: request_id is already in use")
 
-    def _validated_spans(self, request_id, spans, prompt_len) -> list[EmbeddingSpan]:
-        hidden = self.model.config.hidden_size
-        for index, span in enumerate(spans):
-            shape = tuple(span.embeddings.shape)
-            if len(shape) != 2 or shape[1] != hidden:
-                raise ValueError(
-                    f"request {request_id}: embeddings[{index}] has shape {shape}, "
-                    f"expected [n, {hidden}]"
-                )
-            if span.start < 0 or span.start + shape[0] > prompt_len:
-                raise ValueError(
-                    f"request {request_id}: embeddings[{index}] covers positions "
-                    f"{span.start}..{span.start + shape[0] - 1}, outside the prompt"
-                )
-        return list(spans)
+    def _checked(
+        self,
+        request_id: str,
+        kept: Sequence | None,
+        token_ids: SequenceOf[int],
+        embeddings: list[EmbeddingSpan] | None,
+        params: SamplingParams,
+    ) -> tuple[list[int], list[EmbeddingSpan]]:
+        """A new prompt, or the tokens that extend a kept sequence, and their spans."""
+        base = 0 if kept is None else len(kept)
+        tokens = checked_tokens(request_id, token_ids, self.limits, allow_empty=kept is not None)
+        check_length(request_id, base + len(tokens), params.max_tokens, self.limits)
+        spans = checked_spans(request_id, embeddings or [], base + len(tokens), self.limits)
+        return tokens, spans
+
+    def _guide(
+        self,
+        sequence: Sequence,
+        unconditional: tuple[list[int], list[EmbeddingSpan]] | None,
+        scale: float | None,
+    ) -> None:
+        """Pair a sequence with its unconditional follower (checked prompt or extension): a
+        kept one extended, or a new one. None: no guidance (a kept follower is freed)."""
+        follower = sequence.partner
+        if unconditional is None or scale is None:
+            if follower is not None:  # a kept pair continued without guidance: drop that half
+                sequence.partner = None
+                self.scheduler.finish(follower, "abort")
+            return
+        rid = f"{sequence.request_id}/uncond"
+        tokens, spans = unconditional
+        if follower is not None:
+            follower.continue_with(rid, tokens, sequence.params, spans)
+        else:
+            follower = Sequence(rid, tokens, sequence.params, spans)
+            follower.partner, follower.follows = sequence, True
+            sequence.partner = follower
+        follower.head = sequence.head
+        sequence.guidance_scale = follower.guidance_scale = float(scale)
+
+    def keep_context(
+        self,
+        context_id: str,
+        prompt_token_ids: SequenceOf[int],
+        embeddings: list[EmbeddingSpan] | None = None,
+        guidance: Guidance | None = None,
+    ) -> None:
+        """Hold a prompt (and its unconditional half) as a kept context for block steps,
+        without running it: the first block step computes it, the next ones reuse it."""
+        self._check_unused(context_id)
+        params = SamplingParams(max_tokens=1)
+        tokens, spans = self._checked(context_id, None, prompt_token_ids, embeddings, params)
+        unconditional = None
+        if guidance is not None:
+            unconditional = self._checked(
+                f"{context_id}/uncond", None, guidance.prompt_token_ids, guidance.embeddings, params
+            )
+        sequence = Sequence(context_id, tokens, params, spans)
+        self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
+        for member in (sequence, sequence.partner):
+            if member is not None:
+                member.status = SequenceStatus.KEPT
+        self.kept[context_id] = sequence
+
+    def block_step(
+        self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Queue a block step over the kept request context_id: rows [N, hidden] at rotary
+        positions [N] attend bidirectionally among themselves and causally to the context's
+        tokens (computed once, reused by every block step). Its one delta carries the rows'
+        final hidden states (guided: combined with the context's unconditional half, which
+        runs the same rows); the context is kept again under context_id."""
+        sequence = self.kept.get(context_id)
+        if sequence is None:
+            raise ValueError(f"request {request_id}: context {context_id!r} is not kept")
+        self._check_unused(request_id)
+        halves = 2 if sequence.partner is not None else 1
+        check_block(request_id, rows, positions, halves, len(sequence), self.limits)
+        del self.kept[context_id]
+        block = BlockRows(rows.to(self.cache.keys.dtype), positions.to(torch.long))
+        for member in (sequence, sequence.partner):
+            if member is not None:
+                member.block = block
+        sequence.request_id, sequence.keep_as = request_id, context_id
+        self.sequences[request_id] = sequence
+        self.scheduler.requeue(sequence)
+
+    def release(self, request_id: str) -> None:
+        """Free a kept request's pages (and its unconditional half's)."""
+        sequence = self.kept.pop(request_id, None)
+        if sequence is not None:
+            self.scheduler.finish(sequence, "stop")
 
     def abort(self, request_id: str) -> None:
+        """Drop a request (with its unconditional half). An aborted block step leaves its
+        context kept; a kept request is not running: `release` frees it."""
         sequence = self.sequences.pop(request_id, None)
         if sequence is None:
             return
+        if sequence.keep_as is not None:
+            delta = delta_of(sequence, 0)._replace(finish_reason="abort")
+            self._park(sequence)
+            self.pending_aborts.append(delta)
+            return
         self.scheduler.finish(sequence, "abort")
-        self.pending_aborts.append(self._delta(sequence, 0))
+        self.pending_aborts.append(delta_of(sequence, 0))
+
+    def _park(self, sequence: Sequence) -> None:
+        """A block step is done: its context is kept again, under its own id."""
+        assert sequence.keep_as is not None
+        for member in (sequence, sequence.partner):
+            if member is not None:
+                member.block = None
+        sequence.request_id, sequence.keep_as = sequence.keep_as, None
+        self.scheduler.keep(sequence)
+        self.kept[sequence.request_id] = sequence
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending_aborts)
@@ -242,23 +375,39 @@ class LLMEngine:
         for chunk in chunks:
             prompt_end = min(chunk.start + chunk.num_tokens, chunk.sequence.num_prompt_tokens)
             self.stats["prompt_tokens_computed"] += max(0, prompt_end - chunk.start)
-        step_logits = self.runner.execute(chunks)
+        self.stats["rows_forwarded"] += sum(chunk.num_rows for chunk in chunks)
+        output = self.runner.execute(chunks)
         self.scheduler.commit(chunks)
-        if not step_logits.sequences:
+        deltas += self._block_outputs(output)
+        leaders = [s for s in output.sequences if not s.follows]
+        if not leaders:
             return deltas
-        sampled = self.sampler(step_logits.logits, step_logits.sequences)
-        for row, sequence in enumerate(step_logits.sequences):
-            sequence.append_token(
-                sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs[row]
-            )
-            self._check_stop(sequence)
+        if output.logits is not None:  # text alone, no guidance
+            append_text(self.sampler, leaders, output.logits)
+        else:
+            append_from_hidden(self.model, self.sampler, output, leaders)
+        for sequence in leaders:
+            check_stop(sequence, self.eos_token_ids, self.tokenizer, self.max_model_len)
             lease = None
             if sequence.finish_reason is not None:
                 if sequence.lend_kv_to is not None:
                     lease = self._lend(sequence, sequence.lend_kv_to)
-                self.scheduler.finish(sequence, sequence.finish_reason)
+                if sequence.keep:
+                    self.scheduler.keep(sequence)
+                    self.kept[sequence.request_id] = sequence
+                else:
+                    self.scheduler.finish(sequence, sequence.finish_reason)
                 del self.sequences[sequence.request_id]
-            deltas.append(self._delta(sequence, 1)._replace(kv_lease=lease))
+            deltas.append(delta_of(sequence, 1)._replace(kv_lease=lease))
+        return deltas
+
+    def _block_outputs(self, output: StepOutput) -> list[TokenDelta]:
+        """Deltas for the block steps this step finished (guided: combined halves)."""
+        deltas = []
+        for sequence, hidden in block_outputs(output):
+            del self.sequences[sequence.request_id]
+            deltas.append(delta_of(sequence, 0)._replace(finish_reason="stop", hidden=hidden))
+            self._park(sequence)
         return deltas
 
     def _lend(self, sequence: Sequence, borrower_pid: int) -> KVLease:
@@ -287,43 +436,6 @@ class LLMEngine:
         )
         return self.leases.lend(
             self.cache.keys, self.cache.values, match.page_ids, size, tail, borrower_pid
-        )
-
-    def _check_stop(self, sequence: Sequence) -> None:
-        params, token = sequence.params, sequence.output_token_ids[-1]
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
-            sequence.finish_reason, sequence.stop_reason = "stop", token
-            return
-        if params.stop:
-            if self.tokenizer is None:
-                raise RuntimeError("sampling field stop needs a tokenizer")
-            text = self.tokenizer.decode(sequence.output_token_ids)
-            for stop in params.stop:
-                if stop in text:
-                    sequence.finish_reason, sequence.stop_reason = "stop", stop
-                    return
-        if (
-            len(sequence.output_token_ids) >= params.max_tokens
-            or len(sequence) >= self.max_model_len
-        ):
-            sequence.finish_reason = "length"
-
-    @staticmethod
-    def _delta(sequence: Sequence, num_new: int) -> TokenDelta:
-        start = len(sequence.output_token_ids) - num_new
-        tops = None
-        if sequence.params.logprobs is not None:
-            tops = sequence.output_top_logprobs[start:]
-        return TokenDelta(
-            sequence.request_id,
-            sequence.output_token_ids[start:],
-            sequence.output_logprobs[start:],
-            tops,
-            sequence.finish_reason,
-            sequence.stop_reason,
-            sequence.num_cached_tokens or 0,
         )
 
     @torch.inference_mode()

@@ -1,5 +1,7 @@
 """Runs one scheduled step through the decoder: builds the flat token batch, the paged
-attention metadata and the multimodal embedding overrides; returns logits to sample."""
+attention metadata and the input-row overrides (multimodal spans, generated media tokens,
+block-step rows); returns logits to sample, or final hidden states where a codes head,
+guidance or a block step needs them."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from omniflow.engine.scheduler import ScheduledChunk
 from omniflow.engine.sequence import Sequence
 from omniflow.kernels import CpuKernels, cpu_kernels
 from omniflow.models import DecoderLM
-from omniflow.models.decoder import packed_weights_supported
+from omniflow.models.cpu_layouts import packed_weights_supported
 
 # Rows per pass of a long bf16 prefill on CPU (DecoderLM.set_row_block): over the MLPs on
 # PyTorch ops, over every projection on the CPU kernels. Measured on llama-bench-30m, 32
@@ -23,9 +25,13 @@ CPU_BF16_ROW_BLOCK = 512
 CPU_KERNELS_ROW_BLOCK = 2048
 
 
-class StepLogits(NamedTuple):
-    sequences: list[Sequence]  # the sequences that sample after this step, in logits order
-    logits: torch.Tensor  # [len(sequences), vocab], float32
+class StepOutput(NamedTuple):
+    sequences: list[Sequence]  # the sequences that sample after this step, in row order
+    logits: torch.Tensor | None  # [len(sequences), vocab] float32, for a text-only step
+    # [len(sequences), hidden]: final normed hidden states, when a codes head or guidance
+    # needs them (then logits is None and text rows take lm_head from these).
+    hidden: torch.Tensor | None = None
+    blocks: list[tuple[Sequence, torch.Tensor]] = []  # block steps' hidden states [N, hidden]
 
 
 class ModelRunner:
@@ -67,9 +73,9 @@ class ModelRunner:
         self.fused_decode = self.kernel_decode and model.decodes_on_pages()
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> StepLogits:
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        prefills = [c for c in chunks if c.num_tokens > 1]
+    def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        decodes = [c for c in chunks if c.num_tokens == 1 and not c.block]
+        prefills = [c for c in chunks if c.num_tokens > 1 or c.block]
         mirrored = None
         if decodes and not self.kernel_decode:
             mirrored = self.mirror.prepare([(c.sequence, c.start) for c in decodes])
@@ -84,6 +90,8 @@ class ModelRunner:
         sampling: list[Sequence] = []
         embed_rows: list[int] = []
         embed_values: list[torch.Tensor] = []
+        block_rows: list[int] = []
+        blocks: list[Sequence] = []
         for chunk in ordered:
             sequence, start, end = chunk.sequence, chunk.start, chunk.start + chunk.num_tokens
             row = len(input_ids)
@@ -94,24 +102,50 @@ class ModelRunner:
                 if lo < hi:
                     embed_rows += range(row + lo - start, row + hi - start)
                     embed_values.append(span.embeddings[lo - span.start : hi - span.start])
+            if sequence.input_rows:
+                for position in range(start, end):
+                    generated = sequence.input_rows.get(position)
+                    if generated is not None:
+                        embed_rows.append(row + position - start)
+                        embed_values.append(generated[None])
             if chunk.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(sequence)
+            if chunk.block:
+                block = sequence.block
+                assert block is not None, "a chunk with block rows has a block step"
+                row = len(input_ids)
+                input_ids += [0] * chunk.block  # ids unused: every row is replaced
+                positions += block.positions.tolist()
+                embed_rows += range(row, row + chunk.block)
+                embed_values.append(block.rows)
+                block_rows += range(row, row + chunk.block)
+                blocks.append(sequence)
+        prefill_attention: list[tuple[list[int], int, int, bool]] = []
+        for c in prefills:
+            if c.num_tokens:
+                prefill_attention.append((c.sequence.page_ids, c.start, c.num_tokens, False))
+            if c.block:
+                end = c.start + c.num_tokens
+                prefill_attention.append((c.sequence.page_ids, end, c.block, True))
         batch = build_attention_batch(
             self.cache,
             [(c.sequence.page_ids, c.start + 1) for c in decodes],
-            [(c.sequence.page_ids, c.start, c.num_tokens) for c in prefills],
+            prefill_attention,
             self.device,
             self.cache.keys.dtype,
             None if mirrored is None else mirrored.rows,
             decode_masks=not self.kernel_decode,
         )
         device = self.device
+        wants_hidden = bool(blocks) or any(
+            s.head is not None or s.partner is not None for s in sampling
+        )
         ids, at, rows = (
             torch.tensor(column, dtype=torch.long, device=device)
-            for column in (input_ids, positions, logits_rows)
+            for column in (input_ids, positions, logits_rows + block_rows)
         )
-        if self.fused_decode and not prefills and not embed_rows:
+        if self.fused_decode and not prefills and not embed_rows and not wants_hidden:
             assert batch.decode_pages is not None and batch.decode_lengths is not None
             logits = self.model.decode_on_pages(
                 ids,
@@ -124,8 +158,8 @@ class ModelRunner:
                 self.scale,
                 rows,
             )
-            return StepLogits(sampling, logits.float())
-        logits = self.model(
+            return StepOutput(sampling, logits.float())
+        out = self.model(
             ids,
             at,
             PagedAttention(self.cache, batch, self.scale, self.kernels),
@@ -133,8 +167,17 @@ class ModelRunner:
             embed_rows=torch.tensor(embed_rows, dtype=torch.long, device=device)
             if embed_rows
             else None,
-            embed_values=torch.cat(embed_values).to(device) if embed_values else None,
+            embed_values=torch.cat([v.to(device) for v in embed_values]) if embed_values else None,
+            hidden=wants_hidden,
         )
         if mirrored is not None:
             self.mirror.commit()
-        return StepLogits(sampling, logits.float())
+        if not wants_hidden:
+            return StepOutput(sampling, out.float())
+        outputs, at_row = [], len(sampling)
+        for sequence in blocks:
+            assert sequence.block is not None
+            count = len(sequence.block.rows)
+            outputs.append((sequence, out[at_row : at_row + count]))
+            at_row += count
+        return StepOutput(sampling, None, out[: len(sampling)], outputs)

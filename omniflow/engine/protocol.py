@@ -1,9 +1,11 @@
 """The protocol every omniflow LLM backend implements, and what a step reports.
 
 A backend takes requests (prompt token ids, plus precomputed embeddings for multimodal
-placeholder positions), advances all of them by one `step()` at a time, and reports new
-tokens per request as `TokenDelta`s; `abort` drops a request at the next step boundary.
-Each request ends with exactly one delta whose finish_reason is set.
+placeholder positions, and an output head), advances all of them by one `step()` at a
+time, and reports new tokens per request as `TokenDelta`s; `abort` drops a request at the
+next step boundary. Each request ends with exactly one delta whose finish_reason is set.
+It owns KV and sampling for every kind of generation: text, multi-codebook media tokens
+(codes heads), guided pairs and block steps (see heads.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceOf
 from typing import Any, NamedTuple, Protocol
 
+import torch
+
+from omniflow.engine.heads import CodesHead, Guidance
 from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.sequence import EmbeddingSpan
 
@@ -24,6 +29,8 @@ class TokenDelta(NamedTuple):
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     kv_lease: Any = None  # on the last delta of a request added with lend_kv_to: a KVLease
+    codes: Any = None  # a codes head's request: the new media tokens' ids [n, K] (a tensor)
+    hidden: Any = None  # a block step's one delta: its rows' final hidden states [N, hidden]
 
 
 class EngineBackend(Protocol):
@@ -33,8 +40,42 @@ class EngineBackend(Protocol):
         prompt_token_ids: SequenceOf[int],
         params: SamplingParams | None = None,
         embeddings: list[EmbeddingSpan] | None = None,
+        *,
+        head: CodesHead | None = None,
+        guidance: Guidance | None = None,
+        keep: bool = False,
+        continue_from: str | None = None,
     ) -> None:
-        """Queue a request; raises ValueError naming the field and request if invalid."""
+        """Queue a request; raises ValueError naming the field and request if invalid.
+
+        head: None for text (lm_head + sampler), else a codes head: each step one media
+        token over the paged KV, batched with text requests, its K/V kept in the prefix
+        cache under its ids. guidance: a paired unconditional sequence, always in the same
+        step; hidden states combined before the head, both append the same token.
+        keep: hold the finished sequence's pages; continue_from: go on from a kept one
+        (another head, more prompt) without recomputing it."""
+        ...
+
+    def keep_context(
+        self,
+        context_id: str,
+        prompt_token_ids: SequenceOf[int],
+        embeddings: list[EmbeddingSpan] | None = None,
+        guidance: Guidance | None = None,
+    ) -> None:
+        """Hold a prompt as a kept context for block steps (computed by the first one)."""
+        ...
+
+    def block_step(
+        self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Queue N rows that attend bidirectionally among themselves and causally to the kept
+        context's tokens (computed once for all block steps); their K/V are scratch, never
+        in the prefix cache. The one delta's ``hidden`` holds their final hidden states."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Free a kept request's pages."""
         ...
 
     def step(self) -> list[TokenDelta]:

@@ -4,26 +4,29 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from omniflow.engine.heads import BlockRows, CodesHead, codes_key
 from omniflow.engine.sampling_params import SamplingParams
 
 
 class EmbeddingSpan(NamedTuple):
     """Precomputed input embeddings [n, hidden] that replace the token embeddings at prompt
     positions start..start+n-1 (multimodal placeholders). content_hash keys the span in the
-    prefix cache so equal placeholder ids of different media never share pages."""
+    prefix cache so equal placeholder ids of different media never share pages; a list keys
+    each row on its own (media tokens a codes head generated: one key per token)."""
 
     start: int
     embeddings: torch.Tensor
-    content_hash: Hashable | None = None
+    content_hash: Hashable | list[Hashable] | None = None
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    KEPT = "kept"  # done, its pages held for a continuation or block steps (engine.kept)
     FINISHED = "finished"
 
 
@@ -55,11 +58,60 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.extra_keys: list[Hashable | None] | None = None
         self.lend_kv_to: int | None = None  # a pid: lease this request's KV to it at the end
-        if any(span.content_hash is not None for span in self.embedding_spans):
+        self.head: CodesHead | None = None  # None: text (lm_head + sampler)
+        self.output_codes: list[torch.Tensor] = []  # ids [K] per media token of this request
+        # Input rows of generated media tokens, by position (they replace the placeholder's).
+        self.input_rows: dict[int, torch.Tensor] = {}
+        # Guidance: the leader (conditional) and the follower (unconditional) point at each
+        # other; the scheduler admits, preempts and frees them together.
+        self.partner: Sequence | None = None
+        self.follows = False  # True on the unconditional sequence of a pair
+        self.guidance_scale = 1.0
+        self.block: BlockRows | None = None  # a pending block step over this prefix
+        self.keep = False  # at the end, hold the pages for a continuation (KEPT)
+        self.keep_as: str | None = None  # a block step's context id: kept under it again
+        self.text_stream: Any = None  # the output's text so far, for stop strings (TextStream)
+        self._key_spans(self.embedding_spans)
+
+    def _key_spans(self, spans: list[EmbeddingSpan]) -> None:
+        if not any(span.content_hash is not None for span in spans):
+            return
+        if self.extra_keys is None:
             self.extra_keys = [None] * len(self.token_ids)
-            for span in self.embedding_spans:
-                for position in range(span.start, span.start + len(span.embeddings)):
-                    self.extra_keys[position] = span.content_hash
+        for span in spans:
+            for index in range(len(span.embeddings)):
+                key = span.content_hash
+                self.extra_keys[span.start + index] = key[index] if isinstance(key, list) else key
+
+    def continue_with(
+        self,
+        request_id: str,
+        extra_token_ids: list[int],
+        params: SamplingParams,
+        spans: list[EmbeddingSpan],
+    ) -> None:
+        """Turn a kept sequence into a new request that goes on from all of it: its tokens so
+        far (the last one not computed yet) followed by extra_token_ids become the prompt."""
+        self.request_id = request_id
+        self.token_ids += extra_token_ids
+        self.prompt_token_ids = list(self.token_ids)
+        self.output_token_ids, self.output_logprobs, self.output_top_logprobs = [], [], []
+        self.output_codes = []
+        self.text_stream = None
+        if self.extra_keys is not None:
+            self.extra_keys += [None] * len(extra_token_ids)
+        self.embedding_spans = self.embedding_spans + spans
+        self._key_spans(spans)
+        self.params = params
+        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        self.finish_reason = self.stop_reason = None
+        self.num_cached_tokens = None
+        self.block = None
+        self.keep = False
+        self.keep_as = None
+        if self.num_pending_tokens == 0 and self.num_computed_tokens:
+            # Kept after block steps, nothing new: the last token runs again for its state.
+            self.num_computed_tokens -= 1
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -78,11 +130,26 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None):
+    def append_token(
+        self,
+        token_id: int,
+        logprob: float,
+        top_logprobs: dict[int, float] | None,
+        key: Hashable | None = None,
+    ):
+        """key: the token's prefix-cache extra key (a generated media token's)."""
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
+        if key is not None and self.extra_keys is None:
+            self.extra_keys = [None] * (len(self.token_ids) - 1)
         if self.extra_keys is not None:
-            self.extra_keys.append(None)
+            self.extra_keys.append(key)
+
+    def append_codes(self, head: CodesHead, ids: torch.Tensor, row: torch.Tensor) -> None:
+        """One generated media token: ids [K], its input row [hidden]."""
+        self.input_rows[len(self.token_ids)] = row
+        self.output_codes.append(ids)
+        self.append_token(head.placeholder_id, 0.0, None, codes_key(head, ids))

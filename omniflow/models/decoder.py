@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 from torch import nn
 
+from omniflow.models import cpu_layouts
+from omniflow.models.cpu_layouts import KernelLinear, PackedLinear
 from omniflow.models.decoder_config import DecoderConfig
 from omniflow.models.rope import RotaryEmbedding, apply_rotary
 
@@ -166,68 +168,6 @@ class DecoderLayer(nn.Module):
         return out
 
 
-def packed_weights_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `DecoderLM.use_packed_weights` applies: bf16 on a CPU whose oneDNN runs bf16."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-
-
-class PackedLinear(nn.Module):
-    """A Linear whose weight lives in oneDNN's blocked layout (AMX/VNNI tiles for bf16),
-    re-laid once here instead of by oneDNN on every call, as it does for a plain weight.
-    Same parameter names; the weight is an opaque mkldnn tensor (``.to_dense()`` reads it)."""
-
-    def __init__(self, linear: nn.Linear, rows_hint: int):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-
-class KernelLinear(nn.Module):
-    """A Linear on omniflow's AMX projection kernel (`CpuKernels.linear`), its weight re-laid
-    once in the kernel's tiles (`pack_linear`). Against PackedLinear (oneDNN), measured on a
-    2-core AMX CPU, llama-bench-30m, paired in-process: a decode step's projections (32 rows)
-    10-35% shorter, most of it oneDNN's per-call cost; a 2,048-row prefill block's 25-35%
-    longer; whole engine runs (32 x 128 + 128 tokens) 15% shorter.
-    gate_up > 0: a fused [gate; up] weight of gate_up rows each, packed so that `silu_mul`
-    runs silu(gate) * up in the projection's own pass. Same parameter names; the weight is
-    [blocks, k-blocks, 2, 16, 16, 2] (``dense_weight()`` reads it back)."""
-
-    def __init__(self, linear: nn.Linear, kernels: CpuKernels, gate_up: int = 0):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.gate_up = gate_up
-        packed = kernels.pack_linear(linear.weight.detach(), gate_up)
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.bias = linear.bias
-        self._kernels = kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = self._kernels.linear(rows, self.weight, self.out_features, self.bias, self.gate_up)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for rows x [rows, in] (a gate_up weight only)."""
-        return self._kernels.linear(
-            x, self.weight, self.out_features, self.bias, self.gate_up, silu=True
-        )
-
-    def dense_weight(self) -> torch.Tensor:
-        return self._kernels.unpack_linear(
-            self.weight, self.out_features, self.in_features, self.gate_up
-        )
-
-
 class DecoderBody(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -291,8 +231,11 @@ class DecoderLM(nn.Module):
         logits_rows: torch.Tensor | None = None,
         embed_rows: torch.Tensor | None = None,
         embed_values: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
-        """Flat batch: input_ids, positions [tokens]. Returns logits [len(logits_rows), vocab].
+        """Flat batch: input_ids, positions [tokens]. Returns logits [len(logits_rows), vocab],
+        or with ``hidden`` the final normed hidden states of those rows [rows, hidden_size]
+        (for heads other than lm_head; `logits` takes them on).
 
         embed_rows/embed_values replace the token embeddings of those rows (multimodal
         placeholder positions) with precomputed embeddings.
@@ -311,12 +254,17 @@ class DecoderLM(nn.Module):
                 delta = fused.forward_fused(x, delta, cos, sin, attention, kernels)
             if delta is not None:
                 x += delta
-            return self._logits_on_kernels(x, logits_rows, kernels)
+            if logits_rows is not None:
+                x = x.index_select(0, logits_rows)
+            norm = self.model.norm
+            x = kernels.add_rms_norm(x, None, norm.weight, norm.eps)
+            return x if hidden else self.logits(x)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
-        return self.logits(self.model.norm(x))
+        x = self.model.norm(x)
+        return x if hidden else self.logits(x)
 
     def decodes_on_pages(self) -> bool:
         """Whether `decode_on_pages` runs here: the CPU kernels with AMX, every projection
@@ -390,45 +338,19 @@ class DecoderLM(nn.Module):
         return self.logits(kernels.add_rms_norm(x, None, norm.weight, norm.eps))
 
     def _decode_layers(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Per layer, the addresses decode_layers reads (cpu.DECODE_LAYER_FIELDS), kept while
-        the cache stays where it is."""
+        """decode_on_pages' pointer table (cpu_layouts.decode_layer_table), kept while the
+        cache stays where it is."""
         key = (keys.data_ptr(), values.data_ptr())
-        if self._decode_table is not None and self._decode_table[0] == key:
-            return self._decode_table[1]
-
-        def address(tensor: torch.Tensor | None) -> int:
-            return 0 if tensor is None else tensor.data_ptr()
-
-        rows = []
-        for index, layer in enumerate(cast("list[DecoderLayer]", self.model.layers)):
-            attn, mlp = layer.self_attn, layer.mlp
-            projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            qkv, o, gate_up, down = (cast(KernelLinear, p) for p in projections)
-            rows.append(
-                [
-                    address(layer.input_layernorm.weight),
-                    address(qkv.weight),
-                    address(qkv.bias),
-                    address(o.weight),
-                    address(o.bias),
-                    address(layer.post_attention_layernorm.weight),
-                    address(gate_up.weight),
-                    address(gate_up.bias),
-                    address(down.weight),
-                    address(down.bias),
-                    address(keys[index]),
-                    address(values[index]),
-                ]
-            )
-        table = torch.tensor(rows, dtype=torch.int64)
-        self._decode_table = (key, table)
-        return table
+        if self._decode_table is None or self._decode_table[0] != key:
+            self._decode_table = (key, cpu_layouts.decode_layer_table(self, keys, values))
+        return self._decode_table[1]
 
     def hidden_states(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states [T, hidden] of one causal sequence of input embeddings.
 
-        A plain (non-paged) forward for heads that read hidden states rather than
-        logits: the image/audio depth heads, and diffusion over latent tokens.
+        A plain (non-paged, no KV) forward on PyTorch ops: the reference that tests and
+        benchmarks compare the engine's heads against. Serving runs codes heads and block
+        steps through the engine (engine/heads.py), never this.
         """
         positions = torch.arange(inputs_embeds.shape[0], device=inputs_embeds.device)
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
@@ -438,47 +360,20 @@ class DecoderLM(nn.Module):
         return self.model.norm(x)
 
     def use_input_major_weights(self) -> None:
-        """Re-lay every projection weight [out, in] as the transpose of a contiguous [in, out]
-        tensor. Values, shapes and names stay; x @ W.T then runs as a plain GEMM, which on
-        CPU (MKL) is markedly faster than the transposed one at decode batch sizes. A tied
-        embedding table is the output projection too: re-laid as well, since every step
-        multiplies by all of it while a lookup reads only a few (now strided) rows."""
-        weights = [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
-        if self.lm_head is None:
-            weights.append(self.model.embed_tokens.weight)
-        with torch.no_grad():
-            for weight in weights:
-                if weight.is_contiguous():
-                    weight.data = weight.data.t().contiguous().t()
+        """float32 on CPU: projection weights kept input-major (cpu_layouts)."""
+        cpu_layouts.use_input_major_weights(self)
 
     def use_packed_weights(self, rows_hint: int = 32, kernels: CpuKernels | None = None) -> None:
         """Store every projection weight in a blocked layout for bf16 on CPU
         (`packed_weights_supported`): the AMX kernel's (KernelLinear) when `kernels` has AMX,
-        else oneDNN's (PackedLinear). Measured on a 2-core AMX CPU, llama-bench-30m at decode
-        batch 32: oneDNN's layout took the projections from 6.5 to 4.1 ms a step (the step
-        -11%), the AMX kernel another 10-35%. Not for float32: MKL's GEMM on
-        input-major weights is as fast there, and rounds like transformers'. A tied output
-        projection gets a packed copy of the embedding table (the lookup keeps the plain
-        one). Weights cannot be loaded after this."""
+        else oneDNN's (PackedLinear). Not for float32: MKL's GEMM on input-major weights is as
+        fast there, and rounds like transformers'. A tied output projection gets a packed copy
+        of the embedding table (the lookup keeps the plain one). Weights cannot be loaded
+        after this."""
         if self.packed:
             return
-        amx = kernels if kernels is not None and kernels.amx else None
-        for module in list(self.modules()):
-            for name, child in module.named_children():
-                if not isinstance(child, nn.Linear):
-                    continue
-                if amx is None:
-                    setattr(module, name, PackedLinear(child, rows_hint))
-                else:
-                    fused = isinstance(module, SwiGLU) and name == "gate_up_proj"
-                    gate_up = cast("SwiGLU", module).intermediate_size if fused else 0
-                    setattr(module, name, KernelLinear(child, amx, gate_up))
-        if self.lm_head is None:
-            table = self.model.embed_tokens.weight.detach()
-            if amx is None:
-                self._packed_output = torch.ops.mkldnn._reorder_linear_weight(table, rows_hint)
-            else:
-                self._packed_output, self._output_kernels = amx.pack_linear(table), amx
+        packed = cpu_layouts.use_packed_weights(self, rows_hint, kernels)
+        self._packed_output, self._output_kernels = packed
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         """Run `forward` on omniflow's CPU kernels (omniflow.kernels, bf16 on CPU only):
@@ -499,9 +394,8 @@ class DecoderLM(nn.Module):
         kernels (use_cpu_kernels), every projection. For bf16 on CPU: a long prefill's MLP
         intermediates ([tokens, 2 x intermediate]) are tens of MB, fresh memory the allocator
         maps and faults in on every call, and then streamed through the cache by each
-        elementwise op; blocks of 512 rows reuse a few MB. Measured on llama-bench-30m, 32
-        prompts of 128 tokens: the prefill step 5-30% shorter in five paired runs, same
-        tokens. Not for float32, where the GEMMs dominate (+1%)."""
+        elementwise op; blocks of a few hundred rows reuse a few MB. Not for float32, where
+        the GEMMs dominate."""
         for module in self.modules():
             if isinstance(module, SwiGLU):
                 module.row_block = rows

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class TextTokenizer:
@@ -31,6 +32,44 @@ class TextTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def stream(self, skip_special_tokens: bool = True) -> TextStream:
+        """An incremental decoder for one generated sequence (`TextStream`)."""
+        return TextStream(self.tokenizer, skip_special_tokens)
+
+
+class TextStream:
+    """Text of a growing token sequence, delta by delta, at a cost per new token (not per
+    token so far): `tokenizers`' DecodeStream, which holds back a byte-level token that ends
+    mid-character until the character is complete."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.text = ""  # what push and finish returned so far
+
+    def push(self, token_ids: list[int]) -> str:
+        """The text the new tokens complete (empty while a character is still partial)."""
+        pieces = []
+        for token_id in token_ids:
+            self.token_ids.append(token_id)
+            piece = self._stream.step(self._tokenizer, token_id)
+            if piece:
+                pieces.append(piece)
+        new = "".join(pieces)
+        self.text += new
+        return new
+
+    def finish(self) -> str:
+        """At the end: the rest of the one-shot decode of all the tokens (bytes of a
+        character that never completed, as U+FFFD), so the pieces add up to it. One full
+        decode per sequence."""
+        full = self._tokenizer.decode(self.token_ids, skip_special_tokens=self._skip)
+        rest = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += rest
+        return rest
 
 
 def _eos_token_ids(folder: Path, tokenizer: Tokenizer) -> tuple[int, ...]:

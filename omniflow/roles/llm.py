@@ -12,12 +12,14 @@ Output (streamed):
     {"image_codes": int64 [h*w, 8], "image_grid": [h, w]}   (routes to image_decoder)
     {"audio_codes": int64 [n, 8], "index": i}               chunks (stream to audio_decoder)
 
-Text runs through the paged engine (continuous batching, prefix cache keyed by the
-media's content hashes, so a later turn reuses every earlier turn's KV). Image and audio
-tokens are decoded the LongCat way: the LLM's hidden state feeds a depth head that
-predicts the 8 codebook ids of one token, whose embedding is the next input. Image tokens
+Everything runs through the paged engine (continuous batching, prefix cache keyed by the
+media's content hashes, so a later turn reuses every earlier turn's KV, generated media
+included). Image and audio tokens are decoded the LongCat way: the LLM's hidden state
+feeds a depth head that predicts the 8 codebook ids of one token, whose embedding is the
+next input; each is one engine decode step (a codes head, engine/heads.py). Image tokens
 use classifier-free guidance against a paired unconditional sequence (the prompt without
-the user's turn) in the same process. Random weights cannot choose a modality, so
+the user's turns), scheduled with it. A turn is one sequence: text, then image, then
+audio each go on from the last stage's KV. Random weights cannot choose a modality, so
 ``want`` forces which outputs are made.
 
 Options: ``LLMOptions`` in roles/options.py. ``hidden_size`` of a build_tiny model must
@@ -38,12 +40,20 @@ import functools
 import itertools
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
 from omniflow.content import SUMMARY_META, summary_key
-from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
+from omniflow.engine import (
+    AsyncEngine,
+    EmbeddingSpan,
+    EngineConfig,
+    Guidance,
+    LLMEngine,
+    SamplingParams,
+)
+from omniflow.engine.heads import codes_key
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
@@ -67,6 +77,31 @@ _SAMPLING_KEYS = (
     "frequency_penalty",
     "stop",
 )
+
+
+class MediaHead:
+    """The engine's codes head (engine/heads.py) for one LongCat modality: the depth head
+    (hidden state -> 8 codebook ids, greedy) and the code embedder (ids -> next input)."""
+
+    def __init__(self, key: str, depth_head: Any, embedder: Any, placeholder_id: int) -> None:
+        self.key, self.placeholder_id = key, placeholder_id
+        self.depth_head, self.embedder = depth_head, embedder
+
+    def codes(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.depth_head.generate(hidden, temperature=0.0)
+
+    def embed(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.embedder(codes)
+
+
+class _Stage(NamedTuple):
+    """One media output of a turn."""
+
+    head: MediaHead
+    tokens: int  # media tokens to make
+    chunk: int  # stream them in chunks of this many (0: all at once)
+    cfg: float | None  # classifier-free guidance scale, or None
+    grid: list[int] | None  # an image's [h, w]
 
 
 class _Session:
@@ -109,14 +144,23 @@ class LLMRole(ModelActor):
         )
         self.model = self.engine.backend.model  # type: ignore[attr-defined]  # shared weights
         omni = self.path / "omni"
-        self.image_head = load_depth_head(omni / "image_head", device)
-        self.audio_head = load_depth_head(omni / "audio_head", device)
-        self.image_embedder = load_model("code_embedder", omni / "image_embedder", device)
-        self.audio_embedder = load_model("code_embedder", omni / "audio_embedder", device)
         self.hidden_size = self.model.config.hidden_size
         # Media positions hold a placeholder id; their embeddings replace its embedding.
         self.placeholder = self.tokenizer.tokenizer.token_to_id("<pad>") or 0
-        self.bos = self.tokenizer.encode("", add_special_tokens=True)
+        self.bos = self.tokenizer.encode("", add_special_tokens=True) or [self.placeholder]
+        # The engine runs them (on its thread) after the LLM's step, for media tokens.
+        self.image_head = MediaHead(
+            "image",
+            load_depth_head(omni / "image_head", device),
+            load_model("code_embedder", omni / "image_embedder", device),
+            self.placeholder,
+        )
+        self.audio_head = MediaHead(
+            "audio",
+            load_depth_head(omni / "audio_head", device),
+            load_model("code_embedder", omni / "audio_embedder", device),
+            self.placeholder,
+        )
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.max_sessions = opts.max_sessions
         self.leading_media: OrderedDict[int, None] = OrderedDict()  # summary keys, LRU
@@ -167,6 +211,7 @@ class LLMRole(ModelActor):
         text = request.data.get("text", "")
         if not isinstance(text, str):
             raise BadRequest("text", f"expected a string, got {type(text).__name__}")
+        stages = self._media_stages(request, want)  # validated before anything runs
         session = self._session(request.session)
         turn, spans = self._turn(request, text, len(session.tokens))
         if not session.tokens:
@@ -175,36 +220,108 @@ class LLMRole(ModelActor):
         all_spans = session.spans + spans
         params = self._sampling(request)
         generated: list[int] = []
-        if "text" not in want:  # every LLM request reports it; no text, no engine prefill
-            ctx.add_usage(cached_tokens=0)
-        if "text" in want:
-            rid = f"{request.request_id}-{next(self._ids)}"
-            shown = ""
-            first = True
-            async for delta in self.engine.generate(rid, prompt, params, all_spans or None):
-                if first:
-                    ctx.add_usage(cached_tokens=delta.num_cached_tokens)
-                    first = False
-                generated += delta.token_ids
-                full = self.tokenizer.decode(generated)
-                # A byte-level token may end mid-character: hold it back until complete.
-                if full.endswith("\ufffd") and delta.finish_reason is None:
-                    continue
-                if len(full) > len(shown):
-                    yield {"text": full[len(shown) :]}
-                    shown = full
-            ctx.add_usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
-        if request.session:  # the next turn starts from all of this one, reply included
-            session.tokens = prompt + generated
+        # One sequence for the whole turn: each stage goes on from the last one's KV (kept
+        # by the engine in between), so text, image and audio tokens never re-prefill.
+        kept: list[str] = []
+        previous: str | None = None
+        try:
+            if "text" in want:
+                rid = f"{request.request_id}-{next(self._ids)}"
+                stream = self.tokenizer.stream()
+                first = True
+                async for delta in self.engine.generate(
+                    rid, prompt, params, all_spans or None, keep=bool(stages)
+                ):
+                    if first:
+                        ctx.add_usage(cached_tokens=delta.num_cached_tokens)
+                        first = False
+                    generated += delta.token_ids
+                    piece = stream.push(delta.token_ids)
+                    if delta.finish_reason is not None:
+                        piece += stream.finish()
+                    if piece:
+                        yield {"text": piece}
+                ctx.add_usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
+                if stages:
+                    kept.append(rid)
+                    previous = rid
+            elif not stages:  # every LLM request reports it
+                ctx.add_usage(cached_tokens=0)
+            tokens = prompt + generated
+            for index, stage in enumerate(stages):
+                rid = f"{request.request_id}-{next(self._ids)}"
+                keep = index + 1 < len(stages)
+                codes = []
+                media = self._media(rid, stage, tokens, all_spans, previous, keep, ctx)
+                async for out in media:
+                    if isinstance(out, torch.Tensor):
+                        codes.append(out)
+                    else:
+                        yield out
+                if keep:
+                    kept.append(rid)
+                previous = rid
+                ids = torch.cat(codes)
+                rows = await self._run(_embed_codes, stage.head, ids)  # off the event loop
+                keys = [codes_key(stage.head, row) for row in ids]
+                all_spans = all_spans + [EmbeddingSpan(len(tokens), rows, keys)]
+                tokens = tokens + [self.placeholder] * len(ids)
+        finally:
+            for rid in kept:  # a stage that went on already took it: a no-op then
+                self.engine.release(rid)
+        if request.session:  # the next turn starts from all of this one, media included
+            session.tokens = tokens
             session.spans = all_spans
-        if "image" in want or "audio" in want:
-            context = self._embed(prompt + generated, all_spans)
-            unconditional = self._embed(session.tokens[: len(self.bos)] or self.bos, [])
-            if "image" in want:
-                yield await self._image(request, context, unconditional)
-            if "audio" in want:
-                async for chunk in self._audio(request, context):
-                    yield chunk
+
+    def _media_stages(self, request: Request, want: set[str]) -> list[_Stage]:
+        """The image stage (guided) and the audio stage this request wants, checked."""
+        stages = []
+        if "image" in want:
+            grid = request.params.get("image_grid", [4, 4])
+            if not (
+                isinstance(grid, list)
+                and len(grid) == 2
+                and all(isinstance(g, int) and 1 <= g <= 32 for g in grid)
+            ):
+                raise BadRequest(
+                    "params.image_grid", f"expected [h, w] with 1..32 tokens each, got {grid!r}"
+                )
+            scale = float(request.params.get("cfg_scale", 2.0))
+            stages.append(_Stage(self.image_head, grid[0] * grid[1], 0, scale, list(grid)))
+        if "audio" in want:
+            chunks = int(request.params.get("audio_chunks", 3))
+            per_chunk = int(request.params.get("audio_chunk_tokens", 4))
+            if not (1 <= chunks <= 64 and 1 <= per_chunk <= 256):
+                raise BadRequest("params.audio_chunks", "expected 1..64 chunks of 1..256 tokens")
+            stages.append(_Stage(self.audio_head, chunks * per_chunk, per_chunk, None, None))
+        return stages
+
+    async def _media(self, rid, stage, tokens, spans, previous, keep, ctx):
+        """One media stage through the engine, going on from request ``previous`` (or from
+        the prompt ``tokens``, then reporting its cache hit): yields each delta's new ids
+        [n, K] (for the session), then the outputs: one image at the end, or audio chunks as
+        they complete."""
+        guidance = None if stage.cfg is None else Guidance(self.bos, stage.cfg)
+        options = dict(head=stage.head, guidance=guidance, keep=keep, continue_from=previous)
+        prompt, spans = (tokens, spans or None) if previous is None else ([], None)
+        params = SamplingParams(max_tokens=stage.tokens)
+        buffered: list[torch.Tensor] = []  # ids rows not yet sent
+        index = 0
+        first = previous is None
+        async for delta in self.engine.generate(rid, prompt, params, spans, **options):
+            if first:
+                ctx.add_usage(cached_tokens=delta.num_cached_tokens)
+                first = False
+            if delta.codes is None:
+                continue
+            yield delta.codes
+            buffered += list(delta.codes)
+            while stage.chunk and len(buffered) >= stage.chunk:
+                chunk, buffered = buffered[: stage.chunk], buffered[stage.chunk :]
+                yield {"audio_codes": torch.stack(chunk).cpu(), "index": index}
+                index += 1  # streams on while the next chunk is made
+        if stage.grid is not None:
+            yield {"image_codes": torch.stack(buffered).cpu(), "image_grid": stage.grid}
 
     def meta(self) -> dict[str, Any]:
         """The routing summary: sessions held here, then media that began recent prompts."""
@@ -277,83 +394,11 @@ class LLMRole(ModelActor):
         except (TypeError, ValueError) as e:
             raise BadRequest("params", str(e)) from None
 
-    # ------------------------------------------------------------------ image and audio tokens
 
-    def _embed(self, tokens: list[int], spans: list[EmbeddingSpan]) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        with torch.inference_mode():
-            x = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=device)).clone()
-            for span in spans:
-                x[span.start : span.start + len(span.embeddings)] = span.embeddings.to(x.dtype)
-        return x
-
-    async def _image(
-        self, request: Request, context: torch.Tensor, uncond: torch.Tensor
-    ) -> dict[str, Any]:
-        grid = request.params.get("image_grid", [4, 4])
-        if not (
-            isinstance(grid, list)
-            and len(grid) == 2
-            and all(isinstance(g, int) and 1 <= g <= 32 for g in grid)
-        ):
-            raise BadRequest(
-                "params.image_grid", f"expected [h, w] with 1..32 tokens each, got {grid!r}"
-            )
-        scale = float(request.params.get("cfg_scale", 2.0))
-        seed = int(request.params.get("seed", 0))
-        codes = await self._run(
-            self._generate_codes,
-            context,
-            uncond,
-            grid[0] * grid[1],
-            self.image_head,
-            self.image_embedder,
-            scale,
-            seed,
-        )
-        return {"image_codes": codes, "image_grid": list(grid)}
-
-    async def _audio(self, request: Request, context: torch.Tensor):
-        chunks = int(request.params.get("audio_chunks", 3))
-        per_chunk = int(request.params.get("audio_chunk_tokens", 4))
-        if not (1 <= chunks <= 64 and 1 <= per_chunk <= 256):
-            raise BadRequest("params.audio_chunks", "expected 1..64 chunks of 1..256 tokens")
-        seed = int(request.params.get("seed", 0))
-        for index in range(chunks):
-            codes = await self._run(
-                self._generate_codes,
-                context,
-                None,
-                per_chunk,
-                self.audio_head,
-                self.audio_embedder,
-                1.0,
-                seed + index,
-            )
-            context = torch.cat([context, self._embed_codes(self.audio_embedder, codes)])
-            yield {"audio_codes": codes, "index": index}  # streams on while the next is made
-
-    def _embed_codes(self, embedder: Any, codes: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            return embedder(codes)
-
-    @torch.inference_mode()
-    def _generate_codes(self, context, uncond, n, head, embedder, scale, seed) -> torch.Tensor:
-        """n tokens of 8 ids each: hidden state -> depth head -> ids -> embedding -> next input."""
-        generator = torch.Generator().manual_seed(seed)
-        rows = []
-        for _ in range(n):
-            hidden = self.model.hidden_states(context)[-1:]
-            if uncond is not None and scale != 1.0:
-                base = self.model.hidden_states(uncond)[-1:]
-                hidden = base + scale * (hidden - base)
-            ids = head.generate(hidden, temperature=0.0, generator=generator)
-            rows.append(ids)
-            step = embedder(ids).to(context.dtype)
-            context = torch.cat([context, step])
-            if uncond is not None:
-                uncond = torch.cat([uncond, step])
-        return torch.cat(rows)
+def _embed_codes(head: MediaHead, ids: torch.Tensor) -> torch.Tensor:
+    """The input rows of media tokens [n, K], as the engine fed them: the session's spans."""
+    with torch.inference_mode():
+        return head.embed(ids)
 
 
 def _want(params: dict[str, Any]) -> set[str]:

@@ -169,3 +169,39 @@ def test_random_workload_keeps_the_books_balanced():
 def test_engine_names_the_field_for_an_unknown_prefix_cache():
     with pytest.raises(ValueError, match="prefix_cache.*'lru'"):
         LLMEngine("never-loaded", EngineConfig(prefix_cache="lru"))
+
+
+def test_a_growing_sequence_keys_only_its_new_pages(monkeypatch):
+    """Inserting after every filled page walks on from the sequence's last page in the tree:
+    each page is keyed once, not the whole prompt again each time (quadratic)."""
+    from omniflow.cache import prefix
+
+    keyed = []
+    real = prefix.page_keys
+
+    def counting(token_ids, extra_keys, page_size):
+        keys = real(token_ids, extra_keys, page_size)
+        keyed.append(len(keys))
+        return keys
+
+    monkeypatch.setattr(prefix, "page_keys", counting)
+    cache = RadixPrefixCache(num_pages=64, page_size=2)
+    tokens = list(range(100, 160))
+    extra = [None] * 10 + [("image", i) for i in range(10)] + [None] * 40
+    pages = cache.allocate(30)
+    for length in range(2, 61, 2):
+        cache.insert(tokens[:length], pages, extra[:length])
+    assert sum(keyed) == 30
+    match = cache.match_prefix(tokens, extra)
+    assert match.page_ids == pages and match.num_tokens == 60
+    # Another sequence sharing 10 pages then diverging: its walk starts at its own pages.
+    cache.free(match.page_ids)
+    other = cache.match_prefix(tokens[:20] + [1, 2, 3], extra[:20] + [None] * 3)
+    assert other.num_tokens == 20
+    own = other.page_ids + cache.allocate(2)
+    keyed.clear()
+    cache.insert(tokens[:20] + [1, 2, 3, 4], own, extra[:20] + [None] * 4)
+    assert keyed == [2]
+    assert (
+        cache.match_prefix(tokens[:20] + [1, 2, 3, 4, 5], extra[:20] + [None] * 5).num_tokens == 24
+    )

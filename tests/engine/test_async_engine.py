@@ -103,3 +103,37 @@ def test_event_loop_stays_responsive_while_generating(tiny_models):
 
     # The GIL is shared with the engine thread, so some lag remains; it stays far below a step.
     assert asyncio.run(main()) < 0.25
+
+
+def test_codes_kept_stages_and_block_steps_through_the_async_engine(llama_path):
+    import torch
+    from compute_flow import GreedyHead
+
+    from omniflow.engine.heads import Guidance
+
+    async def main():
+        engine = AsyncEngine.from_path(llama_path, EngineConfig(device="cpu"))
+        backend = engine.backend
+        head = GreedyHead(backend.model.config.hidden_size)
+        try:
+            text, _ = await collect(engine, "t", [5, 6, 7, 8, 9])
+            options = dict(head=head, guidance=Guidance([1], 2.0), keep=True)
+            codes = [
+                d.codes
+                async for d in engine.generate("i", [4], SamplingParams(max_tokens=3), **options)
+            ]
+            assert sum(len(c) for c in codes if c is not None) == 3
+            rows = torch.randn(4, backend.model.config.hidden_size)
+            delta = await engine.block_step("b", "i", rows, torch.arange(10, 14))
+            assert delta.hidden.shape == rows.shape and delta.finish_reason == "stop"
+            with pytest.raises(ValueError, match="not kept"):
+                await engine.block_step("b2", "nope", rows, torch.arange(10, 14))
+            await engine.keep_context("ctx", [3, 4, 5])
+            engine.release("i")
+            engine.release("ctx")
+            assert await engine.call(lambda: sorted(backend.kept)) == []
+        finally:
+            await engine.close()
+        return text
+
+    assert len(asyncio.run(main())) == 12

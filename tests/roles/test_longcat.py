@@ -177,6 +177,17 @@ def test_second_turn_of_a_session_reuses_the_cache(longcat):
     assert second["usage"]["cached_tokens"] > 0
 
 
+def test_next_turn_reuses_the_kv_of_the_image_the_last_turn_generated(longcat):
+    state = longcat[0]
+    params = {"want": "text,image", "image_grid": [8, 8], "max_tokens": 5}
+    outs, first = call(state, {"text": "draw a cat"}, session="gen-1", params=params)
+    assert any(o.role == "image_decoder" for o in outs)
+    history = first.usage["prompt_tokens"] + first.usage["completion_tokens"]
+    _, second = call(state, {"text": "and now?"}, session="gen-1")
+    # The 64 generated image tokens follow the history; all but the last page are cached.
+    assert second.usage["cached_tokens"] >= history + 64 - 16
+
+
 def test_same_image_later_is_a_hit_a_different_one_is_not(longcat):
     state = longcat[0]
     a, b = image_bytes(64, 64, seed=11), image_bytes(64, 64, seed=12)  # equal token counts

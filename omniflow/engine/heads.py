@@ -1,0 +1,76 @@
+"""Output heads and guidance: what a request makes of its last hidden state.
+
+A text request (no head) takes lm_head + the Sampler. A codes request carries a `CodesHead`
+the role supplies (LongCat's depth head): the last hidden state -> K codebook ids, and an
+embedder: ids -> the next input row. Each media token is one decode step over the paged KV;
+it sits in the sequence as `placeholder_id`, its input row given by the embedder, and is
+keyed in the prefix cache by (`key`, its ids), so a later turn that repeats it reuses its KV.
+
+Classifier-free guidance pairs a request (the conditional sequence) with an unconditional
+one (`Guidance`); the scheduler runs both in the same step, and the hidden states are
+combined as uncond + scale * (cond - uncond) before the head.
+
+A block step (`BlockRows`) is N input rows that attend bidirectionally among themselves and
+causally to a kept sequence's computed prefix; their K/V never enter the prefix cache, and
+their final hidden states come back (diffusion on the LLM backbone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from collections.abc import Sequence as SequenceOf
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from omniflow.engine.sequence import EmbeddingSpan
+
+
+class CodesHead(Protocol):
+    """A role-supplied output head for discrete media tokens of K codebooks."""
+
+    @property
+    def key(self) -> Hashable:
+        """Names the head in prefix-cache keys: ("image", ids) != ("audio", ids)."""
+        ...
+
+    @property
+    def placeholder_id(self) -> int:
+        """The token id a media token holds in the sequence."""
+        ...
+
+    def codes(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, hidden] -> codebook ids [B, K] int64."""
+        ...
+
+    def embed(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codebook ids [B, K] -> input rows [B, hidden] for the next step."""
+        ...
+
+
+class Guidance(NamedTuple):
+    """Classifier-free guidance: the unconditional prompt and the scale s of
+    uncond + s * (cond - uncond). On a continued request whose kept sequence already has an
+    unconditional partner, prompt_token_ids (and embeddings) extend that partner instead."""
+
+    prompt_token_ids: SequenceOf[int]
+    scale: float
+    embeddings: list[EmbeddingSpan] | None = None
+
+
+class BlockRows(NamedTuple):
+    """A block step's inputs: rows [N, hidden] at rotary positions [N]."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+
+
+def guided(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """uncond + scale * (cond - uncond), in cond's dtype."""
+    return uncond + scale * (cond - uncond)
+
+
+def codes_key(head: CodesHead, ids: torch.Tensor) -> Hashable:
+    """The prefix-cache key of one media token with ids [K]."""
+    return (head.key, tuple(int(i) for i in ids.tolist()))

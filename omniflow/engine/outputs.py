@@ -1,0 +1,126 @@
+"""What a step's output becomes: tokens appended through each request's head, guided pairs
+combined before it, stop rules, the deltas reported, block steps' hidden states."""
+
+from __future__ import annotations
+
+import torch
+
+from omniflow.engine.heads import guided
+from omniflow.engine.model_runner import StepOutput
+from omniflow.engine.protocol import TokenDelta
+from omniflow.engine.sampler import Sampler
+from omniflow.engine.sequence import Sequence
+from omniflow.models import DecoderLM, TextTokenizer
+
+
+def append_text(sampler: Sampler, sequences: list[Sequence], logits: torch.Tensor) -> None:
+    """Sample one token per sequence (a pair's leader: for both halves) and append it."""
+    sampled = sampler(logits, sequences)
+    for row, sequence in enumerate(sequences):
+        token = sampled.token_ids[row]
+        for member in (sequence, sequence.partner):
+            if member is not None:
+                member.append_token(token, sampled.logprobs[row], sampled.top_logprobs[row])
+
+
+def append_from_hidden(
+    model: DecoderLM, sampler: Sampler, output: StepOutput, leaders: list[Sequence]
+) -> None:
+    """Guidance on the hidden states, then each leader's head: lm_head + sampler for text,
+    the codes head for media tokens (one batched call per head)."""
+    assert output.hidden is not None
+    rows = {id(sequence): row for row, sequence in enumerate(output.sequences)}
+    hidden = []
+    for sequence in leaders:
+        state = output.hidden[rows[id(sequence)]]
+        if sequence.partner is not None:
+            base = output.hidden[rows[id(sequence.partner)]]
+            state = guided(state, base, sequence.guidance_scale)
+        hidden.append(state)
+    states = torch.stack(hidden)
+    text = [i for i, s in enumerate(leaders) if s.head is None]
+    if text:
+        logits = model.logits(states[text]).float()
+        append_text(sampler, [leaders[i] for i in text], logits)
+    heads: dict[int, list[int]] = {}
+    for i, sequence in enumerate(leaders):
+        if sequence.head is not None:
+            heads.setdefault(id(sequence.head), []).append(i)
+    for indices in heads.values():
+        head = leaders[indices[0]].head
+        assert head is not None
+        codes = head.codes(states[indices])
+        inputs = head.embed(codes).to(states.dtype)
+        for j, i in enumerate(indices):
+            for member in (leaders[i], leaders[i].partner):
+                if member is not None:
+                    member.append_codes(head, codes[j], inputs[j])
+
+
+def block_outputs(output: StepOutput) -> list[tuple[Sequence, torch.Tensor]]:
+    """(leader, hidden states [N, hidden]) per block step this step finished; a pair's
+    halves combined."""
+    by_sequence = {id(sequence): hidden for sequence, hidden in output.blocks}
+    done = []
+    for sequence, hidden in output.blocks:
+        if sequence.follows:
+            continue
+        if sequence.partner is not None:
+            hidden = guided(hidden, by_sequence[id(sequence.partner)], sequence.guidance_scale)
+        done.append((sequence, hidden))
+    return done
+
+
+def check_stop(
+    sequence: Sequence,
+    eos_token_ids: set[int],
+    tokenizer: TextTokenizer | None,
+    max_model_len: int,
+) -> None:
+    """Set finish_reason (and stop_reason) if the token just appended ends the request."""
+    params, token = sequence.params, sequence.output_token_ids[-1]
+    if sequence.head is not None:  # media tokens: their count ends them
+        if len(sequence.output_token_ids) >= params.max_tokens:
+            sequence.finish_reason = "length"
+        return
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        sequence.finish_reason, sequence.stop_reason = "stop", token
+        return
+    if params.stop:
+        if tokenizer is None:
+            raise RuntimeError("sampling field stop needs a tokenizer")
+        # Incremental: only the new text and the few characters before it can hold a stop
+        # string that was not there a token ago.
+        if sequence.text_stream is None:
+            sequence.text_stream = tokenizer.stream()
+        stream = sequence.text_stream
+        new = len(stream.push([token]))
+        longest = max(len(stop) for stop in params.stop)
+        tail = stream.text[-(new + longest - 1) :] if new else ""
+        for stop in params.stop:
+            if stop in tail:
+                sequence.finish_reason, sequence.stop_reason = "stop", stop
+                return
+    if len(sequence.output_token_ids) >= params.max_tokens or len(sequence) >= max_model_len:
+        sequence.finish_reason = "length"
+
+
+def delta_of(sequence: Sequence, num_new: int) -> TokenDelta:
+    """The delta reporting a sequence's last num_new tokens (0: only its state)."""
+    start = len(sequence.output_token_ids) - num_new
+    tops = None
+    if sequence.params.logprobs is not None:
+        tops = sequence.output_top_logprobs[start:]
+    codes = None
+    if sequence.head is not None and num_new:
+        codes = torch.stack(sequence.output_codes[start:])
+    return TokenDelta(
+        sequence.request_id,
+        sequence.output_token_ids[start:],
+        sequence.output_logprobs[start:],
+        tops,
+        sequence.finish_reason,
+        sequence.stop_reason,
+        sequence.num_cached_tokens or 0,
+        codes=codes,
+    )
