@@ -103,6 +103,24 @@ CASES = [
         '[roles.upper] actor = "omniflow.roles.echo:Uper": cannot load: '
         "module omniflow.roles.echo has no Uper",
     ),
+    (
+        "gateway-port-out-of-range",
+        "[runtime]\n",
+        "[gateway]\nport = 70000\n\n[runtime]\n",
+        "[gateway] port = 70000: expected int <= 65535",
+    ),
+    (
+        "gateway-unknown-field",
+        "[runtime]\n",
+        "[gateway]\nprot = 8000\n\n[runtime]\n",
+        "[gateway] prot: unknown field (did you mean port?)",
+    ),
+    (
+        "gateway-role-name-taken",
+        "[roles.llm]\n",
+        '[gateway]\n\n[roles.gateway]\nactor = "omniflow.roles.echo:Upper"\n\n[roles.llm]\n',
+        "[roles.gateway]: the name is [gateway]'s",
+    ),
 ]
 
 

@@ -84,13 +84,23 @@ def up(
         False, "--detach", "-d", help="Return once ready; run in the background."
     ),
     run_dir: Path | None = RunDirOpt,
+    port: int | None = typer.Option(
+        None,
+        "--port",
+        envvar="OMNIFLOW_GATEWAY_PORT",
+        min=0,
+        max=65535,
+        help="The HTTP gateway's port (0: any free one), over [gateway] port.",
+    ),
     ready_fd: int = typer.Option(-1, hidden=True),
 ) -> None:
     """Start a deployment and wait until every actor is ready."""
     cfg = _load(config)
     run_dir = run_dir or Path(cfg.runtime.run_dir or default_run_dir(cfg.name))
+    if port is not None and cfg.gateway is not None:
+        cfg.gateway.port = port
     if detach:
-        raise typer.Exit(_detach(config, run_dir))
+        raise typer.Exit(_detach(config, run_dir, port))
     import uvloop
 
     raise typer.Exit(uvloop.run(_serve(cfg, run_dir, ready_fd)))
@@ -99,7 +109,7 @@ def up(
 async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     notify = os.fdopen(ready_fd, "w", buffering=1) if ready_fd >= 0 else None
 
-    total = sum(rc.replicas for rc in cfg.roles.values())
+    total = sum(rc.replicas for rc in cfg.processes().values())
     bar = StartProgress(total) if notify is None else None
 
     def progress(actor_id: str, state: str) -> None:
@@ -133,6 +143,9 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
         f"ready {cfg.name}: {len(sup.replicas)} actors in {time.monotonic() - started:.1f}s; "
         f"registry {where}; run dir {run_dir}"
     )
+    url = run_dir / "gateway.url"  # written by the gateway once it listens
+    if cfg.gateway is not None and url.exists():
+        message += f"; http {url.read_text().strip()}"
     if notify is not None:
         notify.write(message + "\n")
         notify.close()
@@ -142,7 +155,7 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     return 0
 
 
-def _detach(config: Path, run_dir: Path) -> int:
+def _detach(config: Path, run_dir: Path, port: int | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     read_end, write_end = os.pipe()
     log_path = run_dir / "supervisor.log"
@@ -158,6 +171,7 @@ def _detach(config: Path, run_dir: Path) -> int:
                 str(run_dir),
                 "--ready-fd",
                 str(write_end),
+                *(["--port", str(port)] if port is not None else []),
             ],
             pass_fds=(write_end,),
             stdin=subprocess.DEVNULL,
@@ -167,7 +181,7 @@ def _detach(config: Path, run_dir: Path) -> int:
         )
     os.close(write_end)
     cfg = load(config)
-    bar = StartProgress(sum(rc.replicas for rc in cfg.roles.values()))
+    bar = StartProgress(sum(rc.replicas for rc in cfg.processes().values()))
     with os.fdopen(read_end) as lines, bar:
         for line in lines:
             kind, _, rest = line.rstrip("\n").partition(" ")

@@ -121,6 +121,30 @@ class ResourcesConfig(msgspec.Struct, **_STRICT):
         return None
 
 
+GATEWAY_ROLE = "gateway"
+GATEWAY_ACTOR = "omniflow.roles.gateway:Gateway"
+
+
+class GatewayConfig(msgspec.Struct, **_STRICT):
+    """[gateway]: an OpenAI-compatible HTTP front, run as one more role outside the graph."""
+
+    host: Annotated[str, Meta(description="address the HTTP server binds")] = "127.0.0.1"
+    port: Annotated[
+        int, Meta(ge=0, le=65535, description="0: any free port (`omniflow up --port`)")
+    ] = 8000
+    api_key: Annotated[str, Meta(description="when set, requests need this Bearer key")] = ""
+    max_body_mb: Annotated[float, Meta(gt=0, description="larger request bodies get 413")] = 32.0
+    allow_local_paths: Annotated[
+        bool, Meta(description="image_url / input_audio may name a local file")
+    ] = False
+    max_inflight: Annotated[
+        int, Meta(ge=1, description="requests in flight at once; more get 429")
+    ] = 256
+    timeout_s: Annotated[
+        float, Meta(ge=0, description="deadline of one HTTP request (0: [runtime]'s)")
+    ] = 0.0
+
+
 class Config(msgspec.Struct, **_STRICT):
     name: Annotated[
         str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,40}$", description="names the deployment")
@@ -139,10 +163,21 @@ class Config(msgspec.Struct, **_STRICT):
     cache: Annotated[CacheConfig, Meta(description='[cache] (host_pool "256MiB" when absent)')] = (
         msgspec.field(default_factory=lambda: CacheConfig(host_pool="256MiB"))
     )
+    gateway: Annotated[
+        GatewayConfig | None, Meta(description="[gateway] (absent: no HTTP server)")
+    ] = None
     source: str = ""  # the file this came from (filled by load)
 
     def plan(self) -> Plan:
         return build_plan(self, self.source or "<config>")
+
+    def processes(self) -> dict[str, RoleConfig]:
+        """Every role a process runs: the graph's, and the gateway (outside the graph)."""
+        if self.gateway is None:
+            return self.roles
+        options = msgspec.to_builtins(self.gateway)
+        gateway = RoleConfig(GATEWAY_ACTOR, options=options, max_concurrency=1, max_queue=0)
+        return {**self.roles, GATEWAY_ROLE: gateway}
 
 
 def parse(raw: dict[str, Any], source: str = "<config>") -> Config:
@@ -190,6 +225,8 @@ def validate(config: Config, source: str) -> None:
     """What the Structs cannot say: checks across fields and tables."""
     for name, role in config.roles.items():
         _check_policy(f"{source}: [roles.{name}] policy", role.policy)
+    if config.gateway is not None and GATEWAY_ROLE in config.roles:
+        raise ConfigError(f"{source}: [roles.{GATEWAY_ROLE}]: the name is [gateway]'s")
     rt = config.runtime
     if rt.ttl_s <= rt.heartbeat_s:
         raise ConfigError(f"{source}: [runtime] ttl_s: must exceed heartbeat_s")

@@ -83,7 +83,7 @@ class Supervisor:
         self.run_dir = Path(run_dir or config.runtime.run_dir or default_run_dir(config.name))
         self.on_progress = on_progress or (lambda actor_id, state: None)
         self.replicas = [
-            Replica(role, i) for role, rc in config.roles.items() for i in range(rc.replicas)
+            Replica(role, i) for role, rc in config.processes().items() for i in range(rc.replicas)
         ]
         self.ctx = zmq.Context()
         self.outbox = Outbox(self.ctx, send_timeout=1.0)
@@ -161,6 +161,7 @@ class Supervisor:
         env["OMNIFLOW_REGISTRY"] = self.registry_address
         env["OMNIFLOW_GENERATION"] = self.generation
         env["OMNIFLOW_POOL"] = self.pool_name
+        env["OMNIFLOW_RUN_DIR"] = str(self.run_dir)  # a role that opens a Client (gateway)
         log_path = self.run_dir / "logs" / f"{replica.role}-{replica.index}.log"
         with open(log_path, "ab") as log_file:
             replica.proc = subprocess.Popen(

@@ -62,7 +62,10 @@ def decode(raw: Any, cls: type[S], table: tuple[str, ...] = (), noun: str = "fie
 def _value(value: Any, tp: Any, table: tuple[str, ...], field: str) -> Any:
     base = typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
     origin = typing.get_origin(base)
-    if isinstance(base, type) and issubclass(base, msgspec.Struct):
+    if origin in (Union, types.UnionType) and isinstance(value, dict):
+        structs = [a for a in typing.get_args(base) if _is_struct(a)]
+        base = structs[0] if len(structs) == 1 else base  # an optional table: `T | None`
+    if _is_struct(base):
         return decode(value, base, (*table, field))
     if origin is dict and _has_struct(base):
         if not isinstance(value, dict):
@@ -90,6 +93,10 @@ def _value(value: Any, tp: Any, table: tuple[str, ...], field: str) -> Any:
         # At the top level msgspec's message carries no location: "Expected `int` >= 1".
         text = str(e).replace("`", "")
         raise FieldError(f"{field} = {_show(value)}", text[:1].lower() + text[1:], table) from None
+
+
+def _is_struct(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
 
 
 def _has_struct(tp: Any) -> bool:

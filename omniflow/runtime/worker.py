@@ -62,7 +62,7 @@ class Worker:
         self.role = role
         self.replica = replica
         self.config = from_json((run_dir / "deployment.json").read_bytes())
-        self.role_config = self.config.roles[role]
+        self.role_config = self.config.processes()[role]
         self.ctx = zmq.Context()
         self.stop = asyncio.Event()
 
