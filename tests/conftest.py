@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -9,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.etcd_server import etcd_server  # noqa: F401  (a session fixture)
+
+# The shipped configs' gateways bind port 8000; `omniflow up` in tests takes any free one.
+os.environ.setdefault("OMNIFLOW_GATEWAY_PORT", "0")
 
 try:
     import torch

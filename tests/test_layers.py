@@ -81,7 +81,7 @@ def test_a_model_free_deployment_imports_no_torch(run_root: Path) -> None:
     try:
         state = json.loads(omniflow("status", "--json"))
         pids = [state["supervisor_pid"], *(actor["pid"] for actor in state["actors"])]
-        assert len(pids) == 4
+        assert len(pids) == 5  # the supervisor, upper, two reverse, the gateway
         assert "OLLEH" in omniflow("send", "--text", "hello")
         for pid in pids:
             assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid

@@ -1,0 +1,384 @@
+"""The gateway's ASGI app: OpenAI's chat and image routes onto a deployment's ``Client``.
+
+A raw ASGI callable, not a framework: six routes need no router, and each framework layer
+is time on every request (the gateway's overhead is the point of benchmarks/gateway.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import io
+import itertools
+import time
+import uuid
+import wave
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from omniflow.roles.gateway.http import (
+    SSE_HEADERS,
+    Disconnected,
+    Receive,
+    Send,
+    answer,
+    event,
+    header,
+    read_body,
+    until_disconnect,
+)
+from omniflow.roles.gateway.metrics import Metrics
+from omniflow.roles.gateway.schema import (
+    ApiError,
+    ChatRequest,
+    ImageRequest,
+    chat_inputs,
+    chat_params,
+    decode_body,
+    image_params,
+)
+from omniflow.runtime.client import Client, Output, RequestFailed, Result
+from omniflow.runtime.config import Config, GatewayConfig
+
+_STATUS = {
+    "bad_request": 400,
+    "overloaded": 429,
+    "unavailable": 503,
+    "shutting_down": 503,
+    "deadline": 504,
+}
+_INPUT = "input"  # the graph's source: where a client's request enters
+_RETRY = [(b"retry-after", b"1")]
+_AUDIO_RATE = 24000  # the audio decoder's PCM16 rate, when a chunk names none
+
+
+class GatewayApp:
+    def __init__(self, client: Client, config: Config, options: GatewayConfig) -> None:
+        self.client = client
+        self.config = config
+        self.options = options
+        self.name = config.name
+        self.metrics = Metrics(config.name)
+        self.started = int(time.time())
+        self.inflight = 0
+        self._key = options.api_key.encode()
+        self._limit = int(options.max_body_mb * 2**20)
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:12]
+        self.makes = {k for k in ("image", "audio") if f"{k}_decoder" in config.roles}
+        self._routes = {
+            ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", "/v1/images/generations"): self.images,
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/health"): self.health,
+            ("GET", "/metrics"): self.prometheus,
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        handler = self._routes.get((scope["method"], path))
+        status = 200
+        try:
+            if handler is None:
+                known = any(p == path for _, p in self._routes)
+                raise ApiError(405 if known else 404, f"no route {scope['method']} {path}")
+            if path.startswith("/v1/"):
+                self._authorize(scope)
+            status = await handler(scope, receive, send)
+        except ApiError as e:
+            status = e.status
+            await answer(send, e.status, e.body(), extra=_RETRY if e.status in (429, 503) else None)
+        except Disconnected:
+            status = 499  # nginx's "client closed request": counted, never sent
+        self.metrics.answered(path if handler is not None else "other", status)
+
+    def _authorize(self, scope: dict[str, Any]) -> None:
+        if not self._key:
+            return
+        given = header(scope, b"authorization") or b""
+        token = given[7:] if given[:7].lower() == b"bearer " else b""
+        if not hmac.compare_digest(token, self._key):
+            raise ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)")
+
+    # ------------------------------------------------------------------ simple routes
+
+    async def models(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        model = {
+            "id": self.name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "omniflow",
+        }
+        await answer(send, 200, {"object": "list", "data": [model]})
+        return 200
+
+    async def health(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        missing = [role for role in self.config.roles if not self.client.view.replicas(role)]
+        status = 503 if missing else 200
+        await answer(
+            send, status, {"status": "unavailable" if missing else "ok", "missing": missing}
+        )
+        return status
+
+    async def prometheus(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        await answer(send, 200, self.metrics.text(), CONTENT_TYPE_LATEST.encode())
+        return 200
+
+    # ------------------------------------------------------------------ model routes
+
+    def _admit(self) -> None:
+        if self.inflight >= self.options.max_inflight:
+            raise ApiError(429, f"{self.inflight} requests in flight; try again later")
+
+    def _first_hops_live(self, inputs: dict[str, Any], params: dict[str, Any]) -> None:
+        """503 at once when a role this request goes to first has no ready replica.
+
+        The router would wait a grace period for one to come back; an HTTP client is
+        better served by a 503 it can retry (``Retry-After``) than by a stalled request.
+        """
+        view = self.client.view
+        for route in self.client.router.plan.route(_INPUT, params, inputs):
+            role = route.edge.dst
+            if not view.replicas(role):
+                raise ApiError(503, f"no ready replica of role {role!r}", None)
+
+    def _timeout(self, asked: float | None) -> float | None:
+        limit = self.options.timeout_s or None
+        if asked is None:
+            return limit
+        return min(asked, limit) if limit else asked
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise ApiError(
+                400, f"unknown model {model!r}; this deployment is {self.name!r}", "model"
+            )
+
+    async def chat(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        req = decode_body(await read_body(scope, receive, self._limit), ChatRequest)
+        self._check_model(req.model)
+        session = req.session or req.user or ""
+        inputs, want = chat_inputs(req, session, self.options.allow_local_paths)
+        for kind in want[1:] if want[0] == "text" else want:
+            if kind not in self.makes:
+                raise ApiError(400, f"this deployment makes no {kind}", "modalities")
+        params = chat_params(req, want)
+        self._admit()
+        self._first_hops_live(inputs, params)
+        request_id = f"chatcmpl-{self._prefix}{next(self._ids):x}"
+        kwargs = {
+            "params": params,
+            "session": session,
+            "timeout": self._timeout(req.timeout),
+            "request_id": request_id,
+        }
+        audio_format = req.audio.format if req.audio is not None else "wav"
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        started = time.perf_counter()
+        try:
+            if req.stream:
+                work = self._stream_chat(send, inputs, kwargs, started)
+                status = await until_disconnect(receive, work)
+            else:
+                outputs, result = await until_disconnect(
+                    receive, self._call(inputs, kwargs, started)
+                )
+                await answer(send, 200, self._completion(request_id, outputs, result, audio_format))
+                status = 200
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+        self.metrics.latency.labels("chat").observe(time.perf_counter() - started)
+        return status
+
+    async def _call(
+        self, inputs: dict[str, Any], kwargs: dict[str, Any], started: float
+    ) -> tuple[list[Output], Result]:
+        try:
+            outputs, result = await self.client.call(inputs, **kwargs)
+        except RequestFailed as e:
+            raise _api_error(e) from None
+        self.metrics.ttft.labels("chat").observe(time.perf_counter() - started)
+        self.metrics.usage(result.usage)
+        return outputs, result
+
+    def _completion(
+        self, request_id: str, outputs: list[Output], result: Result, audio_format: str
+    ) -> dict[str, Any]:
+        text = "".join(o.data["text"] for o in outputs if isinstance(o.data.get("text"), str))
+        images = [_image_part(o) for o in outputs if "image" in o.data]
+        pcm = b"".join(o.data["audio_chunk"] for o in outputs if "audio_chunk" in o.data)
+        content: Any = [{"type": "text", "text": text}, *images] if images else text
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if pcm:
+            data = pcm if audio_format == "pcm16" else _wav(pcm, _rate(outputs))
+            message["audio"] = {
+                "id": f"audio-{request_id}",
+                "data": base64.b64encode(data).decode(),
+                "expires_at": int(time.time()) + 3600,
+                "transcript": text,
+            }
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": _usage(result.usage),
+        }
+
+    async def _stream_chat(
+        self, send: Send, inputs: dict[str, Any], kwargs: dict[str, Any], started: float
+    ) -> int:
+        """Server-sent events, one per output. The headers wait for the first event, so a
+        request that fails before any output still gets its own status."""
+        request_id = kwargs["request_id"]
+        base = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.name,
+        }
+        opened = False
+        try:
+            async for item in self.client.stream(inputs, **kwargs):
+                if isinstance(item, Result):
+                    self.metrics.usage(item.usage)
+                    chunk = {"index": 0, "delta": {}, "finish_reason": "stop"}
+                    last = {**base, "choices": [chunk], "usage": _usage(item.usage)}
+                    body = event(last) + b"data: [DONE]\n\n"
+                    if not opened:
+                        await _open_sse(send)
+                    await send({"type": "http.response.body", "body": body})
+                    return 200
+                delta = _delta(item, request_id)
+                if delta is None:
+                    continue
+                if not opened:
+                    self.metrics.ttft.labels("chat").observe(time.perf_counter() - started)
+                    await _open_sse(send)
+                    opened = True
+                    delta["role"] = "assistant"
+                chunk = {"index": 0, "delta": delta, "finish_reason": None}
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": event({**base, "choices": [chunk]}),
+                        "more_body": True,
+                    }
+                )
+        except RequestFailed as e:
+            error = _api_error(e)
+            if not opened:
+                raise error from None
+            await send({"type": "http.response.body", "body": event(error.body())})
+            return error.status
+        raise AssertionError("a stream ended without its Result")
+
+    async def images(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        req = decode_body(await read_body(scope, receive, self._limit), ImageRequest)
+        self._check_model(req.model)
+        if "image" not in self.makes:
+            raise ApiError(400, f"{self.name} makes no images", "model")
+        params = image_params(req)
+        self._admit()
+        self._first_hops_live({"text": req.prompt}, params)
+        started = time.perf_counter()
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        timeout = self._timeout(req.timeout)
+
+        async def all_of() -> list[tuple[list[Output], Result]]:
+            return list(await asyncio.gather(*(one(i) for i in range(req.n))))
+
+        async def one(i: int) -> tuple[list[Output], Result]:
+            seed = {"seed": params.get("seed", 0) + i} if req.n > 1 else {}
+            try:
+                return await self.client.call(
+                    {"text": req.prompt},
+                    params={**params, **seed},
+                    session=req.user or "",
+                    timeout=timeout,
+                )
+            except RequestFailed as e:
+                raise _api_error(e) from None
+
+        try:
+            results = await until_disconnect(receive, all_of())
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+        data = [
+            {"b64_json": base64.b64encode(o.data["image"]).decode(), "revised_prompt": req.prompt}
+            for outputs, _ in results
+            for o in outputs
+            if "image" in o.data
+        ]
+        for _, result in results:
+            self.metrics.usage(result.usage)
+        await answer(send, 200, {"created": int(time.time()), "data": data})
+        self.metrics.latency.labels("images").observe(time.perf_counter() - started)
+        return 200
+
+
+async def _open_sse(send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+
+def _delta(output: Output, request_id: str) -> dict[str, Any] | None:
+    data = output.data
+    text = data.get("text")
+    if isinstance(text, str):
+        return {"content": text}
+    if "audio_chunk" in data:
+        pcm = base64.b64encode(data["audio_chunk"]).decode()
+        return {"audio": {"id": f"audio-{request_id}", "data": pcm}}
+    if "image" in data:
+        return {"images": [_image_part(output)]}
+    return None
+
+
+def _image_part(output: Output) -> dict[str, Any]:
+    mime = output.data.get("mime", "image/png")
+    url = f"data:{mime};base64,{base64.b64encode(output.data['image']).decode()}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _rate(outputs: list[Output]) -> int:
+    rates = [o.data["sample_rate"] for o in outputs if "sample_rate" in o.data]
+    return int(rates[0]) if rates else _AUDIO_RATE
+
+
+def _wav(pcm: bytes, rate: int) -> bytes:
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm)
+    return buffer.getvalue()
+
+
+def _usage(usage: dict[str, int]) -> dict[str, Any]:
+    prompt = usage.get("prompt_tokens", 0)
+    completion = usage.get("completion_tokens", 0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+    }
+
+
+def _api_error(e: RequestFailed) -> ApiError:
+    status = _STATUS.get(e.code, 500)
+    param = None
+    if status == 400:
+        field, sep, _ = e.detail.partition(": ")
+        param = field if sep and " " not in field else None
+    return ApiError(status, f"{e.role}: {e.detail}", param)

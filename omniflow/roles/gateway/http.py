@@ -1,0 +1,95 @@
+"""Plain ASGI plumbing: read a bounded body, answer JSON, stream server-sent events, and
+notice a client that went away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+
+from omniflow.roles.gateway.schema import ApiError
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+T = TypeVar("T")
+
+_json = msgspec.json.Encoder()
+JSON = b"application/json"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class Disconnected(Exception):
+    """The HTTP client went away before its answer was complete."""
+
+
+def header(scope: dict[str, Any], name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+async def read_body(scope: dict[str, Any], receive: Receive, limit: int) -> bytes:
+    """The whole request body; 413 as soon as it is known to exceed ``limit`` bytes."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body is {int(declared)} bytes, more than {limit}", "body")
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the body is more than {limit} bytes", "body")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def answer(
+    send: Send, status: int, body: Any, content_type: bytes = JSON, extra: list | None = None
+) -> None:
+    data = body if isinstance(body, bytes) else _json.encode(body)
+    headers = [(b"content-type", content_type), (b"content-length", str(len(data)).encode())]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+def event(payload: Any) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client disconnects first; then cancel it (which cancels the
+    request along the graph) and raise ``Disconnected``."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise Disconnected
+    finally:
+        if not task.done():  # we were cancelled ourselves
+            task.cancel()
+        watch.cancel()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,73 @@
+"""The gateway's Prometheus metrics, in a registry of its own (one per gateway)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, deployment: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"deployment": deployment}
+        self.requests = Counter(
+            "omniflow_gateway_requests",
+            "HTTP requests answered, by route and status code",
+            ["route", "code"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "omniflow_gateway_failures",
+            "HTTP requests answered with an error, by route and status code",
+            ["route", "code"],
+            registry=self.registry,
+        )
+        self.inflight = Gauge(
+            "omniflow_gateway_inflight",
+            "requests in flight through the gateway",
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "omniflow_gateway_latency_seconds",
+            "end-to-end latency of model requests, to the last byte",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "omniflow_gateway_time_to_first_token_seconds",
+            "time to the first output of a request",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "omniflow_gateway_prompt_tokens", "prompt tokens", registry=self.registry
+        )
+        self.completion_tokens = Counter(
+            "omniflow_gateway_completion_tokens", "completion tokens", registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            "omniflow_gateway_cached_tokens",
+            "prompt tokens served from the cache",
+            registry=self.registry,
+        )
+        self.info = Gauge(
+            "omniflow_gateway_info", "the deployment served", list(labels), registry=self.registry
+        )
+        self.info.labels(**labels).set(1)
+
+    def answered(self, route: str, status: int) -> None:
+        code = str(status)
+        self.requests.labels(route, code).inc()
+        if status >= 400:
+            self.failures.labels(route, code).inc()
+
+    def usage(self, usage: dict[str, int]) -> None:
+        self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+        self.completion_tokens.inc(usage.get("completion_tokens", 0))
+        self.cached_tokens.inc(usage.get("cached_tokens", 0))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

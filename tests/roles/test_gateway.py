@@ -1,0 +1,243 @@
+"""The HTTP gateway over real HTTP on loopback, in front of the echo pipeline started by
+`omniflow up`: the official openai client, raw requests for each error status, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import omniflow
+from omniflow.runtime.deployment import list_deployment_actors
+from tests.helpers import cli, expected_echo
+
+pytestmark = pytest.mark.slow
+KEY = "sk-test-key"
+CONFIG = f"""
+name = "gw"
+[roles.upper]
+actor = "omniflow.roles.echo:Upper"
+[roles.reverse]
+actor = "omniflow.roles.echo:Reverse"
+[graph]
+edges = [{{ from = "input", to = "upper" }}, {{ from = "upper", to = "reverse", stream = true }}]
+[runtime]
+heartbeat_s = 0.2
+ttl_s = 1.0
+restart_backoff_s = 4.0
+[gateway]
+api_key = "{KEY}"
+max_body_mb = 0.05
+max_inflight = 4
+"""
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    root = Path(tempfile.mkdtemp(prefix="of-", dir="/tmp"))
+    os.environ["OMNIFLOW_RUN_ROOT"] = str(root)
+    (root / "gw.toml").write_text(CONFIG)
+    cli("up", str(root / "gw.toml"), "--detach", "--port", "0")
+    state = omniflow.runtime.find_deployment("gw")
+    url = (Path(state["run_dir"]) / "gateway.url").read_text().strip()
+    yield url, state
+    cli("down", "--name", "gw", check=False)
+    os.environ.pop("OMNIFLOW_RUN_ROOT", None)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def chat_body(text: str = "hello big world", **extra) -> dict:
+    return {"model": "gw", "messages": [{"role": "user", "content": text}], **extra}
+
+
+def test_streamed_chat_through_the_openai_client(gateway):
+    url, _ = gateway
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
+    stream = client.chat.completions.create(
+        model="gw",
+        messages=[{"role": "user", "content": "hello big world"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    deltas = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    assert deltas == expected_echo("hello big world")  # one event per output, as they came
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert (
+        chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+    )
+
+
+def test_plain_chat_models_and_health(gateway):
+    url, _ = gateway
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
+    reply = client.chat.completions.create(
+        model="gw", messages=[{"role": "user", "content": "one two"}], user="alice"
+    )
+    assert reply.choices[0].message.content == "".join(expected_echo("one two"))
+    assert reply.usage.total_tokens == 0  # echo counts no tokens
+    assert [m.id for m in client.models.list()] == ["gw"]
+    health = httpx2.get(f"{url}/health")
+    assert health.status_code == 200 and health.json()["missing"] == []
+
+
+def _error(response: httpx2.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b"{not json", "body"),
+        (b'{"model": "gw", "messages": "hi"}', "messages"),
+        (b'{"model": "gw", "messages": [{"role": "user", "content": 3}]}', "messages[0].content"),
+        (b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}', "model"),
+        (
+            b'{"model": "gw", "messages": [{"role": "user", "content": [{"type": "video"}]}]}',
+            "messages[0].content[0].type",
+        ),
+        (b'{"model": "gw", "messages": [{"role": "user", "content": "x"}], "stream": 1}', "stream"),
+        (
+            b'{"model": "gw", "messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}',
+            "modalities",
+        ),
+    ],
+)
+def test_400_names_the_field(gateway, body, param):
+    url, _ = gateway
+    response = httpx2.post(f"{url}/v1/chat/completions", content=body, headers=auth())
+    assert _error(response, 400)["param"] == param
+
+
+def test_local_paths_are_refused_unless_allowed(gateway):
+    url, _ = gateway
+    part = {"type": "image_url", "image_url": {"url": "/etc/hostname"}}
+    body = {"model": "gw", "messages": [{"role": "user", "content": [part]}]}
+    response = httpx2.post(f"{url}/v1/chat/completions", json=body, headers=auth())
+    assert _error(response, 400)["param"] == "messages[0].content[0].image_url.url"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_401_without_the_key(gateway, headers):
+    url, _ = gateway
+    response = httpx2.post(f"{url}/v1/chat/completions", json=chat_body(), headers=headers)
+    assert _error(response, 401)["type"] == "authentication_error"
+    assert httpx2.get(f"{url}/health").status_code == 200  # health needs no key
+
+
+def test_413_too_large(gateway):
+    url, _ = gateway
+    body = chat_body("x" * 100_000)
+    response = httpx2.post(f"{url}/v1/chat/completions", json=body, headers=auth())
+    assert _error(response, 413)["code"] == "request_too_large"
+
+
+def test_504_past_the_deadline(gateway):
+    url, _ = gateway
+    body = chat_body(timeout=0.2, params={"delay_ms": 1000})
+    started = time.monotonic()
+    response = httpx2.post(f"{url}/v1/chat/completions", json=body, headers=auth())
+    assert _error(response, 504)["code"] == "deadline"
+    assert time.monotonic() - started < 0.9
+
+
+def test_429_past_max_inflight(gateway):
+    url, _ = gateway
+    body = chat_body(params={"delay_ms": 600})
+
+    def post(_):
+        return httpx2.post(f"{url}/v1/chat/completions", json=body, headers=auth(), timeout=10)
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        statuses = sorted(r.status_code for r in pool.map(post, range(10)))
+    assert statuses.count(200) >= 1 and statuses.count(429) >= 1
+    assert set(statuses) <= {200, 429}
+
+
+def _inflight(state) -> int:
+    records = asyncio.run(list_deployment_actors(state))
+    return sum(r.inflight for r in records if r.role == "upper")
+
+
+def test_a_client_that_disconnects_cancels_the_request(gateway):
+    url, state = gateway
+    body = json.dumps(chat_body("slow words", stream=True, params={"delay_ms": 3000})).encode()
+    host, port = url.removeprefix("http://").split(":")
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(head.encode() + body)
+        deadline = time.monotonic() + 2
+        while _inflight(state) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _inflight(state) == 1
+    # closed long before upper's 3 s delay ends: only a Cancel frees it this soon
+    deadline = time.monotonic() + 1.5
+    while _inflight(state) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _inflight(state) == 0
+
+
+def _samples(url: str) -> dict:
+    text = httpx2.get(f"{url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def test_metrics_parse_and_move_with_traffic(gateway):
+    url, _ = gateway
+    ok = ("omniflow_gateway_requests_total", (("code", "200"), ("route", "/v1/chat/completions")))
+    bad = ("omniflow_gateway_failures_total", (("code", "400"), ("route", "/v1/chat/completions")))
+    latency = ("omniflow_gateway_latency_seconds_count", (("route", "chat"),))
+    before = _samples(url)
+    httpx2.post(f"{url}/v1/chat/completions", json=chat_body(), headers=auth())
+    httpx2.post(f"{url}/v1/chat/completions", json=chat_body(model="nope"), headers=auth())
+    after = _samples(url)
+    assert after[ok] == before.get(ok, 0) + 1
+    assert after[bad] == before.get(bad, 0) + 1
+    assert after[latency] == before.get(latency, 0) + 1
+    assert after[("omniflow_gateway_inflight", ())] == 0
+    assert ("omniflow_gateway_time_to_first_token_seconds_count", (("route", "chat"),)) in after
+    assert ("omniflow_gateway_cached_tokens_total", ()) in after
+
+
+def test_503_while_a_role_has_no_replica(gateway):
+    url, state = gateway
+    records = asyncio.run(list_deployment_actors(state))
+    (upper,) = [r for r in records if r.role == "upper"]
+    os.kill(upper.pid, signal.SIGKILL)  # restarted after restart_backoff_s = 4
+    deadline = time.monotonic() + 3
+    while httpx2.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    health = httpx2.get(f"{url}/health")
+    assert health.status_code == 503 and health.json()["missing"] == ["upper"]
+    response = httpx2.post(f"{url}/v1/chat/completions", json=chat_body(), headers=auth())
+    assert _error(response, 503)["type"] == "service_unavailable"
+    deadline = time.monotonic() + 30
+    while httpx2.get(f"{url}/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert httpx2.get(f"{url}/health").status_code == 200
