@@ -3,7 +3,8 @@
 Input:
     tensors["image_codes"]: int64 (or int32) [h*w, 8]   RVQ ids, row-major over the grid
     data["image_grid"]: [h, w]
-    params: "cfg_scale" (float, default option ``cfg_scale``), "seed" (int noise seed, default 0)
+    params: "cfg_scale" (float, default option ``cfg_scale``), "seed" (int noise seed, default 0),
+            "steps" (denoising steps, default option ``steps``)
 Output:
     image:  bytes    PNG, RGB, height = h * pixels_per_token, width = w * pixels_per_token
     width:  int
@@ -42,7 +43,7 @@ class ImageDecoderRole(ModelActor):
         self.model: ImageDecoder = await self._run(self._load)
         # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
         warm = torch.zeros(1, len(self.model.config.codebook_sizes), dtype=torch.int64)
-        await self._run(self._decode, warm, (1, 1), self.cfg_scale, 0)
+        await self._run(self._decode, warm, (1, 1), self.cfg_scale, 0, self.steps)
 
     def _load(self) -> ImageDecoder:
         opts = self.options
@@ -61,7 +62,12 @@ class ImageDecoderRole(ModelActor):
         seed = request.params.get("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise BadRequest("seed", f"expected an integer, got {seed!r}")
-        png, (height, width) = await self._run(self._decode, codes, grid, float(cfg_scale), seed)
+        steps = request.params.get("steps", self.steps)
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 200:
+            raise BadRequest("steps", f"expected an integer in [1, 200], got {steps!r}")
+        png, (height, width) = await self._run(
+            self._decode, codes, grid, float(cfg_scale), seed, steps
+        )
         return {"image": png, "width": width, "height": height, "mime": "image/png"}
 
     def _grid(self, grid: Any) -> tuple[int, int]:
@@ -97,9 +103,9 @@ class ImageDecoderRole(ModelActor):
         return codes.to(torch.int64)
 
     def _decode(
-        self, codes: torch.Tensor, grid: tuple[int, int], cfg_scale: float, seed: int
+        self, codes: torch.Tensor, grid: tuple[int, int], cfg_scale: float, seed: int, steps: int
     ) -> tuple[bytes, tuple[int, int]]:
-        pixels = self.model.decode(codes, grid, steps=self.steps, cfg_scale=cfg_scale, seed=seed)
+        pixels = self.model.decode(codes, grid, steps=steps, cfg_scale=cfg_scale, seed=seed)
         buffer = io.BytesIO()
         # compress_level 1: a tiny model's image is noise-like; higher levels only cost time.
         Image.fromarray(pixels.numpy()).save(buffer, format="PNG", compress_level=1)

@@ -218,4 +218,4 @@ def test_bad_inputs_get_clear_errors_and_the_deployment_keeps_serving(
     outs, _ = call(state, {"text": "still there"})
     assert outs
     status = json.loads(cli("status", "--name", "longcat", "--json").stdout)
-    assert len(status["actors"]) == 5 and all(pid_alive(a["pid"]) for a in status["actors"])
+    assert len(status["actors"]) == 6 and all(pid_alive(a["pid"]) for a in status["actors"])

@@ -1,0 +1,131 @@
+"""The gateway in front of the five-role LongCat deployment, through the official openai
+client over loopback HTTP: media in, image and streamed audio out, a cached second turn."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import tempfile
+from pathlib import Path
+
+import openai
+import pytest
+from PIL import Image
+
+import omniflow
+from tests.helpers import cli
+from tests.roles.media import image_bytes, wav_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    root = Path(tempfile.mkdtemp(prefix="of-", dir="/tmp"))
+    work = tmp_path_factory.mktemp("lcgw")
+    os.environ["OMNIFLOW_RUN_ROOT"] = str(root)
+    text = (ROOT / "configs" / "longcat.toml").read_text()
+    (work / "lcgw.toml").write_text(text.replace('name = "longcat"', 'name = "lcgw"'))
+    cli("up", "lcgw.toml", "--detach", "--port", "0", cwd=work)
+    state = omniflow.runtime.find_deployment("lcgw")
+    url = (Path(state["run_dir"]) / "gateway.url").read_text().strip()
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+    cli("down", "--name", "lcgw", check=False)
+    os.environ.pop("OMNIFLOW_RUN_ROOT", None)
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def ask(client, parts, **kwargs):
+    messages = [{"role": "user", "content": parts}]
+    return client.chat.completions.create(model="lcgw", messages=messages, **kwargs)
+
+
+def test_chat_with_an_image_and_one_with_audio(client):
+    text_only = ask(client, "what is this", max_tokens=4)
+    image = {"type": "image_url", "image_url": {"url": data_url(image_bytes(96, 64, seed=5))}}
+    with_image = ask(client, [{"type": "text", "text": "what is this"}, image], max_tokens=4)
+    audio = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(wav_bytes(0.8)).decode(), "format": "wav"},
+    }
+    with_audio = ask(client, [{"type": "text", "text": "what is this"}, audio], max_tokens=4)
+    for reply in (text_only, with_image, with_audio):
+        assert isinstance(reply.choices[0].message.content, str)
+        assert reply.usage.completion_tokens > 0
+    # the media's tokens are part of the prompt
+    assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens
+    assert with_audio.usage.prompt_tokens > text_only.usage.prompt_tokens
+
+
+def test_image_output_is_an_image_url_part(client):
+    reply = ask(
+        client, "draw", modalities=["text", "image"], extra_body={"params": {"image_grid": [2, 3]}}
+    )
+    parts = reply.choices[0].message.content
+    images = [p for p in parts if p["type"] == "image_url"]
+    assert len(images) == 1
+    url = images[0]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    png = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+    assert png.size == (3 * 32, 2 * 32)
+
+
+def test_audio_output_streams_in_several_chunks(client):
+    stream = ask(
+        client,
+        "say",
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+        extra_body={"params": {"audio_chunks": 3, "audio_chunk_tokens": 2}},
+    )
+    chunks = list(stream)
+    audio = [
+        c.choices[0].delta.audio.data for c in chunks if c.choices and c.choices[0].delta.audio
+    ]
+    assert len(audio) >= 2  # separate events as the decoder made them, not one at the end
+    pcm = b"".join(base64.b64decode(a) for a in audio)
+    assert len(pcm) == 3 * 2 * 1920 * 2  # 1920 PCM16 samples per audio token
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_non_streamed_audio_is_a_wav(client):
+    reply = ask(
+        client, "say", modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}
+    )
+    wav = base64.b64decode(reply.choices[0].message.audio.data)
+    assert wav[:4] == b"RIFF" and wav[8:12] == b"WAVE"
+
+
+def test_a_second_turn_of_a_session_shows_cached_tokens(client):
+    first = ask(client, "turn one", user="gw-session-1", max_tokens=4)
+    history = [
+        {"role": "user", "content": "turn one"},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "turn two"},
+    ]
+    second = client.chat.completions.create(
+        model="lcgw", messages=history, user="gw-session-1", max_tokens=4
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_images_generations(client):
+    result = client.images.generate(
+        model="lcgw",
+        prompt="a cat",
+        n=2,
+        size="64x96",
+        response_format="b64_json",
+        extra_body={"seed": 3, "num_inference_steps": 2, "guidance_scale": 1.5},
+    )
+    assert len(result.data) == 2
+    for item in result.data:
+        png = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
+        assert png.format == "PNG" and png.size == (64, 96)
