@@ -63,6 +63,7 @@ class GatewayApp:
         self.metrics = Metrics(config.name)
         self.started = int(time.time())
         self.inflight = 0
+        self.metrics.inflight.set_function(lambda: self.inflight)  # read at scrape time
         self._key = options.api_key.encode()
         self._limit = int(options.max_body_mb * 2**20)
         self._ids = itertools.count()
@@ -178,7 +179,6 @@ class GatewayApp:
         }
         audio_format = req.audio.format if req.audio is not None else "wav"
         self.inflight += 1
-        self.metrics.inflight.inc()
         started = time.perf_counter()
         try:
             if req.stream:
@@ -192,8 +192,7 @@ class GatewayApp:
                 status = 200
         finally:
             self.inflight -= 1
-            self.metrics.inflight.dec()
-        self.metrics.latency.labels("chat").observe(time.perf_counter() - started)
+        self.metrics.chat_latency.observe(time.perf_counter() - started)
         return status
 
     async def _call(
@@ -203,7 +202,7 @@ class GatewayApp:
             outputs, result = await self.client.call(inputs, **kwargs)
         except RequestFailed as e:
             raise _api_error(e) from None
-        self.metrics.ttft.labels("chat").observe(time.perf_counter() - started)
+        self.metrics.chat_ttft.observe(time.perf_counter() - started)
         self.metrics.usage(result.usage)
         return outputs, result
 
@@ -260,7 +259,7 @@ class GatewayApp:
                 if delta is None:
                     continue
                 if not opened:
-                    self.metrics.ttft.labels("chat").observe(time.perf_counter() - started)
+                    self.metrics.chat_ttft.observe(time.perf_counter() - started)
                     await _open_sse(send)
                     opened = True
                     delta["role"] = "assistant"
@@ -290,7 +289,6 @@ class GatewayApp:
         self._first_hops_live({"text": req.prompt}, params)
         started = time.perf_counter()
         self.inflight += 1
-        self.metrics.inflight.inc()
         timeout = self._timeout(req.timeout)
 
         async def all_of() -> list[tuple[list[Output], Result]]:
@@ -312,7 +310,6 @@ class GatewayApp:
             results = await until_disconnect(receive, all_of())
         finally:
             self.inflight -= 1
-            self.metrics.inflight.dec()
         data = [
             {"b64_json": base64.b64encode(o.data["image"]).decode(), "revised_prompt": req.prompt}
             for outputs, _ in results

@@ -4,7 +4,6 @@ notice a client that went away."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -72,21 +71,32 @@ def event(payload: Any) -> bytes:
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Run ``work`` unless the client disconnects first; then cancel it (which cancels the
-    request along the graph) and raise ``Disconnected``."""
-    task = asyncio.ensure_future(work)
+    """Await ``work`` unless the client disconnects first; then cancel it (which cancels the
+    request along the graph) and raise ``Disconnected``.
+
+    ``work`` runs in this task; only the wait for a disconnect gets one of its own.
+    """
+    current = asyncio.current_task()
+    assert current is not None
+    state = {"gone": False, "over": False}
+
+    def on_disconnect(watch: asyncio.Task) -> None:
+        # Scheduled, not run inline: the request may have ended since.
+        if not state["over"] and not watch.cancelled() and watch.exception() is None:
+            state["gone"] = True
+            current.cancel()
+
     watch = asyncio.ensure_future(_disconnect(receive))
+    watch.add_done_callback(on_disconnect)
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise Disconnected
+        return await work
+    except asyncio.CancelledError:
+        if state["gone"]:
+            current.uncancel()
+            raise Disconnected from None
+        raise
     finally:
-        if not task.done():  # we were cancelled ourselves
-            task.cancel()
+        state["over"] = True
         watch.cancel()
 
 

@@ -57,17 +57,27 @@ class Metrics:
             "omniflow_gateway_info", "the deployment served", list(labels), registry=self.registry
         )
         self.info.labels(**labels).set(1)
+        self._answered: dict[tuple[str, int], list[Counter]] = {}
+        self.chat_latency = self.latency.labels("chat")
+        self.chat_ttft = self.ttft.labels("chat")
 
     def answered(self, route: str, status: int) -> None:
-        code = str(status)
-        self.requests.labels(route, code).inc()
-        if status >= 400:
-            self.failures.labels(route, code).inc()
+        # labels() takes a lock and builds a key: the children are looked up once.
+        counters = self._answered.get((route, status))
+        if counters is None:
+            code = str(status)
+            counters = [self.requests.labels(route, code)]
+            if status >= 400:
+                counters.append(self.failures.labels(route, code))
+            self._answered[(route, status)] = counters
+        for counter in counters:
+            counter.inc()
 
     def usage(self, usage: dict[str, int]) -> None:
-        self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
-        self.completion_tokens.inc(usage.get("completion_tokens", 0))
-        self.cached_tokens.inc(usage.get("cached_tokens", 0))
+        if usage:
+            self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+            self.completion_tokens.inc(usage.get("completion_tokens", 0))
+            self.cached_tokens.inc(usage.get("cached_tokens", 0))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

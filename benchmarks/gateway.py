@@ -1,0 +1,190 @@
+"""The HTTP gateway's own cost: the echo pipeline through the gateway vs through the
+embedded ``Runtime``'s client directly, in the same run.
+
+Latency: one request at a time (p50 of ``--requests``). Throughput: ``--concurrency``
+requests kept in flight (requests/s). Rounds alternate direct and gateway (A B A B); each
+figure is the median over rounds. The HTTP side is a minimal keep-alive HTTP/1.1 client on
+asyncio streams (one connection per in-flight request), so what is measured is the
+gateway, not an HTTP client library. Targets: gateway p50 <= direct p50 + 1 ms, gateway
+requests/s >= 0.5 x direct.
+
+    python benchmarks/gateway.py [--requests 400] [--concurrency 16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import emit, median, pct, short_run_root  # noqa: E402
+
+import omniflow  # noqa: E402
+from omniflow.runtime.config import parse  # noqa: E402
+
+TEXT = "hello"
+
+
+def config() -> omniflow.Config:
+    echo = "omniflow.roles.echo"
+    return parse(
+        {
+            "name": "gwbench",
+            "roles": {
+                "upper": {"actor": f"{echo}:Upper"},
+                "reverse": {"actor": f"{echo}:Reverse"},
+            },
+            "graph": {
+                "edges": [
+                    {"from": "input", "to": "upper"},
+                    {"from": "upper", "to": "reverse", "stream": True},
+                ]
+            },
+            "gateway": {"port": 0, "max_inflight": 4096},
+        },
+        "<bench>",
+    )
+
+
+class Http:
+    """One keep-alive connection; ``post`` returns the body of a 200."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> Http:
+        return cls(*await asyncio.open_connection(host, port))
+
+    async def post(self, path: str, body: bytes) -> bytes:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        self.writer.write(head + body)
+        status_line = await self.reader.readuntil(b"\r\n")
+        headers = await self.reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in headers.split(b"\r\n"):
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        data = await self.reader.readexactly(length)
+        if b" 200 " not in status_line:
+            raise RuntimeError(f"{status_line!r}: {data[:200]!r}")
+        return data
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def latency(send, n: int) -> float:
+    samples = []
+    for _ in range(n):
+        started = time.perf_counter()
+        await send()
+        samples.append((time.perf_counter() - started) * 1e3)
+    return pct(samples, 50)
+
+
+async def throughput(sends: list, n: int) -> float:
+    per_worker = n // len(sends)
+
+    async def worker(send) -> None:
+        for _ in range(per_worker):
+            await send()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(s) for s in sends))
+    return per_worker * len(sends) / (time.perf_counter() - started)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+async def main(args: argparse.Namespace) -> dict:
+    short_run_root()
+    async with omniflow.Runtime(config()) as rt:
+        url = (rt.run_dir / "gateway.url").read_text().strip()
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps(
+            {"model": "gwbench", "messages": [{"role": "user", "content": TEXT}]}
+        ).encode()
+        expected = TEXT.upper()[::-1]
+
+        async def direct() -> None:
+            outputs, _ = await rt.call({"text": TEXT})
+            assert outputs[0].data["text"] == expected
+
+        conns = [await Http.open(host, int(port)) for _ in range(args.concurrency)]
+
+        def via(conn: Http):
+            async def send() -> None:
+                reply = await conn.post("/v1/chat/completions", body)
+                assert expected.encode() in reply
+
+            return send
+
+        for _ in range(50):  # warm both paths
+            await direct()
+            await via(conns[0])()
+        results: dict[str, dict[str, list[float]]] = {
+            "direct": {"p50_ms": [], "rps": []},
+            "gateway": {"p50_ms": [], "rps": []},
+        }
+        for _ in range(args.rounds):
+            for name in ("direct", "gateway"):
+                one = direct if name == "direct" else via(conns[0])
+                many = [direct] * args.concurrency if name == "direct" else [via(c) for c in conns]
+                results[name]["p50_ms"].append(await latency(one, args.requests))
+                results[name]["rps"].append(await throughput(many, args.requests * 2))
+        for conn in conns:
+            conn.close()
+    figures = {
+        name: {key: round(median(values), 3) for key, values in r.items()}
+        for name, r in results.items()
+    }
+    d, g = figures["direct"], figures["gateway"]
+    return {
+        "benchmark": "gateway",
+        "cpu": cpu_name(),
+        "cpus": os.cpu_count(),
+        "pipeline": "echo (upper -> reverse), one word",
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "rounds": args.rounds,
+        "direct": d,
+        "gateway": g,
+        "gateway_overhead_p50_ms": round(g["p50_ms"] - d["p50_ms"], 3),
+        "gateway_rps_ratio": round(g["rps"] / d["rps"], 3),
+        "targets_met": {
+            "p50_within_1ms": g["p50_ms"] <= d["p50_ms"] + 1.0,
+            "rps_at_least_half": g["rps"] >= 0.5 * d["rps"],
+        },
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    import uvloop
+
+    result = uvloop.run(main(args))
+    print(f"cpu: {result['cpu']} ({result['cpus']} cpus)", flush=True)
+    emit(result)
