@@ -31,6 +31,7 @@ bench:
     {{python}} benchmarks/transport.py
     {{python}} benchmarks/engine.py
     {{python}} benchmarks/pipeline.py
+    {{python}} benchmarks/gateway.py
 
 # Lint, format check, types, and the import contracts in .importlinter.
 lint:
