@@ -24,6 +24,7 @@ from tests.helpers import cli, expected_echo
 
 pytestmark = pytest.mark.slow
 KEY = "sk-test-key"
+CHROMIUM = "/usr/bin/chromium"
 CONFIG = f"""
 name = "gw"
 [roles.upper]
@@ -223,6 +224,43 @@ def test_metrics_parse_and_move_with_traffic(gateway):
     assert after[("omniflow_gateway_inflight", ())] == 0
     assert ("omniflow_gateway_time_to_first_token_seconds_count", (("route", "chat"),)) in after
     assert ("omniflow_gateway_cached_tokens_total", ()) in after
+
+
+def test_the_playground_is_one_page_with_nothing_from_elsewhere(gateway):
+    url, _ = gateway
+    page = httpx2.get(f"{url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'const model = "gw";' in page.text
+    assert "src=" not in page.text and "https://" not in page.text
+
+
+@pytest.mark.browser
+def test_the_playground_chats_in_headless_chromium(gateway):
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"needs {CHROMIUM} (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    url, _ = gateway
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            requested: list[str] = []
+            page.on("request", lambda r: requested.append(r.url))
+            page.goto(f"{url}/")
+            page.fill("#key", KEY)
+            page.fill("#message", "hello big world")
+            page.click("#send")
+            page.wait_for_function("document.getElementById('usage').textContent.length > 0")
+            assert page.text_content("#output") == "".join(expected_echo("hello big world"))
+            assert page.text_content("#error") == ""
+            page.uncheck("#stream")
+            page.fill("#message", "one two")
+            page.click("#send")
+            page.wait_for_function("document.getElementById('usage').textContent.length > 0")
+            assert page.text_content("#output") == "".join(expected_echo("one two"))
+        finally:
+            browser.close()
+    assert requested and all(u.startswith(url) for u in requested)  # no CDN
 
 
 def test_503_while_a_role_has_no_replica(gateway):

@@ -11,9 +11,11 @@ import base64
 import hmac
 import io
 import itertools
+import json
 import time
 import uuid
 import wave
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -75,7 +77,10 @@ class GatewayApp:
             ("GET", "/v1/models"): self.models,
             ("GET", "/health"): self.health,
             ("GET", "/metrics"): self.prometheus,
+            ("GET", "/"): self.playground,
         }
+        page = (Path(__file__).parent / "playground.html").read_text()
+        self._page = page.replace("__MODEL__", json.dumps(self.name)).encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -124,6 +129,10 @@ class GatewayApp:
             send, status, {"status": "unavailable" if missing else "ok", "missing": missing}
         )
         return status
+
+    async def playground(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        await answer(send, 200, self._page, b"text/html; charset=utf-8")
+        return 200
 
     async def prometheus(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
         await answer(send, 200, self.metrics.text(), CONTENT_TYPE_LATEST.encode())
