@@ -75,6 +75,17 @@ def test_image_output_is_an_image_url_part(client):
     assert png.size == (3 * 32, 2 * 32)
 
 
+def test_a_streamed_image_comes_as_an_event_of_its_own(client):
+    stream = ask(client, "draw", modalities=["text", "image"], stream=True)
+    images = [
+        part
+        for c in list(stream)
+        if c.choices
+        for part in (c.choices[0].delta.model_extra or {}).get("images", [])
+    ]
+    assert len(images) == 1 and images[0]["image_url"]["url"].startswith("data:image/png;base64,")
+
+
 def test_audio_output_streams_in_several_chunks(client):
     stream = ask(
         client,

@@ -1,0 +1,83 @@
+"""The gateway's request handling without a server: bodies, media, sessions, sizes."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from omniflow.roles.gateway.schema import (
+    ApiError,
+    ChatRequest,
+    ImageRequest,
+    chat_inputs,
+    chat_params,
+    decode_body,
+    image_params,
+    media_bytes,
+)
+
+
+def test_a_local_path_is_read_only_when_allowed(tmp_path):
+    path = tmp_path / "x.png"
+    path.write_bytes(b"png bytes")
+    assert media_bytes(str(path), "p", allow_local_paths=True) == b"png bytes"
+    assert media_bytes(f"file://{path}", "p", allow_local_paths=True) == b"png bytes"
+    with pytest.raises(ApiError) as info:
+        media_bytes(str(path), "p", allow_local_paths=False)
+    assert info.value.status == 400 and info.value.param == "p"
+
+
+def test_data_urls_decode_and_remote_urls_are_refused():
+    url = "data:image/png;base64," + base64.b64encode(b"abc").decode()
+    assert media_bytes(url, "p", False) == b"abc"
+    for bad in ("https://example.com/cat.png", "data:image/png;base64,@@@"):
+        with pytest.raises(ApiError):
+            media_bytes(bad, "p", True)
+
+
+def _chat(messages, **extra) -> ChatRequest:
+    return decode_body(
+        json.dumps({"model": "m", "messages": messages, **extra}).encode(), ChatRequest
+    )
+
+
+DIALOGUE = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "one"},
+    {"role": "assistant", "content": "eno"},
+    {"role": "user", "content": [{"type": "text", "text": "two"}]},
+]
+
+
+def test_a_session_sends_only_the_last_user_turn():
+    inputs, want = chat_inputs(_chat(DIALOGUE), "s1", False)
+    assert inputs == {"text": "two"} and want == ["text"]
+
+
+def test_without_a_session_the_dialogue_goes_as_text():
+    inputs, _ = chat_inputs(_chat(DIALOGUE), "", False)
+    assert inputs["text"] == "system: be brief\nuser: one\nassistant: eno\nuser: two"
+
+
+def test_modalities_and_sampling_become_params():
+    req = _chat(DIALOGUE, modalities=["audio", "text"], max_completion_tokens=7, seed=3)
+    _, want = chat_inputs(req, "", False)
+    assert want == ["text", "audio"]
+    assert chat_params(req, want) == {"want": "text,audio", "max_tokens": 7, "seed": 3}
+
+
+def test_no_user_message_is_a_400_naming_messages():
+    with pytest.raises(ApiError) as info:
+        chat_inputs(_chat([{"role": "system", "content": "x"}]), "", False)
+    assert info.value.param == "messages"
+
+
+def test_size_maps_onto_the_token_grid():
+    req = decode_body(b'{"prompt": "cat", "size": "64x96", "num_inference_steps": 3}', ImageRequest)
+    assert image_params(req) == {"want": "image", "image_grid": [3, 2], "steps": 3}
+    for size in ("100x100", "big", "2048x32"):
+        with pytest.raises(ApiError) as info:
+            image_params(ImageRequest(prompt="x", size=size))
+        assert info.value.param == "size"
