@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import io
 import itertools
 import json
+import logging
 import time
 import uuid
 import wave
+from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -51,6 +54,7 @@ _STATUS = {
     "shutting_down": 503,
     "deadline": 504,
 }
+log = logging.getLogger("omniflow.gateway")
 _INPUT = "input"  # the graph's source: where a client's request enters
 _RETRY = [(b"retry-after", b"1")]
 _AUDIO_RATE = 24000  # the audio decoder's PCM16 rate, when a chunk names none
@@ -100,6 +104,11 @@ class GatewayApp:
             await answer(send, e.status, e.body(), extra=_RETRY if e.status in (429, 503) else None)
         except Disconnected:
             status = 499  # nginx's "client closed request": counted, never sent
+        except Exception:
+            log.exception("gateway: %s %s failed", scope["method"], path)
+            status = 500
+            with contextlib.suppress(Exception):  # unless the response had begun
+                await answer(send, 500, ApiError(500, "internal error").body())
         self.metrics.answered(path if handler is not None else "other", status)
 
     def _authorize(self, scope: dict[str, Any]) -> None:
@@ -253,33 +262,39 @@ class GatewayApp:
             "model": self.name,
         }
         opened = False
+        # aclosing: a disconnect's cancel ends the stream now, which sends the Cancel.
+        generator = cast(
+            AsyncGenerator[Output | Result, None], self.client.stream(inputs, **kwargs)
+        )
+        events = contextlib.aclosing(generator)
         try:
-            async for item in self.client.stream(inputs, **kwargs):
-                if isinstance(item, Result):
-                    self.metrics.usage(item.usage)
-                    chunk = {"index": 0, "delta": {}, "finish_reason": "stop"}
-                    last = {**base, "choices": [chunk], "usage": _usage(item.usage)}
-                    body = event(last) + b"data: [DONE]\n\n"
+            async with events as stream:
+                async for item in stream:
+                    if isinstance(item, Result):
+                        self.metrics.usage(item.usage)
+                        chunk = {"index": 0, "delta": {}, "finish_reason": "stop"}
+                        last = {**base, "choices": [chunk], "usage": _usage(item.usage)}
+                        body = event(last) + b"data: [DONE]\n\n"
+                        if not opened:
+                            await _open_sse(send)
+                        await send({"type": "http.response.body", "body": body})
+                        return 200
+                    delta = _delta(item, request_id)
+                    if delta is None:
+                        continue
                     if not opened:
+                        self.metrics.chat_ttft.observe(time.perf_counter() - started)
                         await _open_sse(send)
-                    await send({"type": "http.response.body", "body": body})
-                    return 200
-                delta = _delta(item, request_id)
-                if delta is None:
-                    continue
-                if not opened:
-                    self.metrics.chat_ttft.observe(time.perf_counter() - started)
-                    await _open_sse(send)
-                    opened = True
-                    delta["role"] = "assistant"
-                chunk = {"index": 0, "delta": delta, "finish_reason": None}
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": event({**base, "choices": [chunk]}),
-                        "more_body": True,
-                    }
-                )
+                        opened = True
+                        delta["role"] = "assistant"
+                    chunk = {"index": 0, "delta": delta, "finish_reason": None}
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": event({**base, "choices": [chunk]}),
+                            "more_body": True,
+                        }
+                    )
         except RequestFailed as e:
             error = _api_error(e)
             if not opened:
