@@ -179,9 +179,10 @@ def _inflight(state) -> int:
     return sum(r.inflight for r in records if r.role == "upper")
 
 
-def test_a_client_that_disconnects_cancels_the_request(gateway):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_cancels_the_request(gateway, stream):
     url, state = gateway
-    body = json.dumps(chat_body("slow words", stream=True, params={"delay_ms": 3000})).encode()
+    body = json.dumps(chat_body("slow words", stream=stream, params={"delay_ms": 3000})).encode()
     host, port = url.removeprefix("http://").split(":")
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
