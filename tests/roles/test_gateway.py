@@ -280,3 +280,17 @@ def test_503_while_a_role_has_no_replica(gateway):
     while httpx2.get(f"{url}/health").status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert httpx2.get(f"{url}/health").status_code == 200
+
+
+def test_a_port_in_use_fails_up_with_a_message_naming_it(tmp_path, run_root):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "busy.toml"
+        config.write_text(CONFIG.replace('name = "gw"', 'name = "busy"'))
+        proc = cli("up", str(config), "--detach", "--port", str(port), check=False)
+    assert proc.returncode == 1
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert f"gateway cannot bind 127.0.0.1:{port}: Address already in use" in said
+    assert not list(run_root.rglob("*.sock"))

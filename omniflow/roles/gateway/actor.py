@@ -42,7 +42,7 @@ class Gateway(Actor):
             self.socket.close()
             await self.client.close()
             raise RuntimeError(
-                f"[gateway] cannot bind {self.options.host}:{self.options.port}: {e.strerror}"
+                f"the gateway cannot bind {self.options.host}:{self.options.port}: {e.strerror}"
             ) from None
         self.socket.setblocking(False)
         host, port = self.socket.getsockname()[:2]
