@@ -101,8 +101,10 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     bar = StartProgress(total) if notify is None else None
 
     def progress(actor_id: str, state: str) -> None:
-        if notify is not None:
+        if notify is not None and not notify.closed:
             notify.write(f"progress {actor_id} {state}\n")
+        elif notify is not None:  # detached and handed off: restarts go to supervisor.log
+            print(f"{time.strftime('%H:%M:%S')} {actor_id} {state}", file=sys.stderr, flush=True)
         elif bar is not None:
             bar.update(actor_id, state)
 

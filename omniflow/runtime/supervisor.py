@@ -182,7 +182,7 @@ class Supervisor:
         replica.exited = asyncio.get_running_loop().create_future()
         replica.pidfd = os.pidfd_open(replica.proc.pid)
         asyncio.get_running_loop().add_reader(replica.pidfd, self._on_exit, replica)
-        self.on_progress(replica.actor_id, "spawned")
+        self._progress(replica.actor_id, "spawned")
 
     async def _wait_ready(self, replicas: list[Replica]) -> None:
         futures = [r.ready for r in replicas if r.ready is not None]
@@ -207,19 +207,26 @@ class Supervisor:
             return
         if isinstance(msg, Hello):
             replica.state = "setup"
-            self.on_progress(replica.actor_id, "setup")
+            self._progress(replica.actor_id, "setup")
         elif isinstance(msg, Ready):
             replica.state = "ready"
             replica.endpoint = msg.endpoint
-            self.on_progress(replica.actor_id, "ready")
+            self._progress(replica.actor_id, "ready")
             if replica.ready is not None and not replica.ready.done():
                 replica.ready.set_result(None)
         elif isinstance(msg, SetupFailed):
             replica.state = "failed"
-            self.on_progress(replica.actor_id, "failed")
+            self._progress(replica.actor_id, "failed")
             err = StartError(f"{replica.actor_id} failed in setup: {msg.message}")
             if replica.ready is not None and not replica.ready.done():
                 replica.ready.set_exception(err)
+
+    def _progress(self, actor_id: str, state: str) -> None:
+        """Tell ``on_progress``; a callback that raises must not stop a start or a restart."""
+        try:
+            self.on_progress(actor_id, state)
+        except Exception:
+            log.exception("the progress callback failed on %s %s", actor_id, state)
 
     def _find(self, role: str, index: int) -> Replica | None:
         for r in self.replicas:
