@@ -254,8 +254,8 @@ def send(
     session: str = typer.Option(
         "", "--session", help="Session id: continue a multi-turn dialogue."
     ),
-    out_dir: Path = typer.Option(
-        Path("out"), "--out", "-o", help="Where images and audio are written."
+    out_dir: Path | None = typer.Option(
+        None, "--out", "-o", help="Where images and audio are written (default: ./out)."
     ),
     timeout: float = typer.Option(60.0, "--timeout", help="Deadline in seconds."),
     as_json: bool = typer.Option(
@@ -265,6 +265,8 @@ def send(
     run_dir: Path | None = RunDirOpt,
 ) -> None:
     """Send one request: stream text to the terminal, write images (PNG) and audio (WAV) to --out."""
+    # Before anything is sent: a result must never be lost for want of a place to write it.
+    out_dir = _out_dir(out_dir)
     state = _state(name, run_dir)
     inputs: dict[str, Any] = {}
     if text is not None:
@@ -326,6 +328,22 @@ def send(
         return 0
 
     raise typer.Exit(uvloop.run(run()))
+
+
+def _out_dir(given: Path | None) -> Path:
+    """The folder for output files, checked: an explicit --out is created now if missing;
+    anything there that is not a folder is a usage error."""
+    path = given if given is not None else Path("out")
+    if path.exists() and not path.is_dir():
+        err.print(f"[red]--out {path}: exists and is not a directory[/]")
+        raise typer.Exit(EXIT_USAGE)
+    if given is not None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            err.print(f"[red]--out {path}: cannot create the directory: {e.strerror}[/]")
+            raise typer.Exit(EXIT_USAGE) from None
+    return path
 
 
 def _read_input(path: Path, option: str) -> bytes:
