@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -98,6 +99,7 @@ class Supervisor:
         # Delete a dead replica's registry key at once instead of waiting out its lease.
         self.forget_dead = True
         self.generation = f"{os.getpid()}-{int(time.time() * 1000)}"  # names one start's barriers
+        self._lock_fd: int | None = None
 
     @property
     def state_path(self) -> Path:
@@ -114,6 +116,14 @@ class Supervisor:
 
     async def start(self) -> None:
         self._prepare_run_dir()
+        try:
+            await self._start_under_lock()
+        except BaseException:
+            await self.stop()
+            raise
+        self._write_state()
+
+    async def _start_under_lock(self) -> None:
         # One host page pool per deployment, mapped by every local process; a segment
         # left by a supervisor that was killed is replaced, not reused.
         unlink_pool(self.pool_name)
@@ -129,16 +139,39 @@ class Supervisor:
         self._registry = open_registry(self.registry_address)
         self.control = Inbox(self.ctx, f"ipc://{self.run_dir}/control.sock", self._on_control)
         self.control.start()
+        for replica in self.replicas:
+            self._spawn(replica)
+        await self._wait_ready(self.replicas)
+
+    def _lock_run_dir(self) -> None:
+        """Hold the run dir's lock for this supervisor's life: a second start of the same
+        deployment fails here, before it can touch the first one's sockets, pool or state."""
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            for replica in self.replicas:
-                self._spawn(replica)
-            await self._wait_ready(self.replicas)
-        except BaseException:
-            await self.stop()
-            raise
-        self._write_state()
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StartError(
+                f"deployment {self.config.name!r} is already running or starting "
+                f"(run dir {self.run_dir}); stop it with `omniflow down`"
+            ) from None
+        self._lock_fd = fd
+
+    def _unlock_run_dir(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the lock goes with its last descriptor
+            self._lock_fd = None
 
     def _prepare_run_dir(self) -> None:
+        self._lock_run_dir()
+        try:
+            self._check_run_dir()
+        except BaseException:
+            self._unlock_run_dir()
+            raise
+
+    def _check_run_dir(self) -> None:
         if self.state_path.exists():
             state = json.loads(self.state_path.read_text())
             if pid_alive(state.get("pid", 0)):
@@ -328,6 +361,10 @@ class Supervisor:
             await self.stopped.wait()
             return
         self._stopping = True
+        if self._lock_fd is None:  # never started (or lost the race): nothing here is ours
+            self.ctx.term()
+            self.stopped.set()
+            return
         for task in list(self._tasks):
             if task is not asyncio.current_task():
                 task.cancel()
@@ -365,6 +402,7 @@ class Supervisor:
             self.pool.close()
             self.pool = None
         self._clean_run_dir()
+        self._unlock_run_dir()
         self.stopped.set()
 
     def _clean_run_dir(self) -> None:
