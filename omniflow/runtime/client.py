@@ -215,7 +215,8 @@ class Client:
                 else:
                     item = await queue.get()
                 if isinstance(item, RequestFailed):
-                    finished = True  # the failing role already cancelled downstream
+                    # Not finished: the failing role cancels only what it sent itself; the
+                    # other branches (parts waiting at a join) are cancelled from here.
                     raise item
                 if isinstance(item, Result):
                     finished = True  # before the yield: the caller may stop iterating here
@@ -310,10 +311,7 @@ class Client:
             result = await collect.done
             finished = True
             return collect.outputs, result
-        except RequestFailed as e:
-            finished = e.role != "client"  # a role that failed it already cancelled downstream
-            raise
-        finally:
+        finally:  # a failed request is cancelled everywhere it went, as in ``stream``
             self._end(request_id, fanout, finished)
 
     def _watch_patience(self) -> None:

@@ -147,6 +147,8 @@ class ActorHost:
         ready = self._joins.add(call, parts)
         if ready is not None:
             self._on_call(*ready)
+        elif call.deadline:  # parts wait at most until the request's deadline
+            self._watch_deadlines()
 
     def _on_cancel(self, cancel: Cancel) -> None:
         rid = cancel.request_id
@@ -453,7 +455,8 @@ class ActorHost:
     def _sweep_deadlines(self) -> None:
         self._sweeper = None
         now = time.time()
-        pending = False
+        self._expire_joins(now)
+        pending = self._joins.has_deadlines()
         for stream in self._streams.values():
             deadline = stream.call.deadline
             if not deadline or stream.finishing or stream.expired:
@@ -465,6 +468,17 @@ class ActorHost:
                 pending = True
         if pending:
             self._watch_deadlines()
+
+    def _expire_joins(self, now: float) -> None:
+        """Fail requests whose parts waited at the join past the deadline; free the parts."""
+        failed: set[str] = set()
+        for call in self._joins.expire(now):
+            if call.request_id in failed:
+                release_tensors(call.tensors.values())
+                continue
+            failed.add(call.request_id)
+            message = f"deadline exceeded while {self.role} waited for the other branches"
+            self._reject(call, Code.DEADLINE, message)  # releases its tensors too
 
     # ------------------------------------------------------------------ shutdown
 
