@@ -31,6 +31,9 @@ class JoinBuffer:
         del self._parts[call.request_id]
         return self._merge(buffered)
 
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._parts
+
     def waiting(self) -> list[tuple[str, str]]:
         """(request id, reply address) of every request with parts still buffered."""
         return [(rid, parts[0][0].reply_to) for rid, parts in self._parts.items() if parts]

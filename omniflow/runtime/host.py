@@ -22,6 +22,7 @@ from omniflow.control.join import JoinBuffer
 from omniflow.control.routing import Fanout, RouteError, Router
 from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing, add_usage
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
+from omniflow.runtime.holding import HoldingFile
 from omniflow.runtime.inflight import Slots, Stream, carry_on, resume
 from omniflow.transport.codec import (
     BadMessage,
@@ -46,6 +47,7 @@ class ActorHost:
         router: Router,
         max_concurrency: int = 64,
         max_queue: int = 1024,
+        holding: HoldingFile | None = None,
     ) -> None:
         self.actor = actor
         self.role = actor.role
@@ -63,6 +65,8 @@ class ActorHost:
         self._sweeper: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self._holding = holding
+        self._held: dict[str, list[int]] = {}  # request id -> [its slot there, holders here]
 
     @property
     def inflight(self) -> int:
@@ -141,19 +145,48 @@ class ActorHost:
         stream = Stream(call, fanout, ctx)
         self._streams[key] = stream
         self._idle.clear()
+        self._hold(call)
         return stream
 
+    def _hold(self, call: Call) -> None:
+        """Name the request in the holding file while anything of it is here."""
+        if self._holding is None:
+            return
+        held = self._held.get(call.request_id)
+        if held is None:
+            slot = self._holding.add(call.request_id, call.reply_to)
+            self._held[call.request_id] = [slot, 1]
+        else:
+            held[1] += 1
+
+    def _unhold(self, request_id: str) -> None:
+        held = self._held.get(request_id)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del self._held[request_id]
+            assert self._holding is not None
+            self._holding.remove(held[0])
+
     def _join_part(self, call: Call, parts: list[Any]) -> None:
+        first = not self._joins.holds(call.request_id)
+        if first:
+            self._hold(call)
         ready = self._joins.add(call, parts)
         if ready is not None:
             self._on_call(*ready)
+            self._unhold(call.request_id)  # the merged call holds it now, if it was taken
         elif call.deadline:  # parts wait at most until the request's deadline
             self._watch_deadlines()
 
     def _on_cancel(self, cancel: Cancel) -> None:
         rid = cancel.request_id
-        for call in self._joins.drop(rid):
+        dropped = self._joins.drop(rid)
+        for call in dropped:
             release_tensors(call.tensors.values())
+        if dropped:
+            self._unhold(rid)
         for key, stream in list(self._streams.items()):
             if key[0] == rid:
                 stream.ctx.cancelled.set()
@@ -432,7 +465,8 @@ class ActorHost:
         _release_inputs(stream.refs, stream.ctx)
         stream.refs = []
         key = (stream.call.request_id, stream.call.hops)
-        self._streams.pop(key, None)
+        if self._streams.pop(key, None) is not None:
+            self._unhold(stream.call.request_id)
         self._remember(key, stream.fanout.addresses)
         if not self._streams:
             self._idle.set()
@@ -477,6 +511,7 @@ class ActorHost:
                 release_tensors(call.tensors.values())
                 continue
             failed.add(call.request_id)
+            self._unhold(call.request_id)
             message = f"deadline exceeded while {self.role} waited for the other branches"
             self._reject(call, Code.DEADLINE, message)  # releases its tensors too
 

@@ -37,6 +37,7 @@ from omniflow.control.discovery import (
 )
 from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.config import Config, to_json
+from omniflow.runtime.holding import holding_path, read_holding
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox
 
@@ -278,6 +279,7 @@ class Supervisor:
         # Take back what the dead process held in the pool before its pid can be reused.
         if self.pool is not None:
             self.pool.reclaim({replica.proc.pid})
+        self._fail_what_it_was_holding(replica)
         code = replica.proc.wait()
         if replica.exited is not None and not replica.exited.done():
             replica.exited.set_result(code)
@@ -323,6 +325,30 @@ class Supervisor:
         else:
             self._write_state()
 
+    def _fail_what_it_was_holding(self, replica: Replica) -> None:
+        """Fail at once every request the dead replica held when it died (its holding
+        file: the heartbeat's list misses those taken since the last beat)."""
+        assert replica.proc is not None
+        path = holding_path(self.run_dir, replica.role, replica.index)
+        try:
+            held = read_holding(path, replica.proc.pid)
+        except (OSError, ValueError) as e:
+            log.warning("could not read what %s held: %s", replica.actor_id, e)
+            held = []
+        for request_id, reply_to in held:
+            self._post_unavailable(replica, request_id, reply_to)
+        path.unlink(missing_ok=True)
+
+    def _post_unavailable(self, replica: Replica, request_id: str, reply_to: str) -> None:
+        fail = Fail(
+            Code.UNAVAILABLE.value,
+            f"{replica.actor_id} died while handling it",
+            replica.role,
+            request_id,
+        )
+        with contextlib.suppress(Exception):
+            self.outbox.post(reply_to, [encode(fail)])
+
     async def _fail_what_it_held(self, replica: Replica, key: str) -> None:
         """Fail the requests a dead replica held at its last heartbeat, at once.
 
@@ -338,13 +364,7 @@ class Supervisor:
             if record.pid != (replica.proc.pid if replica.proc else -1):
                 continue  # a record of an earlier incarnation
             for request_id, reply_to in record.holding:
-                fail = Fail(
-                    Code.UNAVAILABLE.value,
-                    f"{replica.actor_id} died while handling it",
-                    replica.role,
-                    request_id,
-                )
-                self.outbox.post(reply_to, [encode(fail)])
+                self._post_unavailable(replica, request_id, reply_to)
 
     # ------------------------------------------------------------------ stop
 
@@ -406,7 +426,8 @@ class Supervisor:
         self.stopped.set()
 
     def _clean_run_dir(self) -> None:
-        for path in list(self.run_dir.glob("*.sock")) + [self.state_path]:
+        leftovers = [*self.run_dir.glob("*.sock"), *self.run_dir.glob("*.holding")]
+        for path in [*leftovers, self.state_path]:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 

@@ -33,6 +33,7 @@ from omniflow.control.routing import Router
 from omniflow.messages import ActorRecord, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.actor import Actor
 from omniflow.runtime.config import Config, from_json
+from omniflow.runtime.holding import HoldingFile, holding_path
 from omniflow.runtime.host import ActorHost
 from omniflow.runtime.resources import budget_after_barrier
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
@@ -129,9 +130,12 @@ class Worker:
         idempotent = frozenset(n for n, rc in cfg.roles.items() if rc.idempotent)
         outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s)
         router = Router(cfg.plan(), view, outbox, policies, idempotent, socket.gethostname())
-        host = ActorHost(
-            actor, router, self.role_config.max_concurrency, self.role_config.max_queue
+        rc = self.role_config
+        holding = HoldingFile(
+            holding_path(self.run_dir, self.role, self.replica),
+            rc.max_concurrency + rc.max_queue + 256,  # joins' waiting requests count too
         )
+        host = ActorHost(actor, router, rc.max_concurrency, rc.max_queue, holding)
         inbox = Inbox(
             self.ctx, endpoint_for(cfg, self.run_dir, self.role, self.replica), host.on_message
         )
@@ -170,6 +174,7 @@ class Worker:
             await view.close()
             await registry.close()
             outbox.close()
+            holding.close()
         return 0
 
     async def _heartbeat(
