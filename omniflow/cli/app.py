@@ -395,10 +395,13 @@ def _parse_value(value: str) -> Any:
 def down(
     name: str | None = NameOpt,
     run_dir: Path | None = RunDirOpt,
-    timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for a clean stop."),
+    timeout: float = typer.Option(
+        30.0, "--timeout", help="Seconds in-flight requests may take to finish."
+    ),
 ) -> None:
-    """Stop a running deployment: drain, stop every actor, remove its sockets."""
-    from omniflow.runtime.deployment import clean_dead
+    """Stop a running deployment: refuse new requests, let those in flight finish through
+    the whole graph (up to --timeout), stop every actor, remove its sockets."""
+    from omniflow.runtime.deployment import clean_dead, request_stop
 
     try:
         state = find_deployment(name, run_dir)
@@ -415,8 +418,9 @@ def down(
     except ProcessLookupError:
         err.print("[yellow]the supervisor is already gone[/]")
         return
-    os.kill(pid, signal.SIGTERM)
-    ready, _, _ = select.select([pidfd], [], [], timeout)
+    request_stop(state, timeout)
+    # The supervisor drains for up to `timeout`, then kills what is left: a little longer.
+    ready, _, _ = select.select([pidfd], [], [], timeout + 5.0)
     os.close(pidfd)
     if not ready:
         err.print(f"[red]supervisor {pid} did not stop within {timeout:g}s[/]")

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from omniflow.control.graph import INPUT
 from omniflow.control.join import JoinBuffer
 from omniflow.control.routing import Fanout, RouteError, Router
 from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing, add_usage
@@ -60,6 +61,7 @@ class ActorHost:
         self._is_gen = inspect.isasyncgenfunction(actor.handle)
         self._eager = actor.eager and not self._is_gen
         self.accepting = True
+        self.accepting_new = True  # False: only hops of requests already in the graph
         self.served = 0
         self.bad_messages = 0
         self._sweeper: asyncio.TimerHandle | None = None
@@ -92,12 +94,22 @@ class ActorHost:
                 log.debug(
                     "%s got %s seq %d from %s", self.role, msg.request_id, msg.seq, msg.origin
                 )
+            if not self.accepting_new and self._is_new_request(msg):
+                return self._reject(msg, Code.SHUTTING_DOWN, f"{self.role} is shutting down")
             self._on_call(msg, parts)
         elif isinstance(msg, Cancel):
             self._on_cancel(msg)
         else:
             self.bad_messages += 1
             log.warning("%s: dropped an unexpected %s", self.role, type(msg).__name__)
+
+    def _is_new_request(self, call: Call) -> bool:
+        """A client's first hop of a request this actor knows nothing of yet."""
+        if call.origin != INPUT:
+            return False
+        return (call.request_id, call.hops) not in self._streams and not self._joins.holds(
+            call.request_id
+        )
 
     def _on_call(self, call: Call, parts: list[Any]) -> None:
         if call.role != self.role:
@@ -516,6 +528,11 @@ class ActorHost:
             self._reject(call, Code.DEADLINE, message)  # releases its tensors too
 
     # ------------------------------------------------------------------ shutdown
+
+    def close_intake(self) -> None:
+        """Refuse new requests (``shutting_down``); requests already in the graph go on
+        through this actor, which stays registered for them."""
+        self.accepting_new = False
 
     async def drain(self, timeout: float) -> bool:
         """Stop intake and wait for in-flight requests; True if all finished in time."""

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from omniflow.control.discovery import (
     decode_record,
     open_registry,
 )
+from omniflow.control.graph import INPUT, Plan
 from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.config import Config, to_json
 from omniflow.runtime.holding import holding_path, read_holding
@@ -55,6 +56,24 @@ class StartError(RuntimeError):
 def default_run_dir(name: str) -> Path:
     base = os.environ.get("OMNIFLOW_RUN_ROOT") or f"/tmp/omniflow-{os.getuid()}"
     return Path(base) / name
+
+
+def stop_order(plan: Plan) -> list[set[str]]:
+    """The roles in the order a drain stops them: by their longest distance from the
+    input, so every role stops after all that feed it (loop edges aside: without them
+    the graph has no cycle)."""
+    depth: dict[str, int] = {}
+
+    def of(role: str) -> int:
+        if role not in depth:
+            feeds = [e.src for e in plan.in_edges.get(role, []) if not e.max_iters]
+            depth[role] = 1 + max((of(src) for src in feeds if src != INPUT), default=0)
+        return depth[role]
+
+    levels: dict[int, set[str]] = {}
+    for role in plan.roles:
+        levels.setdefault(of(role), set()).add(role)
+    return [levels[d] for d in sorted(levels)]
 
 
 class Replica:
@@ -234,7 +253,7 @@ class Supervisor:
         except BadMessage:
             return
         if isinstance(msg, Shutdown):
-            self.request_stop()
+            self.request_stop(msg.timeout or None)
             return
         replica = self._find(msg.role, msg.replica)
         if replica is None or replica.proc is None or replica.proc.pid != msg.pid:
@@ -368,15 +387,19 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stop
 
-    def request_stop(self) -> None:
+    def request_stop(self, timeout: float | None = None) -> None:
         """Safe from a signal handler: only schedules the stop."""
         if not self._stopping:
-            self._own(self.stop())
+            self._own(self.stop(timeout))
 
     async def wait(self) -> None:
         await self.stopped.wait()
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float | None = None) -> None:
+        """Stop in pipeline order: no new requests anywhere, then each role in turn from the
+        graph's entry, so a request in flight finishes through every role after it. The
+        drain takes at most ``timeout`` seconds (default: ``runtime.drain_timeout_s`` + 2);
+        what is left then gets SIGTERM and, 2 s later, SIGKILL."""
         if self._stopping:
             await self.stopped.wait()
             return
@@ -388,20 +411,9 @@ class Supervisor:
         for task in list(self._tasks):
             if task is not asyncio.current_task():
                 task.cancel()
-        live = [(r, r.proc) for r in self.replicas if r.proc is not None and r.proc.poll() is None]
-        for _, proc in live:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        exits = [r.exited for r, _ in live if r.exited is not None]
-        if exits:
-            _, late = await asyncio.wait(exits, timeout=self.config.runtime.drain_timeout_s + 2.0)
-            for r, proc in live:
-                if r.exited in late:
-                    log.warning("%s did not stop in time; killing it", r.actor_id)
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-            if late:
-                await asyncio.wait(late, timeout=5.0)
+        await self._stop_replicas(
+            self.config.runtime.drain_timeout_s + 2.0 if timeout is None else timeout
+        )
         for r in self.replicas:
             if r.pidfd is not None:
                 with contextlib.suppress(Exception):
@@ -424,6 +436,45 @@ class Supervisor:
         self._clean_run_dir()
         self._unlock_run_dir()
         self.stopped.set()
+
+    def _live(self, roles: Collection[str] | None = None) -> list[Replica]:
+        return [
+            r
+            for r in self.replicas
+            if r.proc is not None and r.proc.poll() is None and (roles is None or r.role in roles)
+        ]
+
+    @staticmethod
+    def _signal(replicas: list[Replica], sig: int) -> None:
+        for r in replicas:
+            assert r.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                r.proc.send_signal(sig)
+
+    async def _stop_replicas(self, budget: float) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + budget
+        # Workers refuse new requests but stay registered: later hops still find them.
+        self._signal(self._live(), signal.SIGUSR1)
+        for roles in stop_order(self.config.plan()):
+            level = self._live(roles)
+            self._signal(level, signal.SIGTERM)  # each drains what it holds, then exits
+            exits = [r.exited for r in level if r.exited is not None]
+            if exits and until > loop.time():
+                await asyncio.wait(exits, timeout=until - loop.time())
+        late = self._live()
+        self._signal(late, signal.SIGTERM)
+        late_exits = [r.exited for r in late if r.exited is not None]
+        if late_exits:
+            await asyncio.wait(late_exits, timeout=2.0)
+        for r in self._live():
+            log.warning("%s did not stop in time; killing it", r.actor_id)
+            assert r.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                r.proc.kill()
+        killed = [r.exited for r in self.replicas if r.exited is not None and not r.exited.done()]
+        if killed:
+            await asyncio.wait(killed, timeout=5.0)
 
     def _clean_run_dir(self) -> None:
         leftovers = [*self.run_dir.glob("*.sock"), *self.run_dir.glob("*.holding")]

@@ -74,11 +74,14 @@ class Worker:
         self.role_config = self.config.roles[role]
         self.ctx = zmq.Context()
         self.stop = asyncio.Event()
+        self.host: ActorHost | None = None
+        self.intake_closed = False
 
     async def run(self, control_address: str, registry_address: str) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, self._close_intake)  # the supervisor stops
         control = self.ctx.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 1000)
         control.connect(control_address)
@@ -136,6 +139,9 @@ class Worker:
             rc.max_concurrency + rc.max_queue + 256,  # joins' waiting requests count too
         )
         host = ActorHost(actor, router, rc.max_concurrency, rc.max_queue, holding)
+        self.host = host
+        if self.intake_closed:
+            host.close_intake()
         inbox = Inbox(
             self.ctx, endpoint_for(cfg, self.run_dir, self.role, self.replica), host.on_message
         )
@@ -161,9 +167,16 @@ class Worker:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
-            with contextlib.suppress(Exception):
-                await registry.delete(key)  # producers stop picking this replica
+            # Producers stop picking this replica; in an ordered stop (intake closed) it
+            # stays listed while it drains, so new requests get a quick shutting_down.
+            listed = self.intake_closed
+            if not listed:
+                with contextlib.suppress(Exception):
+                    await registry.delete(key)
             drained = await host.drain(rt.drain_timeout_s)
+            if listed:
+                with contextlib.suppress(Exception):
+                    await registry.delete(key)
             if not drained:
                 log.warning(
                     "%s/%d: in-flight requests cancelled at shutdown", self.role, self.replica
@@ -173,7 +186,7 @@ class Worker:
                 await actor.close()
             await view.close()
             await registry.close()
-            outbox.close()
+            outbox.close(linger_ms=1000)  # the last hops of drained requests still leave
             holding.close()
         return 0
 
@@ -205,6 +218,11 @@ class Worker:
                     await registry.keepalive()
             except Exception as e:  # the registry may be briefly away; the TTL is the judge
                 log.warning("%s/%d: heartbeat failed: %s", self.role, self.replica, e)
+
+    def _close_intake(self) -> None:
+        self.intake_closed = True
+        if self.host is not None:
+            self.host.close_intake()
 
     def _on_control(self, control: zmq.Socket) -> None:
         while True:

@@ -241,11 +241,12 @@ class Outbox:
         if sock is not None:
             sock.close(0)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every DEALER; ``linger_ms`` lets what is queued to live peers still go."""
         for task in self._posts:
             task.cancel()
         for sock in self._socks.values():
-            sock.close(0)
+            sock.close(linger_ms)
         self._socks.clear()
 
 
