@@ -215,8 +215,7 @@ class Client:
                 else:
                     item = await queue.get()
                 if isinstance(item, RequestFailed):
-                    # Not finished: the failing role cancels only what it sent itself; the
-                    # other branches (parts waiting at a join) are cancelled from here.
+                    finished = _cancel_is_moot(fanout, item)
                     raise item
                 if isinstance(item, Result):
                     finished = True  # before the yield: the caller may stop iterating here
@@ -311,7 +310,10 @@ class Client:
             result = await collect.done
             finished = True
             return collect.outputs, result
-        finally:  # a failed request is cancelled everywhere it went, as in ``stream``
+        except RequestFailed as e:
+            finished = _cancel_is_moot(fanout, e)
+            raise
+        finally:
             self._end(request_id, fanout, finished)
 
     def _watch_patience(self) -> None:
@@ -332,6 +334,14 @@ class Client:
                 waiting = True
         if waiting:
             self._watch_patience()
+
+
+def _cancel_is_moot(fanout: Fanout, failure: RequestFailed) -> bool:
+    """Whether a failed request needs no Cancel: the failing role cancels only what it
+    sent itself, so the other branches (parts waiting at a join, a producer still
+    streaming) must be cancelled from here, unless the client opened one branch only and
+    that is the role that failed (as a request refused at its first hop)."""
+    return len(fanout.branches) == 1 and failure.role in fanout.branches
 
 
 def _patience(deadline: float) -> float:
