@@ -31,6 +31,10 @@ class JoinBuffer:
         del self._parts[call.request_id]
         return self._merge(buffered)
 
+    def __len__(self) -> int:
+        """Requests with parts waiting here."""
+        return len(self._parts)
+
     def holds(self, request_id: str) -> bool:
         return request_id in self._parts
 

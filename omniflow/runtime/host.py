@@ -58,6 +58,7 @@ class ActorHost:
         self._streams: dict[tuple[str, int], Stream] = {}  # (request id, hops)
         self._joins = JoinBuffer(self.role)
         self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
+        self._refused_joins: OrderedDict[str, None] = OrderedDict()  # their later parts too
         self._is_gen = inspect.isasyncgenfunction(actor.handle)
         self._eager = actor.eager and not self._is_gen
         self.accepting = True
@@ -182,8 +183,18 @@ class ActorHost:
             self._holding.remove(held[0])
 
     def _join_part(self, call: Call, parts: list[Any]) -> None:
-        first = not self._joins.holds(call.request_id)
-        if first:
+        rid = call.request_id
+        if not self._joins.holds(rid):
+            if rid in self._refused_joins:  # a later part of a request refused here
+                release_tensors(call.tensors.values())
+                return
+            # Waiting parts count against the same bound as requests in flight: a flood
+            # of parts whose partners are slow is refused at once, not buffered.
+            if len(self._streams) + len(self._joins) >= self._max_pending:
+                self._refused_joins[rid] = None
+                while len(self._refused_joins) > _FINISHED_MEMORY:
+                    self._refused_joins.popitem(last=False)
+                return self._reject(call, Code.OVERLOADED, f"{self.role} queue is full")
             self._hold(call)
         ready = self._joins.add(call, parts)
         if ready is not None:
