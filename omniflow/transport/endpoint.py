@@ -139,6 +139,9 @@ class Outbox:
         self._ctx = ctx
         self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._sending: dict[str, int] = {}  # address -> sends waiting on its DEALER
+        # Address -> loop time until which a send that cannot go at once fails at once:
+        # one send there just waited out its timeout (a client that left, a dead peer).
+        self._unreachable: OrderedDict[str, float] = OrderedDict()
         self._posts: set[asyncio.Task] = set()
         self.send_timeout = send_timeout
         self.max_peers = max_peers
@@ -193,9 +196,12 @@ class Outbox:
     async def send(self, address: str, parts: list[Any], timeout: float | None = None) -> None:
         if self.try_send(address, parts):
             return
-        sock = self._socks[address]
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.send_timeout if timeout is None else timeout)
+        if self._unreachable.get(address, 0.0) > loop.time():
+            raise PeerUnavailable(f"no connected peer at {address} (it timed out just now)")
+        sock = self._socks[address]
+        wait = self.send_timeout if timeout is None else timeout
+        deadline = loop.time() + wait
         fd = fd_of(sock)
         self._sending[address] = self._sending.get(address, 0) + 1  # not evicted meanwhile
         try:
@@ -204,7 +210,10 @@ class Outbox:
                     return
                 remaining = deadline - loop.time()
                 if remaining <= 0:
+                    self._mark_unreachable(address, loop.time(), wait)
                     raise PeerUnavailable(f"no connected peer took the message at {address}")
+                if self._unreachable.get(address, 0.0) > loop.time():  # another send timed out
+                    raise PeerUnavailable(f"no connected peer at {address} (it timed out just now)")
                 ready = loop.create_future()
                 loop.add_reader(fd, _set_ready, ready)
                 try:
@@ -217,6 +226,16 @@ class Outbox:
             left = self._sending.pop(address) - 1
             if left:
                 self._sending[address] = left
+
+    def _mark_unreachable(self, address: str, now: float, wait: float) -> None:
+        """Later sends there that cannot go at once fail at once for ``wait`` seconds: a
+        client that left with many requests in flight costs one timeout, not one per reply."""
+        self._unreachable.pop(address, None)
+        self._unreachable[address] = now + wait
+        for old, until in list(self._unreachable.items()):  # oldest first
+            if until > now and len(self._unreachable) <= self.max_peers:
+                break
+            del self._unreachable[old]
 
     def post(self, address: str, parts: list[Any]) -> None:
         """Send from synchronous code: now if possible, else from a task this outbox owns.

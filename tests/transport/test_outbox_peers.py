@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 
+import pytest
 import zmq
 
-from omniflow.transport.endpoint import Inbox, Outbox
+from omniflow.transport.endpoint import Inbox, Outbox, PeerUnavailable
 from tests.helpers import run_in_loop
 
 
@@ -43,3 +45,41 @@ async def test_outbox_closes_least_recently_used_peers():
             inbox.close()
         ctx.term()
         os.rmdir(folder)
+
+
+@run_in_loop
+async def test_a_peer_that_timed_out_fails_later_sends_at_once_until_it_is_back():
+    ctx = zmq.Context()
+    folder = tempfile.mkdtemp(prefix="of-ob-", dir="/tmp")
+    address = f"ipc://{folder}/gone.sock"
+    outbox = Outbox(ctx, send_timeout=0.3)
+    got: list[bytes] = []
+    inbox = None
+    try:
+        with pytest.raises(PeerUnavailable):
+            await outbox.send(address, [b"first"])  # waits out the 0.3 s
+        # The next one fails without waiting at all: a client that left with many replies
+        # due costs one timeout, not one per reply.
+        pending = outbox.send(address, [b"second"])
+        with pytest.raises(PeerUnavailable):
+            pending.send(None)
+        inbox = Inbox(ctx, address, lambda _, parts: got.append(parts[0]))
+        inbox.start()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 5
+        while not got:  # back: once the window passed, a send waits for the connection
+            assert loop.time() < until
+            try:
+                await outbox.send(address, [b"back"])
+            except PeerUnavailable:
+                await asyncio.sleep(0.05)
+                continue
+            while not got and loop.time() < until:
+                await asyncio.sleep(0.01)
+        assert got == [b"back"]
+    finally:
+        outbox.close()
+        if inbox is not None:
+            inbox.close()
+        ctx.term()
+        shutil.rmtree(folder, ignore_errors=True)
