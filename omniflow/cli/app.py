@@ -100,11 +100,14 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     total = sum(rc.replicas for rc in cfg.roles.values())
     bar = StartProgress(total) if notify is None else None
 
+    running = False  # ready: what follows are restarts, after the bar or the ready pipe
+
     def progress(actor_id: str, state: str) -> None:
-        if notify is not None and not notify.closed:
-            notify.write(f"progress {actor_id} {state}\n")
-        elif notify is not None:  # detached and handed off: restarts go to supervisor.log
+        if running or (notify is not None and notify.closed):
+            # One line per change, to the terminal (or supervisor.log when detached).
             print(f"{time.strftime('%H:%M:%S')} {actor_id} {state}", file=sys.stderr, flush=True)
+        elif notify is not None:
+            notify.write(f"progress {actor_id} {state}\n")
         elif bar is not None:
             bar.update(actor_id, state)
 
@@ -133,6 +136,7 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
         f"ready {cfg.name}: {len(sup.replicas)} actors in {time.monotonic() - started:.1f}s; "
         f"registry {where}; run dir {run_dir}"
     )
+    running = True
     if notify is not None:
         notify.write(message + "\n")
         notify.close()
