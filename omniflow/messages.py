@@ -214,6 +214,7 @@ class SetupFailed(msgspec.Struct, tag="setup_failed", **_WIRE):
 
 class Shutdown(msgspec.Struct, tag="shutdown", **_WIRE):
     reason: str = ""
+    timeout: float = 0.0  # to the supervisor: seconds to drain in-flight requests (0: config's)
 
 
 # Registry protocol (embedded registry, over ZeroMQ). Every request carries an

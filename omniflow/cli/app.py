@@ -112,8 +112,13 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     total = sum(rc.replicas for rc in cfg.processes().values())
     bar = StartProgress(total) if notify is None else None
 
+    running = False  # ready: what follows are restarts, after the bar or the ready pipe
+
     def progress(actor_id: str, state: str) -> None:
-        if notify is not None:
+        if running or (notify is not None and notify.closed):
+            # One line per change, to the terminal (or supervisor.log when detached).
+            print(f"{time.strftime('%H:%M:%S')} {actor_id} {state}", file=sys.stderr, flush=True)
+        elif notify is not None:
             notify.write(f"progress {actor_id} {state}\n")
         elif bar is not None:
             bar.update(actor_id, state)
@@ -146,6 +151,7 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     url = run_dir / "gateway.url"  # written by the gateway once it listens
     if cfg.gateway is not None and url.exists():
         message += f"; http {url.read_text().strip()}"
+    running = True
     if notify is not None:
         notify.write(message + "\n")
         notify.close()
@@ -268,8 +274,8 @@ def send(
     session: str = typer.Option(
         "", "--session", help="Session id: continue a multi-turn dialogue."
     ),
-    out_dir: Path = typer.Option(
-        Path("out"), "--out", "-o", help="Where images and audio are written."
+    out_dir: Path | None = typer.Option(
+        None, "--out", "-o", help="Where images and audio are written (default: ./out)."
     ),
     timeout: float = typer.Option(60.0, "--timeout", help="Deadline in seconds."),
     as_json: bool = typer.Option(
@@ -279,6 +285,8 @@ def send(
     run_dir: Path | None = RunDirOpt,
 ) -> None:
     """Send one request: stream text to the terminal, write images (PNG) and audio (WAV) to --out."""
+    # Before anything is sent: a result must never be lost for want of a place to write it.
+    out_dir = _out_dir(out_dir)
     state = _state(name, run_dir)
     inputs: dict[str, Any] = {}
     if text is not None:
@@ -342,6 +350,22 @@ def send(
     raise typer.Exit(uvloop.run(run()))
 
 
+def _out_dir(given: Path | None) -> Path:
+    """The folder for output files, checked: an explicit --out is created now if missing;
+    anything there that is not a folder is a usage error."""
+    path = given if given is not None else Path("out")
+    if path.exists() and not path.is_dir():
+        err.print(f"[red]--out {path}: exists and is not a directory[/]")
+        raise typer.Exit(EXIT_USAGE)
+    if given is not None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            err.print(f"[red]--out {path}: cannot create the directory: {e.strerror}[/]")
+            raise typer.Exit(EXIT_USAGE) from None
+    return path
+
+
 def _read_input(path: Path, option: str) -> bytes:
     try:
         return path.read_bytes()
@@ -391,10 +415,13 @@ def _parse_value(value: str) -> Any:
 def down(
     name: str | None = NameOpt,
     run_dir: Path | None = RunDirOpt,
-    timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for a clean stop."),
+    timeout: float = typer.Option(
+        30.0, "--timeout", help="Seconds in-flight requests may take to finish."
+    ),
 ) -> None:
-    """Stop a running deployment: drain, stop every actor, remove its sockets."""
-    from omniflow.runtime.deployment import clean_dead
+    """Stop a running deployment: refuse new requests, let those in flight finish through
+    the whole graph (up to --timeout), stop every actor, remove its sockets."""
+    from omniflow.runtime.deployment import clean_dead, request_stop
 
     try:
         state = find_deployment(name, run_dir)
@@ -411,8 +438,9 @@ def down(
     except ProcessLookupError:
         err.print("[yellow]the supervisor is already gone[/]")
         return
-    os.kill(pid, signal.SIGTERM)
-    ready, _, _ = select.select([pidfd], [], [], timeout)
+    request_stop(state, timeout)
+    # The supervisor drains for up to `timeout`, then kills what is left: a little longer.
+    ready, _, _ = select.select([pidfd], [], [], timeout + 5.0)
     os.close(pidfd)
     if not ready:
         err.print(f"[red]supervisor {pid} did not stop within {timeout:g}s[/]")

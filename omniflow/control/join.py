@@ -31,9 +31,29 @@ class JoinBuffer:
         del self._parts[call.request_id]
         return self._merge(buffered)
 
+    def __len__(self) -> int:
+        """Requests with parts waiting here."""
+        return len(self._parts)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._parts
+
     def waiting(self) -> list[tuple[str, str]]:
         """(request id, reply address) of every request with parts still buffered."""
         return [(rid, parts[0][0].reply_to) for rid, parts in self._parts.items() if parts]
+
+    def expire(self, now: float) -> list[Call]:
+        """Forget requests whose deadline passed with parts still missing; their buffered
+        chunks, for the caller to fail and release."""
+        late = [
+            rid
+            for rid, parts in self._parts.items()
+            if parts and parts[0][0].deadline and parts[0][0].deadline <= now
+        ]
+        return [call for rid in late for call in self.drop(rid)]
+
+    def has_deadlines(self) -> bool:
+        return any(parts and parts[0][0].deadline for parts in self._parts.values())
 
     def drop(self, request_id: str) -> list[Call]:
         """Forget a request's buffered chunks (cancelled); the caller releases their refs."""

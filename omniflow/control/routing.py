@@ -20,7 +20,7 @@ from omniflow.control.balance import NoReplicaError, PickKey, prefix_chain
 from omniflow.control.discovery.view import RegistryView
 from omniflow.control.graph import INPUT, Plan
 from omniflow.messages import ActorRecord, Call, Code, Done, Emit, Join, Timing
-from omniflow.transport.codec import encode, export_tensors, split_output
+from omniflow.transport.codec import encode, export_tensors, revoke_tensors, split_output
 from omniflow.transport.endpoint import Outbox, PeerUnavailable
 from omniflow.transport.links import Link
 
@@ -289,7 +289,14 @@ class Fanout:
                 link = self.router.link(branch.record) if tensors else _NO_LINK
                 await self.router.send(branch.record.endpoint, msg, tensors, link)
                 break
-            except PeerUnavailable:
+            except BaseException as e:
+                # Not sent: the pool refs exported for this replica's pid would outlive it
+                # (a dead one was reclaimed already); a retry exports afresh.
+                if msg.tensors:
+                    revoke_tensors(msg.tensors.values(), link.pid)
+                    msg.tensors = {}
+                if not isinstance(e, PeerUnavailable):
+                    raise
                 # A dead replica: retry elsewhere only where nothing of this branch went
                 # out yet and the stage may run twice.
                 retry = branch.seq == 0 and branch.join is None

@@ -215,7 +215,7 @@ class Client:
                 else:
                     item = await queue.get()
                 if isinstance(item, RequestFailed):
-                    finished = True  # the failing role already cancelled downstream
+                    finished = _cancel_is_moot(fanout, item)
                     raise item
                 if isinstance(item, Result):
                     finished = True  # before the yield: the caller may stop iterating here
@@ -311,7 +311,7 @@ class Client:
             finished = True
             return collect.outputs, result
         except RequestFailed as e:
-            finished = e.role != "client"  # a role that failed it already cancelled downstream
+            finished = _cancel_is_moot(fanout, e)
             raise
         finally:
             self._end(request_id, fanout, finished)
@@ -334,6 +334,14 @@ class Client:
                 waiting = True
         if waiting:
             self._watch_patience()
+
+
+def _cancel_is_moot(fanout: Fanout, failure: RequestFailed) -> bool:
+    """Whether a failed request needs no Cancel: the failing role cancels only what it
+    sent itself, so the other branches (parts waiting at a join, a producer still
+    streaming) must be cancelled from here, unless the client opened one branch only and
+    that is the role that failed (as a request refused at its first hop)."""
+    return len(fanout.branches) == 1 and failure.role in fanout.branches
 
 
 def _patience(deadline: float) -> float:

@@ -12,7 +12,10 @@ program's loop runs the supervisor and the client as ordinary tasks.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -172,6 +175,32 @@ def clean_dead(name: str | None = None, run_dir: str | Path | None = None) -> li
             unlink_pool(state["pool"])
         cleaned.append(state["name"])
     return cleaned
+
+
+def request_stop(state: Mapping[str, Any], timeout: float) -> None:
+    """Ask the supervisor of ``state`` to stop, draining in-flight requests for at most
+    ``timeout`` seconds (a Shutdown on its control socket; SIGTERM where that fails)."""
+    import zmq
+
+    from omniflow.messages import Shutdown
+    from omniflow.transport.codec import encode
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing until the supervisor is there
+    sock.setsockopt(zmq.LINGER, 2000)
+    try:
+        sock.connect(state["control"])
+        if sock.poll(2000, zmq.POLLOUT):
+            sock.send(encode(Shutdown("down", timeout)), zmq.NOBLOCK)
+            return
+    except (KeyError, zmq.ZMQError):
+        pass
+    finally:
+        sock.close()
+        ctx.term()
+    with contextlib.suppress(ProcessLookupError):  # it is gone already: nothing to stop
+        os.kill(state["pid"], signal.SIGTERM)
 
 
 async def list_deployment_actors(state: Mapping[str, Any]) -> list[ActorRecord]:

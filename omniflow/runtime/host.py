@@ -18,10 +18,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from omniflow.control.graph import INPUT
 from omniflow.control.join import JoinBuffer
 from omniflow.control.routing import Fanout, RouteError, Router
 from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing, add_usage
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
+from omniflow.runtime.holding import HoldingFile
 from omniflow.runtime.inflight import Slots, Stream, carry_on, resume
 from omniflow.transport.codec import (
     BadMessage,
@@ -46,6 +48,7 @@ class ActorHost:
         router: Router,
         max_concurrency: int = 64,
         max_queue: int = 1024,
+        holding: HoldingFile | None = None,
     ) -> None:
         self.actor = actor
         self.role = actor.role
@@ -55,14 +58,18 @@ class ActorHost:
         self._streams: dict[tuple[str, int], Stream] = {}  # (request id, hops)
         self._joins = JoinBuffer(self.role)
         self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
+        self._refused_joins: OrderedDict[str, None] = OrderedDict()  # their later parts too
         self._is_gen = inspect.isasyncgenfunction(actor.handle)
         self._eager = actor.eager and not self._is_gen
         self.accepting = True
+        self.accepting_new = True  # False: only hops of requests already in the graph
         self.served = 0
         self.bad_messages = 0
         self._sweeper: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self._holding = holding
+        self._held: dict[str, list[int]] = {}  # request id -> [its slot there, holders here]
 
     @property
     def inflight(self) -> int:
@@ -88,12 +95,22 @@ class ActorHost:
                 log.debug(
                     "%s got %s seq %d from %s", self.role, msg.request_id, msg.seq, msg.origin
                 )
+            if not self.accepting_new and self._is_new_request(msg):
+                return self._reject(msg, Code.SHUTTING_DOWN, f"{self.role} is shutting down")
             self._on_call(msg, parts)
         elif isinstance(msg, Cancel):
             self._on_cancel(msg)
         else:
             self.bad_messages += 1
             log.warning("%s: dropped an unexpected %s", self.role, type(msg).__name__)
+
+    def _is_new_request(self, call: Call) -> bool:
+        """A client's first hop of a request this actor knows nothing of yet."""
+        if call.origin != INPUT:
+            return False
+        return (call.request_id, call.hops) not in self._streams and not self._joins.holds(
+            call.request_id
+        )
 
     def _on_call(self, call: Call, parts: list[Any]) -> None:
         if call.role != self.role:
@@ -141,17 +158,58 @@ class ActorHost:
         stream = Stream(call, fanout, ctx)
         self._streams[key] = stream
         self._idle.clear()
+        self._hold(call)
         return stream
 
+    def _hold(self, call: Call) -> None:
+        """Name the request in the holding file while anything of it is here."""
+        if self._holding is None:
+            return
+        held = self._held.get(call.request_id)
+        if held is None:
+            slot = self._holding.add(call.request_id, call.reply_to)
+            self._held[call.request_id] = [slot, 1]
+        else:
+            held[1] += 1
+
+    def _unhold(self, request_id: str) -> None:
+        held = self._held.get(request_id)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del self._held[request_id]
+            assert self._holding is not None
+            self._holding.remove(held[0])
+
     def _join_part(self, call: Call, parts: list[Any]) -> None:
+        rid = call.request_id
+        if not self._joins.holds(rid):
+            if rid in self._refused_joins:  # a later part of a request refused here
+                release_tensors(call.tensors.values())
+                return
+            # Waiting parts count against the same bound as requests in flight: a flood
+            # of parts whose partners are slow is refused at once, not buffered.
+            if len(self._streams) + len(self._joins) >= self._max_pending:
+                self._refused_joins[rid] = None
+                while len(self._refused_joins) > _FINISHED_MEMORY:
+                    self._refused_joins.popitem(last=False)
+                return self._reject(call, Code.OVERLOADED, f"{self.role} queue is full")
+            self._hold(call)
         ready = self._joins.add(call, parts)
         if ready is not None:
             self._on_call(*ready)
+            self._unhold(call.request_id)  # the merged call holds it now, if it was taken
+        elif call.deadline:  # parts wait at most until the request's deadline
+            self._watch_deadlines()
 
     def _on_cancel(self, cancel: Cancel) -> None:
         rid = cancel.request_id
-        for call in self._joins.drop(rid):
+        dropped = self._joins.drop(rid)
+        for call in dropped:
             release_tensors(call.tensors.values())
+        if dropped:
+            self._unhold(rid)
         for key, stream in list(self._streams.items()):
             if key[0] == rid:
                 stream.ctx.cancelled.set()
@@ -430,7 +488,8 @@ class ActorHost:
         _release_inputs(stream.refs, stream.ctx)
         stream.refs = []
         key = (stream.call.request_id, stream.call.hops)
-        self._streams.pop(key, None)
+        if self._streams.pop(key, None) is not None:
+            self._unhold(stream.call.request_id)
         self._remember(key, stream.fanout.addresses)
         if not self._streams:
             self._idle.set()
@@ -453,7 +512,8 @@ class ActorHost:
     def _sweep_deadlines(self) -> None:
         self._sweeper = None
         now = time.time()
-        pending = False
+        self._expire_joins(now)
+        pending = self._joins.has_deadlines()
         for stream in self._streams.values():
             deadline = stream.call.deadline
             if not deadline or stream.finishing or stream.expired:
@@ -466,7 +526,24 @@ class ActorHost:
         if pending:
             self._watch_deadlines()
 
+    def _expire_joins(self, now: float) -> None:
+        """Fail requests whose parts waited at the join past the deadline; free the parts."""
+        failed: set[str] = set()
+        for call in self._joins.expire(now):
+            if call.request_id in failed:
+                release_tensors(call.tensors.values())
+                continue
+            failed.add(call.request_id)
+            self._unhold(call.request_id)
+            message = f"deadline exceeded while {self.role} waited for the other branches"
+            self._reject(call, Code.DEADLINE, message)  # releases its tensors too
+
     # ------------------------------------------------------------------ shutdown
+
+    def close_intake(self) -> None:
+        """Refuse new requests (``shutting_down``); requests already in the graph go on
+        through this actor, which stays registered for them."""
+        self.accepting_new = False
 
     async def drain(self, timeout: float) -> bool:
         """Stop intake and wait for in-flight requests; True if all finished in time."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +35,10 @@ from omniflow.control.discovery import (
     decode_record,
     open_registry,
 )
+from omniflow.control.graph import INPUT, Plan
 from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.config import Config, to_json
+from omniflow.runtime.holding import holding_path, read_holding
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox
 
@@ -53,6 +56,24 @@ class StartError(RuntimeError):
 def default_run_dir(name: str) -> Path:
     base = os.environ.get("OMNIFLOW_RUN_ROOT") or f"/tmp/omniflow-{os.getuid()}"
     return Path(base) / name
+
+
+def stop_order(plan: Plan) -> list[set[str]]:
+    """The roles in the order a drain stops them: by their longest distance from the
+    input, so every role stops after all that feed it (loop edges aside: without them
+    the graph has no cycle)."""
+    depth: dict[str, int] = {}
+
+    def of(role: str) -> int:
+        if role not in depth:
+            feeds = [e.src for e in plan.in_edges.get(role, []) if not e.max_iters]
+            depth[role] = 1 + max((of(src) for src in feeds if src != INPUT), default=0)
+        return depth[role]
+
+    levels: dict[int, set[str]] = {}
+    for role in plan.roles:
+        levels.setdefault(of(role), set()).add(role)
+    return [levels[d] for d in sorted(levels)]
 
 
 class Replica:
@@ -98,6 +119,7 @@ class Supervisor:
         # Delete a dead replica's registry key at once instead of waiting out its lease.
         self.forget_dead = True
         self.generation = f"{os.getpid()}-{int(time.time() * 1000)}"  # names one start's barriers
+        self._lock_fd: int | None = None
 
     @property
     def state_path(self) -> Path:
@@ -114,6 +136,14 @@ class Supervisor:
 
     async def start(self) -> None:
         self._prepare_run_dir()
+        try:
+            await self._start_under_lock()
+        except BaseException:
+            await self.stop()
+            raise
+        self._write_state()
+
+    async def _start_under_lock(self) -> None:
         # One host page pool per deployment, mapped by every local process; a segment
         # left by a supervisor that was killed is replaced, not reused.
         unlink_pool(self.pool_name)
@@ -129,16 +159,39 @@ class Supervisor:
         self._registry = open_registry(self.registry_address)
         self.control = Inbox(self.ctx, f"ipc://{self.run_dir}/control.sock", self._on_control)
         self.control.start()
+        for replica in self.replicas:
+            self._spawn(replica)
+        await self._wait_ready(self.replicas)
+
+    def _lock_run_dir(self) -> None:
+        """Hold the run dir's lock for this supervisor's life: a second start of the same
+        deployment fails here, before it can touch the first one's sockets, pool or state."""
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            for replica in self.replicas:
-                self._spawn(replica)
-            await self._wait_ready(self.replicas)
-        except BaseException:
-            await self.stop()
-            raise
-        self._write_state()
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StartError(
+                f"deployment {self.config.name!r} is already running or starting "
+                f"(run dir {self.run_dir}); stop it with `omniflow down`"
+            ) from None
+        self._lock_fd = fd
+
+    def _unlock_run_dir(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the lock goes with its last descriptor
+            self._lock_fd = None
 
     def _prepare_run_dir(self) -> None:
+        self._lock_run_dir()
+        try:
+            self._check_run_dir()
+        except BaseException:
+            self._unlock_run_dir()
+            raise
+
+    def _check_run_dir(self) -> None:
         if self.state_path.exists():
             state = json.loads(self.state_path.read_text())
             if pid_alive(state.get("pid", 0)):
@@ -183,7 +236,7 @@ class Supervisor:
         replica.exited = asyncio.get_running_loop().create_future()
         replica.pidfd = os.pidfd_open(replica.proc.pid)
         asyncio.get_running_loop().add_reader(replica.pidfd, self._on_exit, replica)
-        self.on_progress(replica.actor_id, "spawned")
+        self._progress(replica.actor_id, "spawned")
 
     async def _wait_ready(self, replicas: list[Replica]) -> None:
         futures = [r.ready for r in replicas if r.ready is not None]
@@ -201,26 +254,33 @@ class Supervisor:
         except BadMessage:
             return
         if isinstance(msg, Shutdown):
-            self.request_stop()
+            self.request_stop(msg.timeout or None)
             return
         replica = self._find(msg.role, msg.replica)
         if replica is None or replica.proc is None or replica.proc.pid != msg.pid:
             return
         if isinstance(msg, Hello):
             replica.state = "setup"
-            self.on_progress(replica.actor_id, "setup")
+            self._progress(replica.actor_id, "setup")
         elif isinstance(msg, Ready):
             replica.state = "ready"
             replica.endpoint = msg.endpoint
-            self.on_progress(replica.actor_id, "ready")
+            self._progress(replica.actor_id, "ready")
             if replica.ready is not None and not replica.ready.done():
                 replica.ready.set_result(None)
         elif isinstance(msg, SetupFailed):
             replica.state = "failed"
-            self.on_progress(replica.actor_id, "failed")
+            self._progress(replica.actor_id, "failed")
             err = StartError(f"{replica.actor_id} failed in setup: {msg.message}")
             if replica.ready is not None and not replica.ready.done():
                 replica.ready.set_exception(err)
+
+    def _progress(self, actor_id: str, state: str) -> None:
+        """Tell ``on_progress``; a callback that raises must not stop a start or a restart."""
+        try:
+            self.on_progress(actor_id, state)
+        except Exception:
+            log.exception("the progress callback failed on %s %s", actor_id, state)
 
     def _find(self, role: str, index: int) -> Replica | None:
         for r in self.replicas:
@@ -239,6 +299,7 @@ class Supervisor:
         # Take back what the dead process held in the pool before its pid can be reused.
         if self.pool is not None:
             self.pool.reclaim({replica.proc.pid})
+        self._fail_what_it_was_holding(replica)
         code = replica.proc.wait()
         if replica.exited is not None and not replica.exited.done():
             replica.exited.set_result(code)
@@ -284,6 +345,30 @@ class Supervisor:
         else:
             self._write_state()
 
+    def _fail_what_it_was_holding(self, replica: Replica) -> None:
+        """Fail at once every request the dead replica held when it died (its holding
+        file: the heartbeat's list misses those taken since the last beat)."""
+        assert replica.proc is not None
+        path = holding_path(self.run_dir, replica.role, replica.index)
+        try:
+            held = read_holding(path, replica.proc.pid)
+        except (OSError, ValueError) as e:
+            log.warning("could not read what %s held: %s", replica.actor_id, e)
+            held = []
+        for request_id, reply_to in held:
+            self._post_unavailable(replica, request_id, reply_to)
+        path.unlink(missing_ok=True)
+
+    def _post_unavailable(self, replica: Replica, request_id: str, reply_to: str) -> None:
+        fail = Fail(
+            Code.UNAVAILABLE.value,
+            f"{replica.actor_id} died while handling it",
+            replica.role,
+            request_id,
+        )
+        with contextlib.suppress(Exception):
+            self.outbox.post(reply_to, [encode(fail)])
+
     async def _fail_what_it_held(self, replica: Replica, key: str) -> None:
         """Fail the requests a dead replica held at its last heartbeat, at once.
 
@@ -299,46 +384,37 @@ class Supervisor:
             if record.pid != (replica.proc.pid if replica.proc else -1):
                 continue  # a record of an earlier incarnation
             for request_id, reply_to in record.holding:
-                fail = Fail(
-                    Code.UNAVAILABLE.value,
-                    f"{replica.actor_id} died while handling it",
-                    replica.role,
-                    request_id,
-                )
-                self.outbox.post(reply_to, [encode(fail)])
+                self._post_unavailable(replica, request_id, reply_to)
 
     # ------------------------------------------------------------------ stop
 
-    def request_stop(self) -> None:
+    def request_stop(self, timeout: float | None = None) -> None:
         """Safe from a signal handler: only schedules the stop."""
         if not self._stopping:
-            self._own(self.stop())
+            self._own(self.stop(timeout))
 
     async def wait(self) -> None:
         await self.stopped.wait()
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float | None = None) -> None:
+        """Stop in pipeline order: no new requests anywhere, then each role in turn from the
+        graph's entry, so a request in flight finishes through every role after it. The
+        drain takes at most ``timeout`` seconds (default: ``runtime.drain_timeout_s`` + 2);
+        what is left then gets SIGTERM and, 2 s later, SIGKILL."""
         if self._stopping:
             await self.stopped.wait()
             return
         self._stopping = True
+        if self._lock_fd is None:  # never started (or lost the race): nothing here is ours
+            self.ctx.term()
+            self.stopped.set()
+            return
         for task in list(self._tasks):
             if task is not asyncio.current_task():
                 task.cancel()
-        live = [(r, r.proc) for r in self.replicas if r.proc is not None and r.proc.poll() is None]
-        for _, proc in live:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        exits = [r.exited for r, _ in live if r.exited is not None]
-        if exits:
-            _, late = await asyncio.wait(exits, timeout=self.config.runtime.drain_timeout_s + 2.0)
-            for r, proc in live:
-                if r.exited in late:
-                    log.warning("%s did not stop in time; killing it", r.actor_id)
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-            if late:
-                await asyncio.wait(late, timeout=5.0)
+        await self._stop_replicas(
+            self.config.runtime.drain_timeout_s + 2.0 if timeout is None else timeout
+        )
         for r in self.replicas:
             if r.pidfd is not None:
                 with contextlib.suppress(Exception):
@@ -359,10 +435,51 @@ class Supervisor:
             self.pool.close()
             self.pool = None
         self._clean_run_dir()
+        self._unlock_run_dir()
         self.stopped.set()
 
+    def _live(self, roles: Collection[str] | None = None) -> list[Replica]:
+        return [
+            r
+            for r in self.replicas
+            if r.proc is not None and r.proc.poll() is None and (roles is None or r.role in roles)
+        ]
+
+    @staticmethod
+    def _signal(replicas: list[Replica], sig: int) -> None:
+        for r in replicas:
+            assert r.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                r.proc.send_signal(sig)
+
+    async def _stop_replicas(self, budget: float) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + budget
+        # Workers refuse new requests but stay registered: later hops still find them.
+        self._signal(self._live(), signal.SIGUSR1)
+        for roles in stop_order(self.config.plan()):
+            level = self._live(roles)
+            self._signal(level, signal.SIGTERM)  # each drains what it holds, then exits
+            exits = [r.exited for r in level if r.exited is not None]
+            if exits and until > loop.time():
+                await asyncio.wait(exits, timeout=until - loop.time())
+        late = self._live()
+        self._signal(late, signal.SIGTERM)
+        late_exits = [r.exited for r in late if r.exited is not None]
+        if late_exits:
+            await asyncio.wait(late_exits, timeout=2.0)
+        for r in self._live():
+            log.warning("%s did not stop in time; killing it", r.actor_id)
+            assert r.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                r.proc.kill()
+        killed = [r.exited for r in self.replicas if r.exited is not None and not r.exited.done()]
+        if killed:
+            await asyncio.wait(killed, timeout=5.0)
+
     def _clean_run_dir(self) -> None:
-        for path in list(self.run_dir.glob("*.sock")) + [self.state_path]:
+        leftovers = [*self.run_dir.glob("*.sock"), *self.run_dir.glob("*.holding")]
+        for path in [*leftovers, self.state_path]:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 

@@ -32,6 +32,7 @@ from omniflow.control.routing import Router
 from omniflow.messages import ActorRecord, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.actor import Actor
 from omniflow.runtime.config import Config, from_json
+from omniflow.runtime.holding import HoldingFile, holding_path
 from omniflow.runtime.host import ActorHost
 from omniflow.runtime.loading import load_actor_class
 from omniflow.runtime.resources import budget_after_barrier
@@ -65,11 +66,14 @@ class Worker:
         self.role_config = self.config.processes()[role]
         self.ctx = zmq.Context()
         self.stop = asyncio.Event()
+        self.host: ActorHost | None = None
+        self.intake_closed = False
 
     async def run(self, control_address: str, registry_address: str) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, self._close_intake)  # the supervisor stops
         control = self.ctx.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 1000)
         control.connect(control_address)
@@ -121,9 +125,15 @@ class Worker:
         idempotent = frozenset(n for n, rc in cfg.roles.items() if rc.idempotent)
         outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s)
         router = Router(cfg.plan(), view, outbox, policies, idempotent, socket.gethostname())
-        host = ActorHost(
-            actor, router, self.role_config.max_concurrency, self.role_config.max_queue
+        rc = self.role_config
+        holding = HoldingFile(
+            holding_path(self.run_dir, self.role, self.replica),
+            rc.max_concurrency + rc.max_queue + 256,  # joins' waiting requests count too
         )
+        host = ActorHost(actor, router, rc.max_concurrency, rc.max_queue, holding)
+        self.host = host
+        if self.intake_closed:
+            host.close_intake()
         inbox = Inbox(
             self.ctx, endpoint_for(cfg, self.run_dir, self.role, self.replica), host.on_message
         )
@@ -149,9 +159,16 @@ class Worker:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
-            with contextlib.suppress(Exception):
-                await registry.delete(key)  # producers stop picking this replica
+            # Producers stop picking this replica; in an ordered stop (intake closed) it
+            # stays listed while it drains, so new requests get a quick shutting_down.
+            listed = self.intake_closed
+            if not listed:
+                with contextlib.suppress(Exception):
+                    await registry.delete(key)
             drained = await host.drain(rt.drain_timeout_s)
+            if listed:
+                with contextlib.suppress(Exception):
+                    await registry.delete(key)
             if not drained:
                 log.warning(
                     "%s/%d: in-flight requests cancelled at shutdown", self.role, self.replica
@@ -161,7 +178,8 @@ class Worker:
                 await actor.close()
             await view.close()
             await registry.close()
-            outbox.close()
+            outbox.close(linger_ms=1000)  # the last hops of drained requests still leave
+            holding.close()
         return 0
 
     async def _heartbeat(
@@ -192,6 +210,11 @@ class Worker:
                     await registry.keepalive()
             except Exception as e:  # the registry may be briefly away; the TTL is the judge
                 log.warning("%s/%d: heartbeat failed: %s", self.role, self.replica, e)
+
+    def _close_intake(self) -> None:
+        self.intake_closed = True
+        if self.host is not None:
+            self.host.close_intake()
 
     def _on_control(self, control: zmq.Socket) -> None:
         while True:

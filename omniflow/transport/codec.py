@@ -75,6 +75,15 @@ def release_tensors(refs: Collection[Any]) -> None:
         release_all(refs)
 
 
+def revoke_tensors(refs: Collection[Any], pid: int) -> None:
+    """Take back refs exported for reader ``pid`` that never reached it; see ``tensors.revoke``."""
+    if refs:
+        from omniflow.transport.tensors import revoke
+
+        for ref in refs:
+            revoke(ref, pid)
+
+
 def split_output(output: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Plain data and tensors (torch or numpy) of one output."""
     data: dict[str, Any] = {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,10 @@ _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK
 # than the send itself for a small header; the Cython method takes the same arguments.
 _raw_send = zmq.backend.Socket.send
 
+# DEALERs an Outbox keeps (one per peer: next-hop replicas and clients); the least
+# recently used is closed past this, so short-lived clients cannot exhaust an actor's FDs.
+MAX_PEERS = 128
+_EVICT_LINGER_MS = 1000
 _DRAIN_BATCH = 256  # messages per reader callback before yielding to other callbacks
 _ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
 
@@ -120,17 +125,31 @@ class Inbox:
 
 
 class Outbox:
-    """One DEALER per peer address, created on first use and kept."""
+    """One DEALER per peer address, created on first use; at most ``max_peers`` kept.
 
-    def __init__(self, ctx: zmq.Context, send_timeout: float = 5.0) -> None:
+    Every client binds its own reply socket, so an actor meets a new peer per client:
+    past ``max_peers`` the least recently used DEALER is closed (a later send to that
+    peer opens a new one), which bounds an actor's sockets and FDs whatever the number
+    of clients that came and went.
+    """
+
+    def __init__(
+        self, ctx: zmq.Context, send_timeout: float = 5.0, max_peers: int = MAX_PEERS
+    ) -> None:
         self._ctx = ctx
-        self._socks: dict[str, zmq.Socket] = {}
+        self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self._sending: dict[str, int] = {}  # address -> sends waiting on its DEALER
+        # Address -> loop time until which a send that cannot go at once fails at once:
+        # one send there just waited out its timeout (a client that left, a dead peer).
+        self._unreachable: OrderedDict[str, float] = OrderedDict()
         self._posts: set[asyncio.Task] = set()
         self.send_timeout = send_timeout
+        self.max_peers = max_peers
 
     def _socket(self, address: str) -> zmq.Socket:
         sock = self._socks.get(address)
         if sock is None:
+            self._evict(self.max_peers - 1)
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -141,9 +160,27 @@ class Outbox:
             self._socks[address] = sock
         return sock
 
+    def _evict(self, keep: int) -> None:
+        """Close least recently used DEALERs until at most ``keep`` are left (never one a
+        send is waiting on)."""
+        for address in list(self._socks):
+            if len(self._socks) <= keep:
+                return
+            if address not in self._sending:
+                # A linger lets what is already queued to a live peer still go out.
+                self._socks.pop(address).close(_EVICT_LINGER_MS)
+
+    @property
+    def peers(self) -> int:
+        return len(self._socks)
+
     def try_send(self, address: str, parts: list[Any]) -> bool:
         """Send now if the peer's queue takes it; False if it would block."""
-        sock = self._socks.get(address) or self._socket(address)
+        sock = self._socks.get(address)
+        if sock is None:
+            sock = self._socket(address)
+        else:
+            self._socks.move_to_end(address)
         try:
             if len(parts) == 1:  # the common case: a header alone
                 _raw_send(sock, parts[0], _NOBLOCK)
@@ -159,24 +196,46 @@ class Outbox:
     async def send(self, address: str, parts: list[Any], timeout: float | None = None) -> None:
         if self.try_send(address, parts):
             return
-        sock = self._socks[address]
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.send_timeout if timeout is None else timeout)
+        if self._unreachable.get(address, 0.0) > loop.time():
+            raise PeerUnavailable(f"no connected peer at {address} (it timed out just now)")
+        sock = self._socks[address]
+        wait = self.send_timeout if timeout is None else timeout
+        deadline = loop.time() + wait
         fd = fd_of(sock)
-        while True:
-            if int(sock.get(_EVENTS)) & _POLLOUT and self.try_send(address, parts):
-                return
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise PeerUnavailable(f"no connected peer took the message at {address}")
-            ready = loop.create_future()
-            loop.add_reader(fd, _set_ready, ready)
-            try:
-                await asyncio.wait_for(ready, min(remaining, 0.05))
-            except TimeoutError:
-                pass  # re-check: the connection may complete without an FD edge
-            finally:
-                loop.remove_reader(fd)
+        self._sending[address] = self._sending.get(address, 0) + 1  # not evicted meanwhile
+        try:
+            while True:
+                if int(sock.get(_EVENTS)) & _POLLOUT and self.try_send(address, parts):
+                    return
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    self._mark_unreachable(address, loop.time(), wait)
+                    raise PeerUnavailable(f"no connected peer took the message at {address}")
+                if self._unreachable.get(address, 0.0) > loop.time():  # another send timed out
+                    raise PeerUnavailable(f"no connected peer at {address} (it timed out just now)")
+                ready = loop.create_future()
+                loop.add_reader(fd, _set_ready, ready)
+                try:
+                    await asyncio.wait_for(ready, min(remaining, 0.05))
+                except TimeoutError:
+                    pass  # re-check: the connection may complete without an FD edge
+                finally:
+                    loop.remove_reader(fd)
+        finally:
+            left = self._sending.pop(address) - 1
+            if left:
+                self._sending[address] = left
+
+    def _mark_unreachable(self, address: str, now: float, wait: float) -> None:
+        """Later sends there that cannot go at once fail at once for ``wait`` seconds: a
+        client that left with many requests in flight costs one timeout, not one per reply."""
+        self._unreachable.pop(address, None)
+        self._unreachable[address] = now + wait
+        for old, until in list(self._unreachable.items()):  # oldest first
+            if until > now and len(self._unreachable) <= self.max_peers:
+                break
+            del self._unreachable[old]
 
     def post(self, address: str, parts: list[Any]) -> None:
         """Send from synchronous code: now if possible, else from a task this outbox owns.
@@ -201,11 +260,12 @@ class Outbox:
         if sock is not None:
             sock.close(0)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every DEALER; ``linger_ms`` lets what is queued to live peers still go."""
         for task in self._posts:
             task.cancel()
         for sock in self._socks.values():
-            sock.close(0)
+            sock.close(linger_ms)
         self._socks.clear()
 
 

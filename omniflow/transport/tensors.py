@@ -177,6 +177,18 @@ def release(ref: TensorRef) -> None:
         raise TensorError(f"cannot release {type(ref).__name__} ref: {e}") from None
 
 
+def revoke(ref: TensorRef, pid: int) -> None:
+    """Take back the ref ``export`` gave reader ``pid`` for a message it never got (a send
+    that failed); without this the block stays allocated for good once ``pid`` is dead and
+    reclaimed. A ref already reclaimed is fine."""
+    if isinstance(ref, Frame) or _attached.pool is None:
+        return
+    try:
+        _attached.pool.release(ref.lease, pid)
+    except PoolError:
+        pass
+
+
 def release_all(refs: Iterable[TensorRef]) -> None:
     """``release`` every ref of a message (``msg.tensors.values()``)."""
     for ref in refs:

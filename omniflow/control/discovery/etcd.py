@@ -66,7 +66,16 @@ class EtcdRegistry:
             else:
                 lease = await self._lease_for(ttl)
                 self._leased[key] = value
-                reply = await self._client.put(key.encode(), value, lease=lease)
+                try:
+                    reply = await self._client.put(key.encode(), value, lease=lease)
+                except aetcd.exceptions.ClientError as error:
+                    if "lease not found" not in str(error):
+                        raise
+                    # The server lost the lease (it expired through an outage, or its
+                    # data is new): every key on it is gone. A new lease takes them all
+                    # back, this one included; without it the put fails for good.
+                    await self._lease_lost(lease)
+                    return
             self._saw(reply.header.revision)
 
     async def delete(self, key: str) -> None:
@@ -101,6 +110,11 @@ class EtcdRegistry:
                     # The lease expired (a long stall, a partition): etcd
                     # already deleted our keys, so put them back on a new one.
                     await self._replace_lease(self._lease_ttl)
+
+    async def _lease_lost(self, lease: aetcd.Lease) -> None:
+        async with self._lease_lock:
+            if self._lease is lease:  # not replaced meanwhile by another put or keepalive
+                await self._replace_lease(self._lease_ttl)
 
     async def _lease_for(self, ttl: float) -> aetcd.Lease:
         async with self._lease_lock:

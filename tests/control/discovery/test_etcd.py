@@ -87,6 +87,27 @@ def test_an_expired_lease_is_replaced_and_its_keys_put_back(etcd_server):
     asyncio.run(body())
 
 
+def test_a_put_on_a_lost_lease_puts_every_key_back_on_a_new_one(etcd_server):
+    # A worker whose record changed re-puts it at each heartbeat: after an outage that
+    # cost its lease, that put must register it again, not fail at every beat.
+    async def body():
+        owner = EtcdRegistry.from_url(etcd_server.url)
+        prefix = fresh_prefix()
+        await owner.put(prefix + "a", b"1", ttl=5)
+        await owner.put(prefix + "b", b"2", ttl=5)
+        lost = owner._lease.id
+        host, port = etcd_server.url.removeprefix("etcd://").split(":")
+        async with aetcd.Client(host=host, port=int(port)) as admin:
+            await admin.revoke_lease(lost)
+        assert await owner.list(prefix) == []
+        await owner.put(prefix + "b", b"3", ttl=5)
+        assert owner._lease.id != lost
+        assert await owner.list(prefix) == [(prefix + "a", b"1"), (prefix + "b", b"3")]
+        await owner.close()
+
+    asyncio.run(body())
+
+
 def test_a_different_ttl_moves_leased_keys_to_one_new_lease(etcd_server):
     async def body():
         owner = EtcdRegistry.from_url(etcd_server.url)

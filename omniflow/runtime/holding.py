@@ -1,0 +1,83 @@
+"""What a worker holds right now, in a file its supervisor reads when it dies.
+
+A heartbeat publishes the requests a replica holds only every ``heartbeat_s``; one
+killed in between takes the newer ones with it, and their clients would wait out
+their deadlines. So each worker also keeps its in-flight requests in a small shared
+file mapping, written as requests arrive and end: plain memory stores, no syscall,
+and the kernel keeps the pages when the process is killed. The supervisor reads it
+at the death and fails each request there with ``unavailable`` at once.
+
+Layout: an 8-byte header (the writer's pid), then fixed slots of ``SLOT`` bytes: a
+2-byte length (0: free) and ``request_id \\n reply_to`` in UTF-8.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+SLOT = 256
+_HEADER = struct.Struct("<q")
+_LENGTH = struct.Struct("<H")
+
+
+class HoldingFile:
+    """The writer's side: ``add`` a request as it arrives, ``remove`` its slot as it ends."""
+
+    def __init__(self, path: Path, slots: int) -> None:
+        self.path = Path(path)
+        size = _HEADER.size + slots * SLOT
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        _HEADER.pack_into(self._map, 0, os.getpid())
+        self._free = list(range(slots - 1, -1, -1))
+
+    def add(self, request_id: str, reply_to: str) -> int:
+        """The slot now naming this request, or -1 when none is free or it does not fit
+        (the heartbeat's list still covers it)."""
+        payload = f"{request_id}\n{reply_to}".encode()
+        if not self._free or len(payload) > SLOT - _LENGTH.size:
+            return -1
+        slot = self._free.pop()
+        at = _HEADER.size + slot * SLOT
+        self._map[at + 2 : at + 2 + len(payload)] = payload
+        _LENGTH.pack_into(self._map, at, len(payload))  # the length last: a slot is whole
+        return slot
+
+    def remove(self, slot: int) -> None:
+        if slot < 0:
+            return
+        _LENGTH.pack_into(self._map, _HEADER.size + slot * SLOT, 0)
+        self._free.append(slot)
+
+    def close(self) -> None:
+        self._map.close()
+        self.path.unlink(missing_ok=True)
+
+
+def read_holding(path: Path, pid: int) -> list[tuple[str, str]]:
+    """(request id, reply address) of every request the dead ``pid`` held; [] when the file
+    is missing or another incarnation's."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return []
+    if len(data) < _HEADER.size or _HEADER.unpack_from(data, 0)[0] != pid:
+        return []
+    held = []
+    for at in range(_HEADER.size, len(data) - SLOT + 1, SLOT):
+        (n,) = _LENGTH.unpack_from(data, at)
+        if n:
+            request_id, _, reply_to = data[at + 2 : at + 2 + n].decode().partition("\n")
+            held.append((request_id, reply_to))
+    return held
+
+
+def holding_path(run_dir: Path, role: str, replica: int) -> Path:
+    return Path(run_dir) / f"{role}-{replica}.holding"

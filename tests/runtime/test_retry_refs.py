@@ -1,0 +1,56 @@
+"""A retry after a dead replica gives back the pool refs it exported to that replica."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import omniflow
+from omniflow.cache import PagePool
+from omniflow.runtime.config import parse
+from tests.transport.test_dataplane_e2e import expected_sum
+
+R = "tests.graph_roles"
+
+
+def test_retry_elsewhere_releases_the_refs_exported_to_the_dead_replica(run_root):
+    cfg = parse(
+        {
+            "name": "retryrefs",
+            "roles": {
+                "make": {"actor": f"{R}:MakeTensor"},
+                "check": {
+                    "actor": f"{R}:CheckTensor",
+                    "replicas": 2,
+                    "idempotent": True,
+                    "policy": "round_robin",
+                },
+            },
+            "graph": {"edges": [{"from": "input", "to": "make"}, {"from": "make", "to": "check"}]},
+            "cache": {"host_pool": "64MiB", "page_size": "64KiB"},
+            "runtime": {"send_timeout_s": 0.3, "restart_backoff_s": 60.0, "ttl_s": 30.0},
+        },
+        "<test>",
+    )
+
+    async def main():
+        async with omniflow.Runtime(cfg) as rt:
+            sup = rt.supervisor
+            sup.forget_dead = False  # producers keep routing to it, as while its lease runs
+            victim = next(r for r in sup.replicas if r.role == "check" and r.index == 1)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            await victim.exited
+            sums = []
+            for seed in range(4):  # round robin: half go to the dead replica first
+                outs, _ = await rt.call({"n": 1 << 18, "seed": seed}, timeout=20)
+                sums.append(outs[0].data["sum"])
+            pool = PagePool.attach(sup.pool_name)
+            try:
+                return sums, pool.stats().used_pages
+            finally:
+                pool.close()
+
+    sums, used = asyncio.run(main())
+    assert sums == [expected_sum(1 << 18, seed) for seed in range(4)]
+    assert used == 0  # every block came back: none is held for the dead pid
