@@ -47,6 +47,12 @@ def test_retry_elsewhere_releases_the_refs_exported_to_the_dead_replica(run_root
                 sums.append(outs[0].data["sum"])
             pool = PagePool.attach(sup.pool_name)
             try:
+                # A replica releases its input after its Done has left: give the last
+                # release a moment. A leaked block (held for the dead pid) never returns.
+                for _ in range(100):
+                    if pool.stats().used_pages == 0:
+                        break
+                    await asyncio.sleep(0.05)
                 return sums, pool.stats().used_pages
             finally:
                 pool.close()
