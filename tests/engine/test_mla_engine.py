@@ -1,14 +1,21 @@
 """DeepSeek-V2 (MLA + DeepSeekMoE) on latent pages: greedy outputs equal transformers'
 `DeepseekV2ForCausalLM` token for token, batched with mixed lengths, chunked, over cached
-prefixes, through preemption and the host/SSD tiers; the cache holds the latent only."""
+prefixes, through preemption and the host tier; the cache holds the latent only, and a KV lease hands
+those latents to a borrower."""
+
+import os
+import uuid
 
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts
 
+from omniflow.cache import PagePool
+from omniflow.cache.kv_share import KVLeaseView
 from omniflow.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from omniflow.engine.kv_pages import KVCachePages
 from omniflow.models import MLAConfig, build_tiny_model, load_config
+from omniflow.models.mla import latent_causal_attention
 
 # deepseek-v2-tiny: q_lora_rank, YaRN (mscale_all_dim 0.8), group-limited top-3 of 8 experts
 # in 4 groups, routed_scaling_factor 2.5, first_k_dense_replace 1. The lite one: no
@@ -101,3 +108,37 @@ def test_sharded_lite_layout_loads_every_tensor(tmp_path):
     assert (path / "model.safetensors.index.json").is_file()
     engine = LLMEngine(path, EngineConfig(device="cpu", num_pages=4))
     assert engine.model.config.q_lora_rank is None
+
+
+@torch.inference_mode()
+def test_a_lease_of_latent_pages_reads_the_latents(mla_models):
+    path = mla_models["deepseek-v2-tiny"]
+    pool = PagePool.create(f"omniflow-mla-lease-{uuid.uuid4().hex[:8]}", 256 << 12, 4096)
+    try:
+        config = EngineConfig(device="cpu", page_size=4, num_pages=16, share_kv=True)
+        engine = LLMEngine(path, config, kv_pool=pool)
+        prompt = random_prompts((10,), seed=15)[0]
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        engine.add_request("lent", prompt, params, lend_kv_to=os.getpid())
+        deltas = engine.run_to_completion()
+        [lease] = [d.kv_lease for d in deltas if d.kv_lease is not None]
+        tokens = prompt + [t for d in deltas for t in d.token_ids][:-1]  # the computed ones
+        model = engine.model
+        seen = {}
+        plain = latent_causal_attention(model.config.softmax_scale)
+
+        def recording(layer_index, q, k, v):
+            seen[layer_index] = k[:, 0]
+            return plain(layer_index, q, k, v)
+
+        model.forward(torch.tensor(tokens), torch.arange(len(tokens)), recording)
+        with KVLeaseView(pool, lease) as view:
+            assert lease.num_tokens == len(tokens)
+            for layer in range(view.num_layers):
+                first, second = view.layer(layer)  # [1, tokens, half] each
+                latents = torch.cat((first[0], second[0]), dim=-1)[:, : seen[layer].shape[1]]
+                torch.testing.assert_close(latents, seen[layer])
+        engine.close()
+    finally:
+        pool.unlink()
+        pool.close()
