@@ -105,6 +105,19 @@ class MLADecoderLM(DecoderLM):
                 module.gate.weight.data = module.gate.weight.data.float()
                 module.e_score_correction_bias.zero_()
 
+    def use_input_major_weights(self) -> None:
+        super().use_input_major_weights()
+        self._experts_input_major()
+
+    def use_packed_weights(self, rows_hint: int = 32, kernels: CpuKernels | None = None) -> None:
+        super().use_packed_weights(rows_hint, kernels)
+        self._experts_input_major()
+
+    def _experts_input_major(self) -> None:
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.use_input_major_weights()
+
     def hidden_states(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(inputs_embeds.shape[0], device=inputs_embeds.device)
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)

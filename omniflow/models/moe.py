@@ -1,8 +1,8 @@
 """Mixture-of-experts MLPs: DeepSeekMoE (shared + routed experts) and LongCat-Flash's MoE
 with zero-computation (identity) experts.
 
-A step routes all its rows at once, sorts the (row, choice) pairs by expert and runs each
-hit expert once over its contiguous group: the Python loop is over experts, never rows.
+A step routes all its rows at once, sorts the (row, choice) pairs by expert and runs all
+experts over their groups in two batched matmuls: no Python loop over rows or experts.
 Routing runs in float32 on a float32 router weight, as transformers keeps it.
 """
 
@@ -72,22 +72,42 @@ class MoE(nn.Module):
         flat = ids.view(-1)
         order = flat.argsort(stable=True)
         rows = order // self.top_k
-        counts = torch.bincount(flat, minlength=len(self.e_score_correction_bias)).tolist()
-        grouped = x.index_select(0, rows)  # [rows * top_k, hidden], expert-major
-        out_rows = torch.empty_like(grouped)
-        start = 0
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            part = slice(start, start + count)
-            start += count
-            if expert >= self.num_experts:
-                out_rows[part] = grouped[part]  # a zero-computation expert: the input itself
-                continue
-            gate, up = (grouped[part] @ gate_up[expert].t()).chunk(2, dim=-1)
-            out_rows[part] = (nn.functional.silu(gate) * up) @ down[expert].t()
+        experts = flat[order]  # of each (row, choice) pair, expert-major
+        counts = torch.bincount(flat, minlength=len(self.e_score_correction_bias))
+        starts = counts.cumsum(0) - counts
+        places = torch.arange(len(flat), device=x.device) - starts[experts]
+        grouped = x.index_select(0, rows)
+        widest = int(counts[: self.num_experts].max())
+        out_rows = self._experts(grouped, experts, places, widest)
         scaled = (out_rows * weights.view(-1)[order, None]).to(x.dtype)
         # Shared experts fused with the routed sum: routed rows add into their output.
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
         return out.index_add_(0, rows, scaled)
+
+    def _experts(self, grouped, experts, places, widest: int) -> torch.Tensor:
+        """Every routed expert over its group in two batched matmuls: the groups padded to
+        the widest one, [experts, widest, hidden] (one call a matmul instead of one an expert,
+        for some padding). Zero-computation experts' rows pass through unchanged."""
+        routed = experts < self.num_experts
+        everything = len(self.e_score_correction_bias) == self.num_experts
+        if not everything:
+            experts, places, inputs = experts[routed], places[routed], grouped[routed]
+        else:
+            inputs = grouped
+        padded = grouped.new_zeros(self.num_experts, widest, grouped.shape[1])
+        padded[experts, places] = inputs
+        gate_up = torch.bmm(padded, self.experts.gate_up_proj.transpose(1, 2))
+        gate, up = gate_up.chunk(2, dim=-1)
+        done = torch.bmm(nn.functional.silu(gate) * up, self.experts.down_proj.transpose(1, 2))
+        if everything:
+            return done[experts, places]
+        out = grouped.clone()  # a zero-computation expert returns its input
+        out[routed] = done[experts, places]
+        return out
+
+    def use_input_major_weights(self) -> None:
+        """Expert weights laid input-major in memory (same shapes and values), so the batched
+        matmuls read contiguous [hidden, out] blocks instead of copying transposed ones."""
+        with torch.no_grad():
+            for weight in (self.experts.gate_up_proj, self.experts.down_proj):
+                weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
