@@ -92,6 +92,11 @@ def load_decoder(
     config = load_config(path)
     target_device = resolve_device(device)
     target_dtype = resolve_dtype(dtype, config, target_device)
+    if isinstance(config, MLAConfig) and target_dtype == torch.float16:
+        raise ValueError(
+            f"dtype float16 for {config.architecture} in {path}: its MoE activations overflow "
+            "float16; use bfloat16 or float32"
+        )
     with torch.device("meta"):
         model = MLADecoderLM(config) if isinstance(config, MLAConfig) else DecoderLM(config)
     model = model.to(dtype=target_dtype).to_empty(device=target_device)
