@@ -1,6 +1,6 @@
 """DeepSeek-V2 (MLA + DeepSeekMoE) on latent pages: greedy outputs equal transformers'
 `DeepseekV2ForCausalLM` token for token, batched with mixed lengths, chunked, over cached
-prefixes, through preemption and the host tier; the cache holds the latent only, and a KV lease hands
+prefixes, through preemption and the host/SSD tiers; the cache holds the latent only, and a KV lease hands
 those latents to a borrower."""
 
 import os
@@ -64,17 +64,21 @@ def test_preemption_recomputes_the_same_tokens(mla_models):
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
-def test_latent_pages_round_trip_the_host_tier(mla_models):
+@pytest.mark.parametrize("tier", ["host", "ssd"])
+def test_latent_pages_round_trip_the_tiers(mla_models, tmp_path, tier):
     path = mla_models["deepseek-v2-tiny"]
     prompts = random_prompts((24,) * 5, seed=13)
     expected = hf_greedy(path, prompts[:1], GREEDY.max_tokens)
-    llm = LLM(path, device="cpu", page_size=4, num_pages=24, host_kv_bytes=1 << 20)
+    # SSD: a one-page host tier, so demoted pages spill on to SSD.
+    host = 1 << 20 if tier == "host" else 1
+    ssd = {} if tier == "host" else {"ssd_kv_dir": str(tmp_path), "ssd_kv_bytes": 1 << 20}
+    llm = LLM(path, device="cpu", page_size=4, num_pages=24, host_kv_bytes=host, **ssd)
     engine = llm.engine
     for prompt in prompts:  # 24 device pages: later prompts push the first one's pages down
         llm.generate([prompt], GREEDY)
     again = llm.generate(prompts[:1], GREEDY)[0]
     assert again.token_ids == expected[0]
-    assert again.cached_tokens == 20  # promoted back from the host tier
+    assert again.cached_tokens == 20  # promoted back from the lower tier
     pages = KVCachePages(engine.cache).read_pages([0])
     assert pages.shape[1:] == (2, *engine.cache.keys.shape[:2], 4, engine.cache.keys.shape[-1])
     engine.close()
