@@ -60,8 +60,17 @@ def test_preemption_recomputes_the_same_tokens(mla_models):
     path = mla_models["deepseek-v2-lite-tiny"]
     prompts = random_prompts((20, 14, 9, 30), seed=12)
     expected = hf_greedy(path, prompts, GREEDY.max_tokens)
-    llm = LLM(path, device="cpu", page_size=4, num_pages=16)
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    # 14 pages of 4: each request fits alone (<= 46 tokens), not all of them together.
+    engine = LLMEngine(path, EngineConfig(device="cpu", page_size=4, num_pages=14))
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, GREEDY)
+    sequences = dict(engine.sequences)
+    produced: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for delta in engine.run_to_completion():
+        produced[delta.request_id] += delta.token_ids
+    assert [produced[f"r{i}"] for i in range(len(prompts))] == expected
+    assert sum(s.num_preemptions for s in sequences.values()) > 0
+    assert engine.allocator.usage().free_pages == 14
 
 
 @pytest.mark.parametrize("tier", ["host", "ssd"])
