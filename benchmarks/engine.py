@@ -25,6 +25,9 @@ A floor for any engine on this machine, same model, same precision:
   floor_speedup                    median over rounds of floor / transformers within the round:
                                    about the most an engine could show here against transformers
 Subject and baseline run interleaved (A B A B ...); each figure is a median over rounds.
+With --model deepseek_v2 (a tiny DeepSeek-V2: MLA + DeepSeekMoE) it adds
+  mla_kv_bytes_per_token           the engine's latent pages: (kv_lora_rank + rope) x layers
+  mha_kv_bytes_per_token           K and V of an MHA of the same width and heads
 """
 
 from __future__ import annotations
@@ -45,8 +48,12 @@ from _common import scratch_dir  # noqa: E402
 
 from omniflow.engine import LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
+from omniflow.engine.paged_attention import KVCache  # noqa: E402
 from omniflow.models import build_tiny_model  # noqa: E402
 from omniflow.models.cpu_layouts import packed_weights_supported  # noqa: E402
+
+# --model: the tiny preset each benchmarks.
+MODELS = {"llama": "llama-bench-30m", "deepseek_v2": "deepseek-v2-bench"}
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -82,8 +89,13 @@ class Projections:
     made once per row count, outside the timing."""
 
     def __init__(self, model):
-        # qkv, o, gate_up, down per layer, in registration order
-        self.modules = [m for name, m in model.named_modules() if name.endswith("proj")]
+        # qkv, o, gate_up, down per layer, in registration order (MLA: its linear
+        # projections; kv_b_proj is absorbed into attention, the experts run per group)
+        self.modules = [
+            m
+            for name, m in model.named_modules()
+            if name.endswith("proj") and hasattr(m, "in_features")
+        ]
         self.per_layer = len(self.modules) // model.config.num_hidden_layers
         self.model = model
         self.hidden = model.config.hidden_size
@@ -120,8 +132,21 @@ def decode_step_bytes(model, rows: int, context: int) -> int:
     config = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     element = next(model.parameters()).element_size()
-    kv_row = config.num_key_value_heads * config.head_dim * element
-    return weights + 2 * config.num_hidden_layers * rows * context * kv_row
+    layers, kv_heads, head_dim = config.kv_layout
+    return weights + 2 * layers * rows * context * kv_heads * head_dim * element
+
+
+def kv_bytes_per_token(engine: LLMEngine) -> int:
+    cache = engine.cache
+    stored = (cache.keys.numel() + cache.values.numel()) * cache.keys.element_size()
+    return stored // (cache.num_pages * cache.page_size)
+
+
+def mha_kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K and V per token of an MHA decoder with the config's width, heads and layers."""
+    heads = config.num_attention_heads
+    layers = config.kv_layout[0]
+    return KVCache.bytes_per_page(layers, 1, heads, config.hidden_size // heads, dtype)
 
 
 class ReadBandwidth:
@@ -171,6 +196,7 @@ def ttft_ms(engine: LLMEngine, prompt: list[int], tag: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="llama", choices=sorted(MODELS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -191,7 +217,7 @@ def main() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    folder = build_tiny_model(scratch_dir("omniflow-bench-"), "llama-bench-30m")
+    folder = build_tiny_model(scratch_dir("omniflow-bench-"), MODELS[args.model])
     config = EngineConfig(device="cpu", dtype=args.dtype, max_num_seqs=64)
     engine = LLMEngine(folder, config)
     uncached_engine = LLMEngine(
@@ -282,6 +308,7 @@ def main() -> None:
             1,
         ),
         "floor_speedup": round(statistics.median(floor_ratios), 2),
+        "model": args.model,
         "dtype": args.dtype,
         "decode_step_mb": round(step_bytes / 1e6, 1),
         "model_params_m": round(parameters / 1e6, 1),
@@ -291,6 +318,10 @@ def main() -> None:
         "prefix_len": args.prefix_len,
         "rounds": args.rounds,
     }
+    if args.model == "deepseek_v2":
+        result["mla_kv_bytes_per_token"] = kv_bytes_per_token(engine)
+        dtype = getattr(torch, args.dtype)
+        result["mha_kv_bytes_per_token"] = mha_kv_bytes_per_token(engine.model.config, dtype)
     print(json.dumps(result))
 
 

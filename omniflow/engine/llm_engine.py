@@ -99,23 +99,20 @@ class LLMEngine:
         if tokenizer is not None:
             self.eos_token_ids |= set(tokenizer.eos_token_ids)
         parameter = next(model.parameters())
+        kv_layers, kv_heads, kv_head_dim = model_config.kv_layout
         per_page = KVCache.bytes_per_page(
-            model_config.num_hidden_layers,
-            config.page_size,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
-            parameter.dtype,
+            kv_layers, config.page_size, kv_heads, kv_head_dim, parameter.dtype
         )
         pages_for_all = config.max_num_seqs * -(-self.max_model_len // config.page_size)
         num_pages = config.num_pages or max(
             1, min(config.kv_cache_bytes // per_page, pages_for_all)
         )
         self.cache = KVCache(
-            model_config.num_hidden_layers,
+            kv_layers,
             num_pages,
             config.page_size,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
+            kv_heads,
+            kv_head_dim,
             parameter.dtype,
             parameter.device,
         )

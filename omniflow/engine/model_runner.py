@@ -10,11 +10,12 @@ from typing import NamedTuple
 import torch
 
 from omniflow.engine.decode_mirror import DecodeMirror
+from omniflow.engine.latent_attention import LatentPagedAttention
 from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
 from omniflow.engine.scheduler import ScheduledChunk
 from omniflow.engine.sequence import Sequence
 from omniflow.kernels import CpuKernels, cpu_kernels
-from omniflow.models import DecoderLM
+from omniflow.models import DecoderLM, MLAConfig
 from omniflow.models.cpu_layouts import packed_weights_supported
 
 # Rows per pass of a long bf16 prefill on CPU (DecoderLM.set_row_block): over the MLPs on
@@ -49,6 +50,10 @@ class ModelRunner:
         parameter = next(model.parameters())
         self.device = parameter.device
         bf16_cpu = self.device.type == "cpu" and parameter.dtype == torch.bfloat16
+        # MLA reads latent pages (LatentPagedAttention): no CPU kernels, no decode mirror.
+        self.latent = isinstance(model.config, MLAConfig)
+        if self.latent:
+            kernels, mirror_bytes = False, 0
         if kernels is True:
             kernels = cpu_kernels() if bf16_cpu else None
         self.kernels = kernels or None
@@ -68,7 +73,9 @@ class ModelRunner:
             )
         elif self.device.type == "cpu":
             model.use_input_major_weights()
-        self.scale = config.head_dim**-0.5
+        self.scale = (
+            config.softmax_scale if isinstance(config, MLAConfig) else config.head_dim**-0.5
+        )
         # A step of decodes alone runs every layer in one call on the kernels (AMX).
         self.fused_decode = self.kernel_decode and model.decodes_on_pages()
 
@@ -159,10 +166,15 @@ class ModelRunner:
                 rows,
             )
             return StepOutput(sampling, logits.float())
+        attention = (
+            LatentPagedAttention(self.cache, batch, self.scale)
+            if self.latent
+            else PagedAttention(self.cache, batch, self.scale, self.kernels)
+        )
         out = self.model(
             ids,
             at,
-            PagedAttention(self.cache, batch, self.scale, self.kernels),
+            attention,
             logits_rows=rows,
             embed_rows=torch.tensor(embed_rows, dtype=torch.long, device=device)
             if embed_rows

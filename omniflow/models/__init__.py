@@ -2,19 +2,25 @@
 
 from omniflow.models.decoder import AttentionFn, DecoderLM
 from omniflow.models.decoder_config import DecoderConfig
-from omniflow.models.loader import checkpoint_files, load_decoder, load_tokenizer
+from omniflow.models.loader import checkpoint_files, load_config, load_decoder, load_tokenizer
+from omniflow.models.mla_config import MLA_ARCHITECTURES, MLAConfig
+from omniflow.models.mla_decoder import MLADecoderLM
 from omniflow.models.text_tokenizer import TextTokenizer
 from omniflow.models.tiny import PRESETS, TinySpec, build_tiny_model
 
 __all__ = [
+    "MLA_ARCHITECTURES",
     "PRESETS",
     "AttentionFn",
     "DecoderConfig",
     "DecoderLM",
+    "MLAConfig",
+    "MLADecoderLM",
     "TextTokenizer",
     "TinySpec",
     "build_tiny_model",
     "checkpoint_files",
+    "load_config",
     "load_decoder",
     "load_tokenizer",
 ]

@@ -39,6 +39,11 @@ class DecoderConfig:
     def rope_type(self) -> str:
         return str(self.rope.get("rope_type", self.rope.get("type", "default")))
 
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """The KV cache's (layers, kv heads, head_dim)."""
+        return self.num_hidden_layers, self.num_key_value_heads, self.head_dim
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
         architectures = raw.get("architectures") or []

@@ -14,6 +14,8 @@ from safetensors import safe_open
 
 from omniflow.models.decoder import DecoderLM
 from omniflow.models.decoder_config import DecoderConfig
+from omniflow.models.mla_config import MLA_ARCHITECTURES, MLAConfig
+from omniflow.models.mla_decoder import MLADecoderLM
 from omniflow.models.rope import compute_inv_freq
 from omniflow.models.text_tokenizer import TextTokenizer
 
@@ -68,16 +70,39 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+def load_config(path: str | Path) -> DecoderConfig:
+    """The folder's config.json: an `MLAConfig` for DeepSeek-V2 / LongCat-Flash, else a
+    Llama/Qwen2 `DecoderConfig` (which refuses other architectures)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in model folder {path}")
+    raw = json.loads(config_file.read_text())
+    architecture = (raw.get("architectures") or [""])[0]
+    if architecture in MLA_ARCHITECTURES or raw.get("model_type") in _MLA_MODEL_TYPES:
+        return MLAConfig.from_dict(raw)
+    return DecoderConfig.from_dict(raw)
+
+
+_MLA_MODEL_TYPES = ("deepseek_v2", "longcat_flash")
+
+
 def load_decoder(
     path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
 ) -> DecoderLM:
-    config = DecoderConfig.from_folder(path)
+    config = load_config(path)
     target_device = resolve_device(device)
     target_dtype = resolve_dtype(dtype, config, target_device)
+    if isinstance(config, MLAConfig) and target_dtype == torch.float16:
+        raise ValueError(
+            f"dtype float16 for {config.architecture} in {path}: its MoE activations overflow "
+            "float16; use bfloat16 or float32"
+        )
     with torch.device("meta"):
-        model = DecoderLM(config)
+        model = MLADecoderLM(config) if isinstance(config, MLAConfig) else DecoderLM(config)
     model = model.to(dtype=target_dtype).to_empty(device=target_device)
     model.rotary.inv_freq = compute_inv_freq(config)[0].to(target_device)
+    if isinstance(model, MLADecoderLM):
+        model.materialized()
     loaded = model.load_weights(iter_checkpoint_tensors(path))
     missing = model.expected_checkpoint_names() - loaded
     if missing:

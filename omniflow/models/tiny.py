@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama/Qwen2 models saved in the Hugging Face layout.
+"""Tiny random-weight Llama/Qwen2 (and, through tiny_mla.py, DeepSeek-V2/LongCat-Flash) models saved in the Hugging Face layout.
 
 Tests and default configs build these instead of downloading anything: config.json,
 safetensors (optionally sharded with an index file) and a tokenizer built in code.
@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from omniflow.models.mla_config import MLA_ARCHITECTURES
+from omniflow.models.tiny_mla import mla_hf_config, mla_random_state_dict
 from omniflow.models.tiny_tokenizer import BOS, EOS, PAD, build_tiny_tokenizer, save_tiny_tokenizer
 
 
@@ -38,6 +40,16 @@ class TinySpec:
     init_std: float = 0.08
     extra: dict[str, Any] = field(default_factory=dict)
 
+
+_TINY_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 512,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 
 PRESETS: dict[str, TinySpec] = {
     "llama-mha": TinySpec(),
@@ -72,6 +84,50 @@ PRESETS: dict[str, TinySpec] = {
         num_key_value_heads=4,
         tie_word_embeddings=True,
         init_std=0.02,
+    ),
+    # MLA + MoE: YaRN on, group-limited top-3 of 8 experts in 4 groups, q_lora_rank, one
+    # dense layer first, routed_scaling_factor 2.5 (tiny_mla.MLA_DEFAULTS).
+    "deepseek-v2-tiny": TinySpec(
+        architecture="DeepseekV2ForCausalLM",
+        num_hidden_layers=3,
+        rope_scaling=_TINY_YARN,
+    ),
+    # DeepSeek-V2-Lite's shape: no q_lora_rank, greedy routing.
+    "deepseek-v2-lite-tiny": TinySpec(
+        architecture="DeepseekV2ForCausalLM",
+        num_hidden_layers=3,
+        rope_scaling=_TINY_YARN,
+        extra={"q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1},
+    ),
+    "longcat-flash-tiny": TinySpec(
+        architecture="LongcatFlashForCausalLM",
+        extra={"n_routed_experts": 6, "zero_expert_num": 2, "num_experts_per_tok": 2},
+    ),
+    # The DeepSeek-V2 CPU benchmark model (benchmarks/engine.py --model deepseek_v2).
+    "deepseek-v2-bench": TinySpec(
+        architecture="DeepseekV2ForCausalLM",
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        init_std=0.02,
+        extra={
+            "q_lora_rank": None,
+            "kv_lora_rank": 128,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 64,
+            "n_routed_experts": 16,
+            "n_shared_experts": 2,
+            "moe_intermediate_size": 256,
+            "num_experts_per_tok": 4,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 1.0,
+        },
     ),
 }
 
@@ -200,8 +256,13 @@ def build_tiny_model(
         if token_id is None:
             raise RuntimeError(f"tiny tokenizer has no id for special token {token!r}")
         ids[token] = token_id
-    config = hf_config(spec, eos_id=ids[EOS], bos_id=ids[BOS], pad_id=ids[PAD])
+    if spec.architecture in MLA_ARCHITECTURES:
+        config = mla_hf_config(spec, eos_id=ids[EOS], bos_id=ids[BOS], pad_id=ids[PAD])
+        tensors = mla_random_state_dict(spec, seed)
+    else:
+        config = hf_config(spec, eos_id=ids[EOS], bos_id=ids[BOS], pad_id=ids[PAD])
+        tensors = random_state_dict(spec, seed)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    save_safetensors(random_state_dict(spec, seed), folder, max_shard_bytes)
+    save_safetensors(tensors, folder, max_shard_bytes)
     (folder / "omniflow_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2))
     return folder

@@ -122,7 +122,7 @@ class LLMRole(ModelActor):
         self.path = Path(opts.model_path)
         self.start_model_thread(f"{self.role}-heads")
         if opts.build_tiny:
-            await self._run(self._build_tiny, opts.hidden_size, opts.seed)
+            await self._run(self._build_tiny, opts.tiny_preset, opts.hidden_size, opts.seed)
         device = opts.device
         cache = self.cache_config
         ssd_kv_mb = opts.ssd_kv_mb
@@ -167,9 +167,9 @@ class LLMRole(ModelActor):
         self.summary_media = opts.summary_media
         self._ids = itertools.count()
 
-    def _build_tiny(self, hidden: int, seed: int) -> None:
+    def _build_tiny(self, preset: str, hidden: int, seed: int) -> None:
         if not (self.path / "config.json").is_file():
-            build_tiny_model(self.path, "llama-mha", seed=seed, hidden_size=hidden, vocab_size=512)
+            build_tiny_model(self.path, preset, seed=seed, hidden_size=hidden, vocab_size=512)
         omni = self.path / "omni"
         ensure_model(
             "depth_head",

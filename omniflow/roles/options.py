@@ -88,6 +88,10 @@ class AudioEncoderOptions(_EncoderOptions, kw_only=True):
 class LLMOptions(WeightsOptions, kw_only=True):
     threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
     hidden_size: Hidden = 64
+    tiny_preset: Annotated[
+        Literal["llama-mha", "deepseek-v2-tiny", "deepseek-v2-lite-tiny", "longcat-flash-tiny"],
+        Meta(description="architecture of the build_tiny LLM"),
+    ] = "llama-mha"
     kv_cache_mb: Annotated[int, Meta(ge=1, description="device KV cache MiB")] = 64
     prefix_cache: Annotated[
         Literal["radix"], Meta(description="a radix tree keying media by content (the only kind)")

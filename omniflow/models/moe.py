@@ -1,0 +1,113 @@
+"""Mixture-of-experts MLPs: DeepSeekMoE (shared + routed experts) and LongCat-Flash's MoE
+with zero-computation (identity) experts.
+
+A step routes all its rows at once, sorts the (row, choice) pairs by expert and runs all
+experts over their groups in two batched matmuls: no Python loop over rows or experts.
+Routing runs in float32 on a float32 router weight, as transformers keeps it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from omniflow.models.decoder import SwiGLU
+from omniflow.models.mla import Weight
+from omniflow.models.mla_config import MLAConfig
+
+
+class Experts(nn.Module):
+    """Routed experts' weights stacked as transformers' fused ones: gate_up_proj
+    [experts, 2 x size, hidden] and down_proj [experts, hidden, size]."""
+
+    def __init__(self, experts: int, hidden: int, size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, size))
+
+
+class MoE(nn.Module):
+    e_score_correction_bias: torch.Tensor
+
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        self.config = config
+        experts, size = config.n_routed_experts, config.moe_intermediate_size
+        self.num_experts = experts
+        self.top_k = config.num_experts_per_tok
+        choices = experts + config.zero_expert_num
+        # The router's weight, at DeepSeek's mlp.gate (LongCat's is renamed on loading).
+        self.gate = Weight(choices, config.hidden_size)
+        self.experts = Experts(experts, config.hidden_size, size)
+        self.register_buffer("e_score_correction_bias", torch.zeros(choices), persistent=False)
+        self.shared_experts: SwiGLU | None = None
+        if config.n_shared_experts:
+            shared = replace(config, intermediate_size=size * config.n_shared_experts)
+            self.shared_experts = SwiGLU(shared)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [rows, top_k] float32, expert ids [rows, top_k]), weights already scaled
+        by routed_scaling_factor (once, here)."""
+        config = self.config
+        scores = nn.functional.linear(x.float(), self.gate.weight.float()).softmax(-1)
+        if config.is_longcat:
+            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
+        else:
+            if config.topk_method == "group_limited_greedy":
+                groups = scores.view(scores.shape[0], config.n_group, -1)
+                chosen = torch.topk(groups.max(dim=-1).values, config.topk_group, dim=-1).indices
+                keep = torch.zeros(groups.shape[:2], dtype=torch.bool, device=x.device)
+                keep.scatter_(1, chosen, True)
+                scores = groups.masked_fill(~keep[..., None], 0.0).view(scores.shape)
+            weights, ids = torch.topk(scores, self.top_k, dim=-1)
+            if config.norm_topk_prob and self.top_k > 1:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * config.routed_scaling_factor, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        flat = ids.view(-1)
+        order = flat.argsort(stable=True)
+        rows = order // self.top_k
+        experts = flat[order]  # of each (row, choice) pair, expert-major
+        counts = torch.bincount(flat, minlength=len(self.e_score_correction_bias))
+        starts = counts.cumsum(0) - counts
+        places = torch.arange(len(flat), device=x.device) - starts[experts]
+        grouped = x.index_select(0, rows)
+        widest = int(counts[: self.num_experts].max())
+        out_rows = self._experts(grouped, experts, places, widest)
+        scaled = (out_rows * weights.view(-1)[order, None]).to(x.dtype)
+        # Shared experts fused with the routed sum: routed rows add into their output.
+        out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        return out.index_add_(0, rows, scaled)
+
+    def _experts(self, grouped, experts, places, widest: int) -> torch.Tensor:
+        """Every routed expert over its group in two batched matmuls: the groups padded to
+        the widest one, [experts, widest, hidden] (one call a matmul instead of one an expert,
+        for some padding). Zero-computation experts' rows pass through unchanged."""
+        routed = experts < self.num_experts
+        everything = len(self.e_score_correction_bias) == self.num_experts
+        if not everything:
+            experts, places, inputs = experts[routed], places[routed], grouped[routed]
+        else:
+            inputs = grouped
+        padded = grouped.new_zeros(self.num_experts, widest, grouped.shape[1])
+        padded[experts, places] = inputs
+        gate_up = torch.bmm(padded, self.experts.gate_up_proj.transpose(1, 2))
+        gate, up = gate_up.chunk(2, dim=-1)
+        done = torch.bmm(nn.functional.silu(gate) * up, self.experts.down_proj.transpose(1, 2))
+        if everything:
+            return done[experts, places]
+        out = grouped.clone()  # a zero-computation expert returns its input
+        out[routed] = done[experts, places]
+        return out
+
+    def use_input_major_weights(self) -> None:
+        """Expert weights laid input-major in memory (same shapes and values), so the batched
+        matmuls read contiguous [hidden, out] blocks instead of copying transposed ones."""
+        with torch.no_grad():
+            for weight in (self.experts.gate_up_proj, self.experts.down_proj):
+                weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
