@@ -35,6 +35,11 @@ def hf_greedy(path, prompts, max_new_tokens):
 
     transformers.logging.set_verbosity_error()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf_greedy_with(model, prompts, max_new_tokens)
+
+
+def hf_greedy_with(model, prompts, max_new_tokens):
+    """Greedy generate of a loaded transformers model, one prompt at a time."""
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])

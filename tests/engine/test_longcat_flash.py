@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 from compute_flow import GreedyHead, codes_of, embed, recompute_codes, run
+from conftest import hf_greedy_with as hf_greedy
 from conftest import random_prompts
 
 from omniflow.engine import LLM, LLMEngine, SamplingParams
@@ -46,22 +47,6 @@ def hf_longcat(path):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     return model
-
-
-def hf_greedy(model, prompts, max_new_tokens):
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        generated = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
 
 
 def test_config_reads_longcat_fields(longcat_path):
