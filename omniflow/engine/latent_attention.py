@@ -17,11 +17,6 @@ import torch
 from omniflow.engine.paged_attention import AttentionBatch, KVCache, PrefillSegment
 
 
-def latent_head_dim(latent_dim: int) -> int:
-    """The KVCache head_dim that holds `latent_dim` values split over keys and values."""
-    return -(-latent_dim // 2)
-
-
 class LatentPagedAttention:
     """The `AttentionFn` of an MLA decoder, bound to one step's AttentionBatch (built with
     decode masks, no mirror)."""

@@ -132,19 +132,13 @@ PRESETS: dict[str, TinySpec] = {
 }
 
 
-def hf_config(spec: TinySpec, eos_id: int, bos_id: int, pad_id: int) -> dict[str, Any]:
-    is_qwen2 = spec.architecture == "Qwen2ForCausalLM"
-    head_dim = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+def base_hf_config(spec: TinySpec, eos_id: int, bos_id: int, pad_id: int) -> dict[str, Any]:
+    """The config.json fields every architecture's tiny model shares."""
     config: dict[str, Any] = {
         "architectures": [spec.architecture],
-        "model_type": "qwen2" if is_qwen2 else "llama",
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_hidden_layers,
         "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": spec.rms_norm_eps,
@@ -158,6 +152,19 @@ def hf_config(spec: TinySpec, eos_id: int, bos_id: int, pad_id: int) -> dict[str
     }
     if spec.rope_scaling:
         config["rope_scaling"] = dict(spec.rope_scaling)
+    return config
+
+
+def hf_config(spec: TinySpec, eos_id: int, bos_id: int, pad_id: int) -> dict[str, Any]:
+    is_qwen2 = spec.architecture == "Qwen2ForCausalLM"
+    config = base_hf_config(spec, eos_id, bos_id, pad_id)
+    config.update(
+        model_type="qwen2" if is_qwen2 else "llama",
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim or spec.hidden_size // spec.num_attention_heads,
+    )
     if is_qwen2:
         config["use_sliding_window"] = False
     else:
@@ -257,7 +264,7 @@ def build_tiny_model(
             raise RuntimeError(f"tiny tokenizer has no id for special token {token!r}")
         ids[token] = token_id
     if spec.architecture in MLA_ARCHITECTURES:
-        config = mla_hf_config(spec, eos_id=ids[EOS], bos_id=ids[BOS], pad_id=ids[PAD])
+        config = mla_hf_config(spec, base_hf_config(spec, ids[EOS], ids[BOS], ids[PAD]))
         tensors = mla_random_state_dict(spec, seed)
     else:
         config = hf_config(spec, eos_id=ids[EOS], bos_id=ids[BOS], pad_id=ids[PAD])

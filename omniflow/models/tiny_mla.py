@@ -37,30 +37,16 @@ def mla_fields(spec: TinySpec) -> dict[str, Any]:
     return MLA_DEFAULTS | spec.extra
 
 
-def mla_hf_config(spec: TinySpec, eos_id: int, bos_id: int, pad_id: int) -> dict[str, Any]:
+def mla_hf_config(spec: TinySpec, base: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (tiny.base_hf_config) plus the MLA and MoE fields."""
     f = mla_fields(spec)
     longcat = spec.architecture == "LongcatFlashForCausalLM"
-    config: dict[str, Any] = {
-        "architectures": [spec.architecture],
-        "model_type": "longcat_flash" if longcat else "deepseek_v2",
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_attention_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": spec.max_position_embeddings,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "rope_theta": spec.rope_theta,
-        "attention_bias": spec.attention_bias,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "torch_dtype": "float32",
-        "initializer_range": spec.init_std,
-    }
-    if spec.rope_scaling:
-        config["rope_scaling"] = dict(spec.rope_scaling)
+    config = dict(base)
+    config.update(
+        model_type="longcat_flash" if longcat else "deepseek_v2",
+        num_key_value_heads=spec.num_attention_heads,
+        attention_bias=spec.attention_bias,
+    )
     keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     config.update({key: f[key] for key in keys})
     config["n_routed_experts"] = f["n_routed_experts"]
