@@ -54,3 +54,21 @@ def test_send_streams_text(deepseek):
     assert len(outputs) > 1  # one output per token (or few), not one at the end
     assert all(o.role == "llm" for o in outputs)
     assert result.usage["completion_tokens"] == 8
+
+
+def test_the_gateway_streams_it_over_http(deepseek):
+    import openai
+
+    state, _ = deepseek
+    url = (Path(state["run_dir"]) / "gateway.url").read_text().strip()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    chunks = client.chat.completions.create(
+        model="deepseek_v2",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        stream=True,
+    )
+    deltas = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    assert len(deltas) > 1  # streamed token by token, not one piece at the end

@@ -18,6 +18,7 @@ class RegistryView:
         self._prefix = actors_prefix(deployment)
         self._records: dict[str, ActorRecord] = {}
         self._by_role: dict[str, list[ActorRecord]] = {}
+        self._seen_ready: set[str] = set()  # roles this view has seen with a ready replica
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
 
@@ -55,11 +56,17 @@ class RegistryView:
         for recs in by_role.values():
             recs.sort(key=lambda r: r.replica)
         self._by_role = by_role
+        self._seen_ready.update(by_role)
         self._changed.set()
         self._changed = asyncio.Event()
 
     def replicas(self, role: str) -> list[ActorRecord]:
         return self._by_role.get(role, [])
+
+    def lost(self, role: str) -> bool:
+        """``role`` had a ready replica in this view and has none now. Right after a start
+        a role may simply not have reached this view yet: that is not lost."""
+        return role in self._seen_ready and not self._by_role.get(role)
 
     def all(self) -> list[ActorRecord]:
         return sorted(self._records.values(), key=lambda r: (r.role, r.replica))

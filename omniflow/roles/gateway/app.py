@@ -154,15 +154,16 @@ class GatewayApp:
             raise ApiError(429, f"{self.inflight} requests in flight; try again later")
 
     def _first_hops_live(self, inputs: dict[str, Any], params: dict[str, Any]) -> None:
-        """503 at once when a role this request goes to first has no ready replica.
+        """503 at once when a role this request goes to first lost its last replica.
 
         The router would wait a grace period for one to come back; an HTTP client is
         better served by a 503 it can retry (``Retry-After``) than by a stalled request.
+        A role this view has not seen yet (right after a start) keeps the grace.
         """
         view = self.client.view
         for route in self.client.router.plan.route(_INPUT, params, inputs):
             role = route.edge.dst
-            if not view.replicas(role):
+            if view.lost(role):
                 raise ApiError(503, f"no ready replica of role {role!r}", None)
 
     def _timeout(self, asked: float | None) -> float | None:
