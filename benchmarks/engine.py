@@ -38,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -209,6 +210,12 @@ def main() -> None:
         help="auto: bfloat16 where this CPU multiplies bf16 natively (oneDNN: AMX or "
         "AVX-512 BF16), as a CPU deployment would run; float32 elsewhere",
     )
+    parser.add_argument(
+        "--compare-pytorch-ops",
+        action="store_true",
+        help="bf16: also run the engine with its CPU kernels off (cpu_kernels=False) in every "
+        "round, and report pytorch_ops_tokens_per_s and kernels_speedup",
+    )
     args = parser.parse_args()
     if args.dtype == "auto":
         native = packed_weights_supported(torch.device("cpu"), torch.bfloat16)
@@ -223,6 +230,9 @@ def main() -> None:
     uncached_engine = LLMEngine(
         folder, EngineConfig(device="cpu", dtype=args.dtype, enable_prefix_caching=False)
     )
+    ops_engine = None
+    if args.compare_pytorch_ops:
+        ops_engine = LLMEngine(folder, replace(config, cpu_kernels=False))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=getattr(torch, args.dtype)
     )
@@ -233,10 +243,12 @@ def main() -> None:
 
     warm = random_prompts(4, 16, vocab, seed=99)
     omniflow_throughput(engine, warm, 4, "warmup")
+    if ops_engine is not None:
+        omniflow_throughput(ops_engine, warm, 4, "warmup")
     hf_throughput(hf_model, warm, 4)
 
     ours, theirs, prefill, steps, hf_prefill, hf_steps, gemms = [], [], [], [], [], [], []
-    floors, prefill_floors, floor_ratios = [], [], []
+    floors, prefill_floors, floor_ratios, ops = [], [], [], []
     tokens = args.requests * args.output_len
     projections = Projections(engine.model)
     mean_context = args.prompt_len + args.output_len // 2
@@ -248,6 +260,10 @@ def main() -> None:
             engine, prompts, args.output_len, f"tp{round_index}"
         )
         ours.append(rate)
+        if ops_engine is not None:
+            ops.append(
+                omniflow_throughput(ops_engine, prompts, args.output_len, f"ops{round_index}")[0]
+            )
         prefill.append(prefill_s)
         steps.append(step_s)
         theirs.append(hf_throughput(hf_model, prompts, args.output_len))
@@ -318,6 +334,12 @@ def main() -> None:
         "prefix_len": args.prefix_len,
         "rounds": args.rounds,
     }
+    if ops:
+        result["pytorch_ops_tokens_per_s"] = round(statistics.median(ops), 1)
+        result["kernels_speedup"] = round(
+            statistics.median(a / b for a, b in zip(ours, ops, strict=True)), 2
+        )
+        result["cpu_kernels"] = engine.runner.kernels is not None
     if args.model == "deepseek_v2":
         result["mla_kv_bytes_per_token"] = kv_bytes_per_token(engine)
         dtype = getattr(torch, args.dtype)

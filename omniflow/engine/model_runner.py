@@ -50,24 +50,32 @@ class ModelRunner:
         parameter = next(model.parameters())
         self.device = parameter.device
         bf16_cpu = self.device.type == "cpu" and parameter.dtype == torch.bfloat16
-        # MLA reads latent pages (LatentPagedAttention): no CPU kernels, no decode mirror.
+        # MLA reads latent pages (LatentPagedAttention): no decode mirror; of the CPU kernels,
+        # its decode attention over latent pages and its layers' norms and silu * up.
         self.latent = isinstance(model.config, MLAConfig)
         if self.latent:
-            kernels, mirror_bytes = False, 0
+            mirror_bytes = 0
         if kernels is True:
             kernels = cpu_kernels() if bf16_cpu else None
         self.kernels = kernels or None
+        self.latent_kernels = self.latent and self.kernels is not None
         if self.kernels is not None:
             model.use_cpu_kernels(self.kernels)
         config = model.config
         # Decode attention on the kernel reads the pages in place; only other decodes need
         # the mirror's contiguous copies.
-        self.kernel_decode = self.kernels is not None and self.kernels.decode_attention_supported(
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.kernel_decode = (
+            not self.latent
+            and self.kernels is not None
+            and self.kernels.decode_attention_supported(
+                config.num_attention_heads, config.num_key_value_heads, config.head_dim
+            )
         )
         self.mirror = DecodeMirror(cache, 0 if self.kernel_decode else mirror_bytes)
         if packed_weights_supported(self.device, parameter.dtype):
-            model.use_packed_weights(kernels=self.kernels)
+            # MLA keeps oneDNN's packing: its float32 routers and bare kv_b weights are not
+            # the AMX kernel's layers.
+            model.use_packed_weights(kernels=None if self.latent else self.kernels)
             model.set_row_block(
                 CPU_KERNELS_ROW_BLOCK if self.kernels is not None else CPU_BF16_ROW_BLOCK
             )
@@ -142,7 +150,7 @@ class ModelRunner:
             self.device,
             self.cache.keys.dtype,
             None if mirrored is None else mirrored.rows,
-            decode_masks=not self.kernel_decode,
+            decode_masks=not (self.kernel_decode or self.latent_kernels),
         )
         device = self.device
         wants_hidden = bool(blocks) or any(
@@ -167,7 +175,7 @@ class ModelRunner:
             )
             return StepOutput(sampling, logits.float())
         attention = (
-            LatentPagedAttention(self.cache, batch, self.scale)
+            LatentPagedAttention(self.cache, batch, self.scale, self.kernels)
             if self.latent
             else PagedAttention(self.cache, batch, self.scale, self.kernels)
         )

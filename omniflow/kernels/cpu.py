@@ -78,6 +78,11 @@ _SIGNATURES = {
         _INT,
         [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT, _PTR, _PTR, _I64, _INT],
     ),
+    "omniflow_latent_decode_attention_bf16": (
+        _INT,
+        [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _F32]
+        + [_PTR, _INT],
+    ),
     "omniflow_decode_attention_bf16": (
         _INT,
         [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]
@@ -230,6 +235,56 @@ class CpuKernels:
             *_head_args(heads, kv_heads, head_dim, scale, out),
         )
         _check_heads(status, "decode_attention", heads, kv_heads, head_dim)
+        return out
+
+    def latent_decode_attention(
+        self,
+        q: torch.Tensor,
+        firsts: torch.Tensor,
+        seconds: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        rank: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """MLA decode attention over latent pages, read in place (latent_attention.c): q
+        [rows, heads, width] (rows strided), one layer's latent halves firsts/seconds [pages,
+        page_size, half] contiguous (a token's first `half` values, then the other
+        width - half), tables [rows, widest] and lengths [rows] int64 contiguous. Returns the
+        weighted latents' first `rank` values [rows, heads, rank]."""
+        rows, heads, width = q.shape
+        _, page_size, half = firsts.shape
+        if q.stride()[1:] != (width, 1) or not (firsts.is_contiguous() and seconds.is_contiguous()):
+            raise ValueError(f"latent_decode_attention: q strides {q.stride()} or pages strided")
+        if seconds.shape != firsts.shape:
+            raise ValueError(
+                f"latent_decode_attention: halves {tuple(firsts.shape)} != {tuple(seconds.shape)}"
+            )
+        if not (tables.is_contiguous() and lengths.is_contiguous()):
+            raise ValueError("latent_decode_attention: tables and lengths must be contiguous")
+        out = q.new_empty((rows, heads, rank))
+        status = self._lib.omniflow_latent_decode_attention_bf16(
+            q.data_ptr(),
+            q.stride(0),
+            heads,
+            width,
+            rank,
+            firsts.data_ptr(),
+            seconds.data_ptr(),
+            half,
+            page_size,
+            tables.data_ptr(),
+            tables.shape[1],
+            lengths.data_ptr(),
+            rows,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError(
+                f"latent_decode_attention: width {width}, half {half}, rank {rank} unsupported"
+            )
         return out
 
     def context_attention_supported(self, heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -11,8 +11,9 @@
  * says whether this build and this kernel have it.
  *
  * The kernels by family: rows.c (norm with the residual add, rotary, K/V writes, silu * up),
- * decode_attention.c, linear_amx.c (projections), chunk_attention.c (prefill attention on
- * AMX) and decode_layers.c (a decode step's layers in one call). This header holds what
+ * decode_attention.c, latent_attention.c (MLA's decode attention over latent pages),
+ * linear_amx.c (projections), chunk_attention.c (prefill attention on AMX) and
+ * decode_layers.c (a decode step's layers in one call). This header holds what
  * they share: bf16 conversions and vector helpers, and the pieces decode_layers.c runs
  * inside its own parallel region.
  */

@@ -2,15 +2,18 @@
 
 `MLADecoderLM` is a `DecoderLM` (same forward, heads, embedding overrides and packing), with
 its own layers, rotary and weight names. Its attention hands the `AttentionFn` one latent
-kv head (see mla.py), so the engine must pair it with latent pages (`MLAConfig`); the CPU
-kernels, which know Llama's layers only, are never used for it.
+kv head (see mla.py), so the engine must pair it with latent pages (`MLAConfig`). On the CPU
+kernels (bf16 on CPU, `use_cpu_kernels`) each layer's norms run with their residual adds and
+every MLP's silu * up (dense, shared and routed experts) in one pass; the attention's own
+projections and low-rank norms stay PyTorch ops, and the engine's latent attention reads
+decode rows' pages on the kernels.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -37,6 +40,17 @@ class DeepseekLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self, x, delta, cos, sin, attention: AttentionFn, kernels: CpuKernels
+    ) -> torch.Tensor:
+        """DecoderLayer.forward_fused's contract: x updated in place with the last layer's
+        `delta` and this layer's attention; returns this layer's MLP output."""
+        norm, post_norm = self.input_layernorm, self.post_attention_layernorm
+        h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+        attended = self.self_attn(h, cos, sin, attention)
+        h = kernels.add_rms_norm(x, attended, post_norm.weight, post_norm.eps)
+        return _mlp_fused(self.mlp, h, kernels)
+
 
 class LongcatLayer(nn.Module):
     """Two attention + dense MLP sublayers, and an MoE on the first MLP's input whose output
@@ -58,6 +72,30 @@ class LongcatLayer(nn.Module):
         x = x + self.mlps[0](h)
         x = x + self.self_attn[1](self.input_layernorm[1](x), cos, sin, attention)
         return x + self.mlps[1](self.post_attention_layernorm[1](x)) + shortcut
+
+    def forward_fused(
+        self, x, delta, cos, sin, attention: AttentionFn, kernels: CpuKernels
+    ) -> torch.Tensor:
+        """DeepseekLayer.forward_fused for LongCat's two sublayers and shortcut MoE."""
+        norms = cast("list[RMSNorm]", self.input_layernorm)
+        posts = cast("list[RMSNorm]", self.post_attention_layernorm)
+        h = kernels.add_rms_norm(x, delta, norms[0].weight, norms[0].eps)
+        attended = self.self_attn[0](h, cos, sin, attention)
+        h = kernels.add_rms_norm(x, attended, posts[0].weight, posts[0].eps)
+        shortcut = _mlp_fused(self.mlp, h, kernels)
+        h = kernels.add_rms_norm(
+            x, _mlp_fused(self.mlps[0], h, kernels), norms[1].weight, norms[1].eps
+        )
+        attended = self.self_attn[1](h, cos, sin, attention)
+        h = kernels.add_rms_norm(x, attended, posts[1].weight, posts[1].eps)
+        return _mlp_fused(self.mlps[1], h, kernels) + shortcut
+
+
+def _mlp_fused(mlp: nn.Module, h: torch.Tensor, kernels: CpuKernels) -> torch.Tensor:
+    if isinstance(mlp, MoE):
+        return mlp(h, kernels)
+    assert isinstance(mlp, SwiGLU)
+    return mlp.forward_fused(h, kernels)
 
 
 class MLABody(nn.Module):
@@ -92,10 +130,6 @@ class MLADecoderLM(DecoderLM):
         self._output_kernels = None
         self._kernels = None
         self._decode_table = None
-
-    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        if kernels is not None:
-            raise ValueError("the CPU kernels cover Llama-shaped layers, not MLA")
 
     def materialized(self) -> None:
         """After `to_empty`: routers back to float32 in a half-precision model (transformers

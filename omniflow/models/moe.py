@@ -9,6 +9,7 @@ Routing runs in float32 on a float32 router weight, as transformers keeps it.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,6 +17,9 @@ from torch import nn
 from omniflow.models.decoder import SwiGLU
 from omniflow.models.mla import Weight
 from omniflow.models.mla_config import MLAConfig
+
+if TYPE_CHECKING:
+    from omniflow.kernels import CpuKernels
 
 
 class Experts(nn.Module):
@@ -67,7 +71,8 @@ class MoE(nn.Module):
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * config.routed_scaling_factor, ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+        """kernels: silu * up of the routed and shared experts on omniflow's CPU kernels."""
         weights, ids = self.route(x)
         flat = ids.view(-1)
         order = flat.argsort(stable=True)
@@ -78,13 +83,19 @@ class MoE(nn.Module):
         places = torch.arange(len(flat), device=x.device) - starts[experts]
         grouped = x.index_select(0, rows)
         widest = int(counts[: self.num_experts].max())
-        out_rows = self._experts(grouped, experts, places, widest)
+        out_rows = self._experts(grouped, experts, places, widest, kernels)
         scaled = (out_rows * weights.view(-1)[order, None]).to(x.dtype)
         # Shared experts fused with the routed sum: routed rows add into their output.
-        out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        shared = self.shared_experts
+        if shared is None:
+            out = torch.zeros_like(x)
+        else:
+            out = shared(x) if kernels is None else shared.forward_fused(x, kernels)
         return out.index_add_(0, rows, scaled)
 
-    def _experts(self, grouped, experts, places, widest: int) -> torch.Tensor:
+    def _experts(
+        self, grouped, experts, places, widest: int, kernels: CpuKernels | None = None
+    ) -> torch.Tensor:
         """Every routed expert over its group in two batched matmuls: the groups padded to
         the widest one, [experts, widest, hidden] (one call a matmul instead of one an expert,
         for some padding). Zero-computation experts' rows pass through unchanged."""
@@ -97,8 +108,13 @@ class MoE(nn.Module):
         padded = grouped.new_zeros(self.num_experts, widest, grouped.shape[1])
         padded[experts, places] = inputs
         gate_up = torch.bmm(padded, self.experts.gate_up_proj.transpose(1, 2))
-        gate, up = gate_up.chunk(2, dim=-1)
-        done = torch.bmm(nn.functional.silu(gate) * up, self.experts.down_proj.transpose(1, 2))
+        if kernels is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = nn.functional.silu(gate) * up
+        else:
+            activated = kernels.silu_mul(gate_up.view(-1, gate_up.shape[-1]))
+            activated = activated.view(*gate_up.shape[:-1], -1)
+        done = torch.bmm(activated, self.experts.down_proj.transpose(1, 2))
         if everything:
             return done[experts, places]
         out = grouped.clone()  # a zero-computation expert returns its input
