@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from omniflow.roles.gateway.app import GatewayApp
+from omniflow.roles.options import NoParams
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
 from omniflow.runtime.client import Client
 from omniflow.runtime.config import GatewayConfig, from_json
@@ -20,6 +21,7 @@ log = logging.getLogger("omniflow.gateway")
 
 class Gateway(Actor):
     Options = GatewayConfig
+    Params = NoParams
     options: GatewayConfig
 
     async def setup(self) -> None:
