@@ -75,6 +75,7 @@ class GatewayApp:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
         self.makes = {k for k in ("image", "audio") if f"{k}_decoder" in config.roles}
+        self._first_roles = {e.dst for e in client.router.plan.edges if e.src == _INPUT}
         self._routes = {
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/images/generations"): self.images,
@@ -161,6 +162,8 @@ class GatewayApp:
         A role this view has not seen yet (right after a start) keeps the grace.
         """
         view = self.client.view
+        if not any(view.lost(role) for role in self._first_roles):
+            return  # the common case, without routing the request twice
         for route in self.client.router.plan.route(_INPUT, params, inputs):
             role = route.edge.dst
             if view.lost(role):
