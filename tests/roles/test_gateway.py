@@ -121,6 +121,16 @@ def _error(response: httpx2.Response, status: int) -> dict:
             b'{"model": "gw", "messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}',
             "modalities",
         ),
+        (
+            b'{"model": "gw", "messages": [{"role": "user", "content": "x"}], '
+            b'"params": {"delay_m": 1}}',
+            "params.delay_m",
+        ),
+        (
+            b'{"model": "gw", "messages": [{"role": "user", "content": "x"}], '
+            b'"params": {"delay_ms": "slow"}}',
+            "params.delay_ms",
+        ),
     ],
 )
 def test_400_names_the_field(gateway, body, param):
