@@ -8,6 +8,7 @@ from omniflow.messages import CudaIpc, Frame, Shm, TensorRef
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
 from omniflow.runtime.client import Output, RequestFailed, Result
 from omniflow.runtime.config import Config, ConfigError
+from omniflow.runtime.config import load as load_config
 from omniflow.runtime.deployment import Connection, DeploymentNotFound, Runtime, connect
 
 try:
@@ -35,4 +36,5 @@ __all__ = [
     "Shm",
     "TensorRef",
     "connect",
+    "load_config",
 ]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up omniflow on a fresh Debian/Ubuntu machine: a virtual environment with the Python
 # deps (CPU torch unless a GPU is present) and `just`, the etcd server that the registry
-# tests start, and a C compiler.
+# tests start, and a C compiler; with the browser extra, Debian's chromium.
 #
 # Everything Python goes into a virtual environment made with $PYTHON (default python3):
 # .venv at the project root, or $OMNIFLOW_VENV (a relative path is taken from the project
@@ -57,6 +57,12 @@ PACKAGES=()
 if [ $PRINT_PYTHON = 0 ]; then
   command -v etcd >/dev/null 2>&1 || PACKAGES+=(etcd-server)
   command -v cc >/dev/null 2>&1 || PACKAGES+=(gcc libc6-dev)
+  # The browser extra (OMNIFLOW_EXTRAS=...,browser; .ci/run asks for it): the playground
+  # test drives Debian's chromium through Playwright from PyPI, since `playwright install`
+  # downloads a browser of its own from outside the package registries.
+  case ",$EXTRAS," in
+    *,browser,*) [ -x /usr/bin/chromium ] || PACKAGES+=(chromium) ;;
+  esac
 fi
 if ! venv_ok; then
   if ! command -v "$PY" >/dev/null 2>&1; then

@@ -23,7 +23,7 @@ import torch
 
 from omniflow.models.omni import AudioDecoder, ensure_model, load_audio_decoder, to_pcm16
 from omniflow.roles.base import ModelActor
-from omniflow.roles.options import AudioDecoderOptions
+from omniflow.roles.options import AudioDecoderOptions, NoParams
 from omniflow.runtime.actor import BadRequest, Context, Request
 
 
@@ -39,6 +39,7 @@ class _StreamState:
 
 class AudioDecoderRole(ModelActor):
     Options = AudioDecoderOptions
+    Params = NoParams
     options: AudioDecoderOptions
 
     async def setup(self) -> None:

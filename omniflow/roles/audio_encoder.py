@@ -1,8 +1,9 @@
 """``audio_encoder`` role: WAV → LongCat-style audio codes and LLM input embeddings.
 
 Input:
-    data["audio"]: bytes     a WAV file: 16-bit PCM, mono or stereo (averaged to mono), at one
-                             of the accepted sample rates (resampled to 16 kHz)
+    data["audio"]: bytes     a WAV file: 16/32-bit PCM or 32/64-bit float, mono or stereo
+                             (averaged to mono), at one of the accepted sample rates
+                             (resampled to 16 kHz)
 Output:
     audio_embeds:  float32 [N, hidden_size]   one LLM input vector per token (12.5 per second)
     audio_codes:   int64 [N, 8]               RVQ ids
@@ -15,8 +16,7 @@ Options: ``AudioEncoderOptions`` in roles/options.py.
 from __future__ import annotations
 
 import asyncio
-import io
-import wave
+import struct
 from typing import Any
 
 import numpy as np
@@ -25,29 +25,57 @@ import torch
 from omniflow.content import content_hash
 from omniflow.models.omni import AudioTokenizer, ensure_model, load_audio
 from omniflow.roles.encoder_cache import CachingEncoder, role_cache
-from omniflow.roles.options import AudioEncoderOptions
+from omniflow.roles.options import AudioEncoderOptions, NoParams
 from omniflow.runtime.actor import BadRequest, Context, Request
+
+# (format tag, bits per sample) -> numpy dtype and the scale to [-1, 1]
+_SAMPLE_TYPES = {
+    (1, 16): ("<i2", 1 / 32768.0),
+    (1, 32): ("<i4", 1 / 2147483648.0),
+    (3, 32): ("<f4", 1.0),
+    (3, 64): ("<f8", 1.0),
+}
+ACCEPTED_FORMATS = "16-bit or 32-bit PCM, 32-bit or 64-bit float"
+_EXTENSIBLE = 0xFFFE  # the real tag is the first two bytes of its subformat GUID
 
 
 def read_wav(data: bytes, accepted_rates: tuple[int, ...]) -> tuple[np.ndarray, int]:
-    """Mono float32 samples in [-1, 1] and the sample rate of a 16-bit PCM WAV.
+    """Mono float32 samples in [-1, 1] and the sample rate of a WAV file.
 
-    Raises BadRequest("audio", ...) naming what is wrong: unreadable, truncated, not 16-bit,
-    too many channels, or a sample rate outside ``accepted_rates``.
+    Accepts 16-bit and 32-bit integer PCM and 32-bit and 64-bit IEEE float, mono or stereo
+    (averaged), plain or WAVE_FORMAT_EXTENSIBLE. Raises BadRequest("audio", ...) naming
+    what is wrong: unreadable, truncated, another sample format, too many channels, or a
+    sample rate outside ``accepted_rates``.
     """
-    try:
-        with wave.open(io.BytesIO(data), "rb") as reader:
-            channels, width, rate = (
-                reader.getnchannels(),
-                reader.getsampwidth(),
-                reader.getframerate(),
-            )
-            frames = reader.getnframes()
-            raw = reader.readframes(frames)
-    except (wave.Error, EOFError, ValueError) as e:
-        raise BadRequest("audio", f"unreadable WAV: {e}") from None
-    if width != 2:
-        raise BadRequest("audio", f"expected 16-bit PCM, got {8 * width}-bit samples")
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise BadRequest("audio", "unreadable WAV: not a RIFF/WAVE file")
+    fmt: bytes | None = None
+    raw: bytes | None = None
+    declared = 0
+    pos = 12
+    while pos + 8 <= len(data):
+        kind, size = data[pos : pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
+        body = data[pos + 8 : pos + 8 + size]
+        if kind == b"fmt ":
+            fmt = body
+        elif kind == b"data":
+            raw, declared = body, size
+            break
+        pos += 8 + size + (size & 1)  # chunks are padded to even sizes
+    if fmt is None or len(fmt) < 16:
+        raise BadRequest("audio", "unreadable WAV: no fmt chunk")
+    if raw is None:
+        raise BadRequest("audio", "unreadable WAV: no data chunk")
+    tag, channels, rate = struct.unpack_from("<HHI", fmt, 0)
+    bits = struct.unpack_from("<H", fmt, 14)[0]
+    if tag == _EXTENSIBLE and len(fmt) >= 26:
+        tag = struct.unpack_from("<H", fmt, 24)[0]
+    sample_type = _SAMPLE_TYPES.get((tag, bits))
+    if sample_type is None:
+        what = {1: "PCM", 3: "float"}.get(tag, f"format tag {tag}")
+        raise BadRequest(
+            "audio", f"unsupported WAV samples: {bits}-bit {what}; accepted: {ACCEPTED_FORMATS}"
+        )
     if channels not in (1, 2):
         raise BadRequest("audio", f"expected mono or stereo, got {channels} channels")
     if rate not in accepted_rates:
@@ -55,12 +83,16 @@ def read_wav(data: bytes, accepted_rates: tuple[int, ...]) -> tuple[np.ndarray, 
             "audio",
             f"unsupported sample rate {rate} Hz; accepted: {', '.join(map(str, accepted_rates))}",
         )
-    got = len(raw) // (width * channels)
+    frame = bits // 8 * channels
+    frames, got = declared // frame, len(raw) // frame
     if got < frames:
         raise BadRequest("audio", f"truncated WAV: header says {frames} frames, data holds {got}")
     if frames == 0:
         raise BadRequest("audio", "empty WAV: no samples")
-    samples = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+    dtype, scale = sample_type
+    samples = np.frombuffer(raw[: frames * frame], dtype=dtype).astype(np.float32) * scale
+    if not np.isfinite(samples).all():
+        raise BadRequest("audio", "float WAV holds NaN or infinite samples")
     return samples.reshape(-1, channels).mean(axis=1), rate
 
 
@@ -80,6 +112,7 @@ def resample(samples: torch.Tensor, rate: int, target: int) -> torch.Tensor:
 
 class AudioEncoderRole(CachingEncoder):
     Options = AudioEncoderOptions
+    Params = NoParams
     options: AudioEncoderOptions
 
     async def setup(self) -> None:

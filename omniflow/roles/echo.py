@@ -13,7 +13,7 @@ import asyncio
 import os
 import re
 
-from omniflow.roles.options import EchoOptions
+from omniflow.roles.options import EchoOptions, EchoParams, read_params
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
 
 
@@ -26,6 +26,7 @@ def _text(request: Request) -> str:
 
 class _Echo(Actor):
     Options = EchoOptions
+    Params = EchoParams
     options: EchoOptions
 
     async def _maybe_misbehave(self, text: str, request: Request) -> None:
@@ -33,7 +34,7 @@ class _Echo(Actor):
             raise RuntimeError(f"asked to fail on {text!r}")
         if text and text == self.options.crash_on:
             os._exit(17)
-        delay = self.options.delay_ms + float(request.params.get("delay_ms", 0))
+        delay = self.options.delay_ms + read_params(EchoParams, request.params).delay_ms
         if delay:
             await asyncio.sleep(delay / 1e3)
 

@@ -24,7 +24,7 @@ from PIL import Image
 
 from omniflow.models.omni import ImageDecoder, ensure_model, load_image_decoder
 from omniflow.roles.base import ModelActor
-from omniflow.roles.options import ImageDecoderOptions
+from omniflow.roles.options import ImageDecoderOptions, ImageDecoderParams
 from omniflow.runtime.actor import BadRequest, Context, Request
 
 _MAX_CFG_SCALE = 30.0
@@ -32,6 +32,7 @@ _MAX_CFG_SCALE = 30.0
 
 class ImageDecoderRole(ModelActor):
     Options = ImageDecoderOptions
+    Params = ImageDecoderParams
     options: ImageDecoderOptions
 
     async def setup(self) -> None:

@@ -59,7 +59,7 @@ from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
 from omniflow.models.tiny import build_tiny_model
 from omniflow.roles.base import ModelActor
-from omniflow.roles.options import LLMOptions
+from omniflow.roles.options import LLMOptions, LLMParams, read_params
 from omniflow.runtime.actor import BadRequest, Context, Request
 from omniflow.runtime.priority import lower_thread_priority
 
@@ -115,6 +115,7 @@ class _Session:
 
 class LLMRole(ModelActor):
     Options = LLMOptions
+    Params = LLMParams
     options: LLMOptions
 
     async def setup(self) -> None:
@@ -207,6 +208,7 @@ class LLMRole(ModelActor):
     # ------------------------------------------------------------------ requests
 
     async def handle(self, request: Request, ctx: Context):
+        read_params(LLMParams, request.params)  # types and ranges, each error naming its key
         want = _want(request.params)
         text = request.data.get("text", "")
         if not isinstance(text, str):

@@ -8,14 +8,18 @@ tests/roles/test_options.py checks that ``OPTIONS`` matches each role class's ``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
+from omniflow.runtime.actor import BadRequest
 from omniflow.runtime.priority import DEFAULT_MODEL_NICE
 from omniflow.runtime.tables import FieldError
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class ModelThreadOptions(
@@ -137,3 +141,89 @@ OPTIONS: dict[str, type[msgspec.Struct]] = {
     "omniflow.roles.echo:Upper": EchoOptions,
     "omniflow.roles.echo:Reverse": EchoOptions,
 }
+
+
+# ---------------------------------------------------------------- request parameters
+#
+# A request's ``params`` travel unchanged along its whole path; each role reads the keys it
+# declares here (types and ranges in ``Meta``) and ignores the rest. The CLI checks a
+# request's keys and types against the union over the deployment's roles before sending
+# (``omniflow.runtime.loading.params_type``), so a typo (``max_token``) is refused, not
+# silently ignored; each role checks its ranges (``read_params``) when the request arrives.
+
+
+class LLMParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    want: Annotated[
+        str | list[str], Meta(description="output modalities: some of text,image,audio")
+    ] = "text"
+    max_tokens: Annotated[
+        int, Meta(ge=1, description="text tokens to generate, up to the role's max_tokens option")
+    ] = 16
+    temperature: Annotated[float, Meta(ge=0, description="0: greedy")] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling mass")] = 1.0
+    top_k: Annotated[int, Meta(description="keep the k likeliest tokens (<= 0: all)")] = 0
+    min_p: Annotated[float, Meta(ge=0, le=1, description="drop tokens below min_p * top")] = 0.0
+    seed: Annotated[int, Meta(description="makes the request's samples reproducible")] = 0
+    repetition_penalty: Annotated[float, Meta(gt=0, description="1: off")] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2, description="0: off")] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2, description="0: off")] = 0.0
+    stop: Annotated[str | list[str], Meta(description="stop strings (cut from the text)")] = ""
+    image_grid: Annotated[
+        list[Annotated[int, Meta(ge=1, le=32)]],
+        Meta(min_length=2, max_length=2, description="[h, w] image tokens, 1..32 each"),
+    ] = msgspec.field(default_factory=lambda: [4, 4])
+    cfg_scale: Annotated[float, Meta(ge=0, le=30, description="image guidance scale")] = 2.0
+    audio_chunks: Annotated[int, Meta(ge=1, le=64, description="audio chunks streamed")] = 3
+    audio_chunk_tokens: Annotated[int, Meta(ge=1, le=256, description="audio tokens per chunk")] = 4
+
+
+class ImageDecoderParams(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    cfg_scale: Annotated[
+        float, Meta(ge=0, le=30, description="guidance scale (default: the option)")
+    ] = 2.0
+    seed: Annotated[int, Meta(description="noise seed")] = 0
+    steps: Annotated[int, Meta(ge=1, le=200, description="Euler steps (default: the option)")] = 4
+
+
+class EchoParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    delay_ms: Annotated[float, Meta(ge=0, description="sleep this long in each role")] = 0.0
+
+
+class NoParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A role that reads no request parameter."""
+
+
+PARAMS: dict[str, type[msgspec.Struct]] = {
+    "omniflow.roles.vision_encoder:VisionEncoderRole": NoParams,
+    "omniflow.roles.audio_encoder:AudioEncoderRole": NoParams,
+    "omniflow.roles.llm:LLMRole": LLMParams,
+    "omniflow.roles.image_decoder:ImageDecoderRole": ImageDecoderParams,
+    "omniflow.roles.audio_decoder:AudioDecoderRole": NoParams,
+    "omniflow.roles.echo:Upper": EchoParams,
+    "omniflow.roles.echo:Reverse": EchoParams,
+    "omniflow.roles.gateway:Gateway": NoParams,
+}
+
+
+def read_params(schema: type[S], params: Mapping[str, Any]) -> S:
+    """The keys of ``params`` that ``schema`` declares, checked (type and range).
+
+    Raises BadRequest naming ``params.KEY`` and what it expected.
+    """
+    names = schema.__struct_fields__
+    mine = {k: v for k, v in params.items() if k in names}
+    try:
+        return msgspec.convert(mine, schema)
+    except msgspec.ValidationError as e:
+        field, message = _split_path(str(e))
+        raise BadRequest(f"params.{field}" if field else "params", message) from None
+
+
+def _split_path(error: str) -> tuple[str, str]:
+    """msgspec's "Expected `float`, got `str` - at `$.cfg_scale`" as ("cfg_scale", "...")."""
+    message, sep, path = error.rpartition(" - at `$.")
+    if not sep:
+        return "", error
+    return path.rstrip("`"), message

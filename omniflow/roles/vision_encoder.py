@@ -29,7 +29,7 @@ from PIL import Image, UnidentifiedImageError
 from omniflow.content import content_hash
 from omniflow.models.omni import VisionTokenizer, ensure_model, load_vision
 from omniflow.roles.encoder_cache import CachingEncoder, EncoderOutputCache, role_cache
-from omniflow.roles.options import VisionEncoderOptions
+from omniflow.roles.options import NoParams, VisionEncoderOptions
 from omniflow.runtime.actor import BadRequest, Context, Request
 
 __all__ = ["EncoderOutputCache", "VisionEncoderRole", "content_hash", "fit_to_grid"]
@@ -50,6 +50,7 @@ def fit_to_grid(width: int, height: int, step: int, max_pixels: int) -> tuple[in
 
 class VisionEncoderRole(CachingEncoder):
     Options = VisionEncoderOptions
+    Params = NoParams
     options: VisionEncoderOptions
 
     async def setup(self) -> None:

@@ -19,6 +19,8 @@ land in the reader's context, so only handlers that use neither should opt in.
 An actor class may set ``Options`` to a msgspec Struct: its config's ``options`` table is
 then checked against it when the config loads (unknown keys, types, ``Meta`` ranges) and
 ``self.options`` is that Struct; without one, ``self.options`` is the table as a dict.
+``Params`` likewise declares the request parameters it reads: clients refuse a key that no
+role of the deployment declares (None: the role reads any).
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class Actor:
 
     eager = False  # start single-chunk handlers in the socket reader (see the module doc)
     Options: ClassVar[Any] = None  # a msgspec Struct type for the options table; None: any
+    Params: ClassVar[Any] = None  # a msgspec Struct of the request params it reads; None: any
 
     def __init__(self, role: str, replica: int, options: Mapping[str, Any] | None = None) -> None:
         self.role = role

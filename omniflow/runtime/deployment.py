@@ -31,6 +31,16 @@ class DeploymentNotFound(LookupError):
     """No running deployment matches what was asked for."""
 
 
+class SeveralDeployments(DeploymentNotFound):
+    """No name or run dir was given and more than one deployment is running."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(
+            f"several deployments are running ({', '.join(names)}); pick one with --name"
+        )
+        self.names = names
+
+
 class Runtime:
     def __init__(
         self,
@@ -142,8 +152,7 @@ def find_deployment(name: str | None = None, run_dir: str | Path | None = None) 
             f"no running omniflow deployment ({what}); start one with `omniflow up`"
         )
     if len(states) > 1:
-        names = ", ".join(s["name"] for s in states)
-        raise DeploymentNotFound(f"several deployments are running ({names}); pick one with --name")
+        raise SeveralDeployments([s["name"] for s in states])
     return states[0]
 
 

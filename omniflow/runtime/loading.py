@@ -5,6 +5,7 @@ config names. To check options at load without importing a role's module (and wi
 torch), a package may list its actors' option Structs in a light sibling module
 ``<package>.options`` as ``OPTIONS = {"package.module:Class": Struct}``; omniflow.roles
 does. Other actors are imported and their ``Options`` attribute read (None: any table).
+Likewise ``PARAMS`` and ``Params``: the request parameters an actor reads.
 """
 
 from __future__ import annotations
@@ -43,6 +44,23 @@ def options_type(path: str) -> Any:
             if found is not None:
                 return found
     return load_actor_class(path).Options
+
+
+def params_type(path: str) -> Any:
+    """The msgspec Struct of the request parameters ``path``'s actor reads (``PARAMS`` in
+    ``<package>.options``, else the class's ``Params``), or None: it declares none."""
+    module = path.partition(":")[0]
+    package = module.rpartition(".")[0]
+    if package:
+        try:
+            listed = importlib.util.find_spec(f"{package}.options") is not None
+        except ImportError:
+            listed = False
+        if listed:
+            found = getattr(_import(f"{package}.options"), "PARAMS", {}).get(path)
+            if found is not None:
+                return found
+    return load_actor_class(path).Params
 
 
 def _import(module: str) -> ModuleType:

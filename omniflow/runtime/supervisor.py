@@ -317,6 +317,9 @@ class Supervisor:
             "%s (pid %d) exited with code %s; restarting", replica.actor_id, replica.proc.pid, code
         )
         replica.state = "restarting"
+        replica.restarts += 1
+        with contextlib.suppress(OSError):  # `omniflow status` shows it restarting
+            self._write_state()
         self._own(self._restart(replica))
 
     def _own(self, coro: Any) -> None:
@@ -332,8 +335,7 @@ class Supervisor:
                 await self._fail_what_it_held(replica, key)
             with contextlib.suppress(Exception):
                 await self._registry.delete(key)
-        delay = min(rt.restart_backoff_s * (2**replica.restarts), rt.restart_backoff_max_s)
-        replica.restarts += 1
+        delay = min(rt.restart_backoff_s * (2 ** (replica.restarts - 1)), rt.restart_backoff_max_s)
         await asyncio.sleep(delay)
         if self._stopping:
             return
@@ -495,6 +497,17 @@ class Supervisor:
             "config": self.config.source,
             "pool": self.pool_name,
             "started": time.time(),
+            # What the registry cannot say: a replica restarting has no record there.
+            "actors": [
+                {
+                    "role": r.role,
+                    "replica": r.index,
+                    "pid": r.proc.pid if r.proc is not None else 0,
+                    "state": r.state,
+                    "restarts": r.restarts,
+                }
+                for r in self.replicas
+            ],
         }
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))

@@ -18,6 +18,13 @@ def _actors(run_dir: Path) -> dict[str, tuple[int, str]]:
     return {f"{r.role}/{r.replica}": (r.pid, r.state) for r in records}
 
 
+def _recorded(run_dir, role, replica):
+    for actor in json.loads((run_dir / "state.json").read_text())["actors"]:
+        if (actor["role"], actor["replica"]) == (role, replica):
+            return actor["pid"], actor["state"], actor["restarts"]
+    return None
+
+
 def test_detached_deployment_restarts_a_killed_worker(detached):
     victim, _ = _actors(detached)["reverse/1"]
     os.kill(victim, signal.SIGKILL)
@@ -31,9 +38,10 @@ def test_detached_deployment_restarts_a_killed_worker(detached):
         time.sleep(0.2)
     # The supervisor saw the restart through: its Ready was taken, its state file rewritten.
     until = time.monotonic() + 10
-    while json.loads((detached / "state.json").read_text())["started"] < killed:
-        assert time.monotonic() < until
+    while _recorded(detached, "reverse", 1) != (pid, "ready", 1):
+        assert time.monotonic() < until, _recorded(detached, "reverse", 1)
         time.sleep(0.2)
+    assert json.loads((detached / "state.json").read_text())["started"] > killed
     log = (detached / "supervisor.log").read_text()
     assert "Traceback" not in log, log
     assert "reverse/1 ready" in log

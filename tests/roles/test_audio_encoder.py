@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import struct
+
+import numpy as np
 import pytest
 import torch
 
-from omniflow.roles.audio_encoder import AudioEncoderRole, resample
+from omniflow.roles.audio_encoder import AudioEncoderRole, read_wav, resample
+from omniflow.roles.options import ACCEPTED_RATES
 from omniflow.runtime.actor import BadRequest
 from tests.roles.media import drive, make_ctx, make_request, run, wav_bytes
 
@@ -112,3 +116,43 @@ def test_limits_are_options(models_root):
             await actor.close()
 
     run(main())
+
+
+def _float_wav(
+    samples: np.ndarray, rate: int, dtype: str = "<f4", extensible: bool = False
+) -> bytes:
+    """A WAV of IEEE float samples [frames, channels] (tag 3, or 0xFFFE with a float GUID)."""
+    frames, channels = samples.shape
+    bits = np.dtype(dtype).itemsize * 8
+    block = channels * bits // 8
+    head = struct.pack(
+        "<HHIIHH", 0xFFFE if extensible else 3, channels, rate, rate * block, block, bits
+    )
+    if extensible:  # cbSize, valid bits, channel mask, then the subformat GUID (tag first)
+        head += struct.pack("<HHI", 22, bits, 0) + struct.pack("<H", 3) + bytes(14)
+    data = samples.astype(dtype).tobytes()
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(head)) + head
+    body += b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+@pytest.mark.parametrize(
+    ("dtype", "extensible", "channels"),
+    [("<f4", False, 1), ("<f4", True, 2), ("<f8", False, 1)],
+    ids=["float32", "float32-extensible-stereo", "float64"],
+)
+def test_float_wav_reads_as_the_same_samples_as_pcm16(dtype, extensible, channels):
+    pcm = wav_bytes(0.5, rate=24000, channels=channels)
+    expected, rate = read_wav(pcm, ACCEPTED_RATES)
+    frames = np.repeat(expected[:, None], channels, axis=1)
+    got, got_rate = read_wav(_float_wav(frames, 24000, dtype, extensible), ACCEPTED_RATES)
+    assert got_rate == rate == 24000 and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_a_float_wav_is_encoded_like_its_pcm16_twin(models_root):
+    pcm = wav_bytes(0.4)
+    samples, _ = read_wav(pcm, ACCEPTED_RATES)
+    floats = _float_wav(samples[:, None], 16000)
+    (a, _), (b, _) = _encode_all(models_root, [pcm, floats])
+    assert torch.equal(a["audio_codes"], b["audio_codes"])

@@ -121,6 +121,16 @@ def _error(response: httpx2.Response, status: int) -> dict:
             b'{"model": "gw", "messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}',
             "modalities",
         ),
+        (
+            b'{"model": "gw", "messages": [{"role": "user", "content": "x"}], '
+            b'"params": {"delay_m": 1}}',
+            "params.delay_m",
+        ),
+        (
+            b'{"model": "gw", "messages": [{"role": "user", "content": "x"}], '
+            b'"params": {"delay_ms": "slow"}}',
+            "params.delay_ms",
+        ),
     ],
 )
 def test_400_names_the_field(gateway, body, param):
@@ -235,11 +245,21 @@ def test_the_playground_is_one_page_with_nothing_from_elsewhere(gateway):
     assert "src=" not in page.text and "https://" not in page.text
 
 
+def _browser_missing(what: str) -> None:
+    """Skip without the browser, but fail under CI, which installs it (.ci/run)."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI=true and {what}: OMNIFLOW_EXTRAS=...,browser bash scripts/setup.sh")
+    pytest.skip(what)
+
+
 @pytest.mark.browser
 def test_the_playground_chats_in_headless_chromium(gateway):
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"needs {CHROMIUM} (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
+        _browser_missing(f"no {CHROMIUM} (apt-get install chromium)")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        _browser_missing("no playwright (the browser extra: pip install -e .[browser])")
     url, _ = gateway
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])

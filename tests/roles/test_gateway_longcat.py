@@ -140,3 +140,50 @@ def test_images_generations(client):
     for item in result.data:
         png = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
         assert png.format == "PNG" and png.size == (64, 96)
+
+
+def _log(role: str) -> str:
+    state = omniflow.runtime.find_deployment("lcgw")
+    return (Path(state["run_dir"]) / "logs" / f"{role}-0.log").read_text()
+
+
+def test_a_param_of_the_wrong_type_is_a_400_naming_it_not_an_internal_error(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, "draw", modalities=["text", "image"], extra_body={"params": {"cfg_scale": "x"}})
+    assert "params.cfg_scale: Expected `float`, got `str`" in str(caught.value)
+    assert "Traceback" not in _log("llm")
+    assert ask(client, "still here", max_tokens=2).choices[0].message.content is not None
+
+
+def test_send_checks_params_against_what_the_longcat_roles_declare(client, tmp_path):
+    def send(*args):
+        return cli("send", "--name", "lcgw", "-o", str(tmp_path), *args, check=False)
+
+    typo = send("-t", "hi", "-p", "max_token=2")
+    assert typo.returncode == 2
+    assert "--param max_token: no role of lcgw reads it (did you mean max_tokens?)" in typo.stderr
+    wrong = send("-t", "hi", "--want", "image", "-p", "cfg_scale=abc")
+    assert wrong.returncode == 2 and '--param cfg_scale="abc"' in wrong.stderr
+    assert send("-t", "hi", "--size", "64x64").returncode == 2  # longcat sizes by image_grid
+    grid = send("-t", "hi", "--want", "image", "-p", "image_grid=[2,40]")
+    assert grid.returncode == 2  # the range is the llm's to check: bad_request, exit 2
+    assert "[bad_request] llm: params.image_grid[1]: Expected `int` <= 32" in grid.stderr
+    ok = send("-t", "hi", "--want", "image", "--seed", "3", "--steps", "2", "--cfg-scale", "1.5")
+    assert ok.returncode == 0, ok.stderr
+    assert list(tmp_path.glob("*.png"))
+
+
+def test_send_takes_a_32_bit_float_wav(client, tmp_path):
+    import numpy as np
+
+    from omniflow.roles.audio_encoder import read_wav
+    from omniflow.roles.options import ACCEPTED_RATES
+    from tests.roles.test_audio_encoder import _float_wav
+
+    samples, rate = read_wav(wav_bytes(0.5, rate=16000), ACCEPTED_RATES)
+    path = tmp_path / "float.wav"
+    path.write_bytes(_float_wav(samples[:, None].astype(np.float32), rate))
+    sent = cli(
+        "send", "--name", "lcgw", "-o", str(tmp_path), "-t", "hear", "-a", str(path), "--json"
+    )
+    assert sent.returncode == 0, sent.stderr

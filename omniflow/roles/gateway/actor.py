@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from omniflow.roles.gateway.app import GatewayApp
+from omniflow.roles.gateway.protocol import GatewayProtocol
+from omniflow.roles.options import NoParams
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
 from omniflow.runtime.client import Client
 from omniflow.runtime.config import GatewayConfig, from_json
@@ -20,6 +22,7 @@ log = logging.getLogger("omniflow.gateway")
 
 class Gateway(Actor):
     Options = GatewayConfig
+    Params = NoParams
     options: GatewayConfig
 
     async def setup(self) -> None:
@@ -50,7 +53,7 @@ class Gateway(Actor):
         config_ = uvicorn.Config(
             self.app,
             loop="none",  # this replica's uvloop
-            http="httptools",
+            http=GatewayProtocol,  # httptools, each response in one send
             lifespan="off",
             access_log=False,
             log_level="warning",

@@ -46,6 +46,7 @@ from omniflow.roles.gateway.schema import (
 )
 from omniflow.runtime.client import Client, Output, RequestFailed, Result
 from omniflow.runtime.config import Config, GatewayConfig
+from omniflow.runtime.loading import params_type
 
 _STATUS = {
     "bad_request": 400,
@@ -75,6 +76,8 @@ class GatewayApp:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
         self.makes = {k for k in ("image", "audio") if f"{k}_decoder" in config.roles}
+        self._first_roles = {e.dst for e in client.router.plan.edges if e.src == _INPUT}
+        self._params = _declared_params(config)
         self._routes = {
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/images/generations"): self.images,
@@ -161,6 +164,8 @@ class GatewayApp:
         A role this view has not seen yet (right after a start) keeps the grace.
         """
         view = self.client.view
+        if not any(view.lost(role) for role in self._first_roles):
+            return  # the common case, without routing the request twice
         for route in self.client.router.plan.route(_INPUT, params, inputs):
             role = route.edge.dst
             if view.lost(role):
@@ -171,6 +176,20 @@ class GatewayApp:
         if asked is None:
             return limit
         return min(asked, limit) if limit else asked
+
+    def _check_params(self, given: dict[str, Any]) -> None:
+        """A key of the ``params`` extension that no role reads is a typo: refuse it. Types
+        and ranges are each role's to check (a bad one is its 400)."""
+        if self._params is None:
+            return
+        for key in given:
+            if key not in self._params:
+                known = ", ".join(sorted(self._params)) or "none"
+                raise ApiError(
+                    400,
+                    f"no role of {self.name} reads param {key!r}; known: {known}",
+                    f"params.{key}",
+                )
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -186,6 +205,7 @@ class GatewayApp:
         for kind in want[1:] if want[0] == "text" else want:
             if kind not in self.makes:
                 raise ApiError(400, f"this deployment makes no {kind}", "modalities")
+        self._check_params(req.params)
         params = chat_params(req, want)
         self._admit()
         self._first_hops_live(inputs, params)
@@ -346,6 +366,18 @@ class GatewayApp:
         await answer(send, 200, {"created": int(time.time()), "data": data})
         self.metrics.latency.labels("images").observe(time.perf_counter() - started)
         return 200
+
+
+def _declared_params(config: Config) -> set[str] | None:
+    """Every request param some role of the graph declares; None when a role declares none
+    (it may read any key)."""
+    keys: set[str] = set()
+    for role in config.roles.values():
+        schema = params_type(role.actor)
+        if schema is None:
+            return None
+        keys.update(schema.__struct_fields__)
+    return keys
 
 
 async def _open_sse(send: Send) -> None:

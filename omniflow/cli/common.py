@@ -1,0 +1,51 @@
+"""What every omniflow command shares: the app, plain-text consoles, exit codes, lookups."""
+
+from __future__ import annotations
+
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from omniflow.runtime.config import ConfigError, load
+from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, find_deployment
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown")
+# Messages are plain text: no markup (errors quote "[bad_request]", "[h, w]", "[roles.x]"),
+# no highlighting, and no wrapping (a piped line stays one line for grep).
+err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
+# Piped, a table is as wide as its cells (no column cropped to fit 80).
+out = Console(
+    markup=False, highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 10_000
+)
+
+EXIT_START, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_REQUEST = 1, 2, 3, 4
+
+NameOpt = typer.Option(
+    None, "--name", "-n", help="Deployment name (default: the only one running)."
+)
+RunDirOpt = typer.Option(None, "--run-dir", help="The deployment's run directory.")
+
+
+def load_config(config: Path) -> Any:
+    try:
+        return load(config)
+    except ConfigError as e:
+        fail(f"config error: {e}", EXIT_USAGE)
+
+
+def fail(message: str, code: int) -> typing.NoReturn:
+    err.print(message, style="red")
+    raise typer.Exit(code)
+
+
+def find_running(name: str | None, run_dir: Path | None) -> dict[str, Any]:
+    try:
+        return find_deployment(name, run_dir)
+    except SeveralDeployments as e:
+        fail(str(e), EXIT_USAGE)
+    except DeploymentNotFound as e:
+        fail(str(e), EXIT_NOT_RUNNING)

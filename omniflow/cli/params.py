@@ -1,0 +1,94 @@
+"""A request's parameters as `omniflow send` builds them, checked before anything is sent.
+
+Each role declares the parameters it reads (``Params``, a msgspec Struct; the shipped
+roles' are ``PARAMS`` in omniflow/roles/options.py). A key that no role of the deployment
+declares is refused, naming it, and so is a value of the wrong type or shape; ranges are
+the roles' to check (a bad one comes back as ``bad_request``). A deployment with a role
+that declares nothing takes any key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import typing
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from omniflow.runtime.config import Config
+from omniflow.runtime.loading import params_type
+
+WANT = ("text", "image", "audio")
+SIZE = re.compile(r"auto|[1-9][0-9]*x[1-9][0-9]*")
+
+
+class ParamError(ValueError):
+    """A parameter the deployment would refuse; the message names it."""
+
+
+def parse_pairs(items: Iterable[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings as a dict; a VALUE that parses as JSON is that JSON value."""
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ParamError(f"--param {item!r}: expected KEY=VALUE")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
+    return params
+
+
+def check_want(want: str) -> str:
+    kinds = [w.strip() for w in want.split(",")]
+    wrong = [k for k in kinds if k not in WANT]
+    if wrong or not kinds:
+        raise ParamError(f"--want {want!r}: expected some of {','.join(WANT)}, got {wrong}")
+    return ",".join(kinds)
+
+
+def check_size(size: str) -> str:
+    if not SIZE.fullmatch(size):
+        raise ParamError(f"--size {size!r}: expected WIDTHxHEIGHT (e.g. 512x512) or auto")
+    return size
+
+
+def declared(config: Config) -> dict[str, list[Any]] | None:
+    """Each parameter some graph role reads, with the types it takes (without ranges);
+    None when a role declares nothing (it may read any key)."""
+    types: dict[str, list[Any]] = {}
+    for role in config.roles.values():
+        schema = params_type(role.actor)
+        if schema is None:
+            return None
+        # get_type_hints without extras drops Annotated: the type, not the Meta range.
+        for key, hint in typing.get_type_hints(schema).items():
+            types.setdefault(key, []).append(hint)
+    return types
+
+
+def check(params: dict[str, Any], config: Config) -> None:
+    """Refuse a key no role reads and a value no role could take, naming the key."""
+    types = declared(config)
+    if types is None:
+        return
+    for key, value in params.items():
+        if key not in types:
+            near = difflib.get_close_matches(key, types, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            known = ", ".join(sorted(types)) or "none"
+            raise ParamError(
+                f"--param {key}: no role of {config.name} reads it{hint}; known: {known}"
+            )
+        errors = []
+        for hint in types[key]:
+            try:
+                msgspec.convert(value, hint)
+            except msgspec.ValidationError as e:
+                errors.append(str(e))
+        if len(errors) == len(types[key]):
+            raise ParamError(f"--param {key}={json.dumps(value)}: {errors[0]}")

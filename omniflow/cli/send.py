@@ -1,0 +1,209 @@
+"""omniflow send: one request, its text streamed, its images and audio written to files."""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from omniflow.cli.common import (
+    EXIT_REQUEST,
+    EXIT_USAGE,
+    NameOpt,
+    RunDirOpt,
+    err,
+    fail,
+    find_running,
+)
+
+
+def send(
+    text: str | None = typer.Option(None, "--text", "-t", help="Text input."),
+    image: list[Path] = typer.Option(
+        [], "--image", "-i", help="An image file: PNG, JPEG, WebP, GIF or BMP (repeatable)."
+    ),
+    audio: Path | None = typer.Option(
+        None,
+        "--audio",
+        "-a",
+        help="A WAV file: 16-bit PCM or 32-bit float, mono or stereo, 8-48 kHz.",
+    ),
+    want: str | None = typer.Option(
+        None, "--want", "-w", help="Output modalities, some of text,image,audio."
+    ),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens", min=1, help="Text tokens to generate (default 16)."
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="Sampling or noise seed."),
+    steps: int | None = typer.Option(None, "--steps", help="Denoising steps of an image."),
+    cfg_scale: float | None = typer.Option(
+        None, "--cfg-scale", help="Classifier-free guidance scale of an image."
+    ),
+    size: str | None = typer.Option(
+        None, "--size", help="Generated image size: WIDTHxHEIGHT or auto."
+    ),
+    param: list[str] = typer.Option(
+        [],
+        "--param",
+        "-p",
+        help="Request parameter KEY=VALUE (repeatable; VALUE as JSON where it parses).",
+    ),
+    session: str = typer.Option(
+        "", "--session", help="Session id: continue a multi-turn dialogue."
+    ),
+    out_dir: Path | None = typer.Option(
+        None, "--out", "-o", help="Where images and audio are written (default: ./out)."
+    ),
+    timeout: float | None = typer.Option(
+        None,
+        "--timeout",
+        help="Deadline in seconds, > 0 (default: the config's request_timeout_s).",
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="One JSON object with outputs, files, timings, usage."
+    ),
+    name: str | None = NameOpt,
+    run_dir: Path | None = RunDirOpt,
+) -> None:
+    """Send one request: stream text to the terminal, write images (PNG) and audio (WAV) to --out."""
+    from omniflow.cli import params as checks
+
+    if text is None and not image and audio is None:
+        fail("nothing to send: give --text, --image or --audio", EXIT_USAGE)
+    if timeout is not None and not timeout > 0:
+        fail(f"--timeout {timeout:g}: expected seconds > 0", EXIT_USAGE)
+    try:
+        params = checks.parse_pairs(param)
+        for key, value in (
+            ("want", None if want is None else checks.check_want(want)),
+            ("max_tokens", max_tokens),
+            ("seed", seed),
+            ("steps", steps),
+            ("cfg_scale", cfg_scale),
+            ("size", None if size is None else checks.check_size(size)),
+        ):
+            if value is not None:
+                params[key] = value
+        if isinstance(params.get("want"), str):
+            params["want"] = checks.check_want(params["want"])
+    except checks.ParamError as e:
+        fail(str(e), EXIT_USAGE)
+    # Before anything is sent: a result must never be lost for want of a place to write it.
+    out_dir = _out_dir(out_dir)
+    state = find_running(name, run_dir)
+    inputs: dict[str, Any] = {}
+    if text is not None:
+        inputs["text"] = text
+    images = [_read_input(path, "--image") for path in image]
+    if len(images) == 1:
+        inputs["image"] = images[0]
+    elif images:
+        inputs["images"] = images
+    if audio is not None:
+        inputs["audio"] = _read_input(audio, "--audio")
+    import uvloop
+
+    from omniflow.cli.outputs import OutputWriter
+    from omniflow.runtime.client import Output, RequestFailed
+    from omniflow.runtime.config import from_json
+    from omniflow.runtime.deployment import connect
+
+    config = from_json((Path(state["run_dir"]) / "deployment.json").read_bytes())
+    try:
+        checks.check(params, config)
+    except checks.ParamError as e:
+        fail(str(e), EXIT_USAGE)
+
+    async def run() -> int:
+        conn = await connect(run_dir=state["run_dir"])
+        request_id = uuid.uuid4().hex
+        writer = OutputWriter(out_dir, request_id, echo=not as_json)
+        try:
+            async for event in conn.stream(
+                inputs, params=params, session=session, timeout=timeout, request_id=request_id
+            ):
+                if isinstance(event, Output):
+                    writer.add(event)
+                else:
+                    writer.finish()
+                    _report(event, writer, as_json)
+        except RequestFailed as e:
+            if as_json:
+                print(
+                    json.dumps(
+                        {
+                            "error": {
+                                "code": e.code,
+                                "role": e.role,
+                                "message": e.detail,
+                                "request_id": e.request_id,
+                            }
+                        }
+                    )
+                )
+            else:
+                if writer.text:
+                    sys.stdout.write("\n")
+                err.print(f"request failed: {e}", style="red")
+            # A request the deployment refused for its arguments is the caller's error.
+            return EXIT_USAGE if e.code == "bad_request" else EXIT_REQUEST
+        finally:
+            await conn.close()
+        return 0
+
+    raise typer.Exit(uvloop.run(run()))
+
+
+def _out_dir(given: Path | None) -> Path:
+    """The folder for output files, checked: an explicit --out is created now if missing;
+    anything there that is not a folder is a usage error."""
+    path = given if given is not None else Path("out")
+    if path.exists() and not path.is_dir():
+        fail(f"--out {path}: exists and is not a directory", EXIT_USAGE)
+    if given is not None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            fail(f"--out {path}: cannot create the directory: {e.strerror}", EXIT_USAGE)
+    return path
+
+
+def _read_input(path: Path, option: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        fail(f"{option} {path}: cannot read: {e.strerror}", EXIT_USAGE)
+
+
+def _report(result: Any, writer: Any, as_json: bool) -> None:
+    timings: dict[str, float] = {}
+    for t in result.timings:
+        timings[t.role] = timings.get(t.role, 0.0) + t.compute_ms
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "request_id": result.request_id,
+                    "text": writer.text,
+                    "outputs": writer.outputs,
+                    "files": writer.files,
+                    "timings_ms": timings,
+                    "latency_ms": result.latency_ms,
+                    "usage": result.usage,
+                }
+            )
+        )
+        return
+    if writer.text:
+        sys.stdout.write("\n")
+    for path in writer.files:
+        err.print(f"wrote {path}")
+    parts = ", ".join(f"{role} {ms:.1f} ms" for role, ms in timings.items())
+    usage = ", ".join(f"{k} {v}" for k, v in sorted(result.usage.items()))
+    err.print(f"{result.latency_ms:.1f} ms end to end; compute: {parts}", style="dim")
+    if usage:
+        err.print(f"usage: {usage}", style="dim")
