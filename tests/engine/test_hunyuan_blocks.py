@@ -275,3 +275,48 @@ def test_a_condition_image_enters_with_2d_positions_and_conditions_the_block(
     assert not torch.allclose(run_block(engine, "o", "other", rows, positions), hidden, atol=1e-3)
     with pytest.raises(ValueError, match="multiples of 16"):
         condition_image_prompt(parts, tokens, image[:20], start=1)
+
+
+def test_the_ar_step_picks_a_ratio_and_lends_the_prefix_through_it(folder, parts, pool):
+    """The AR side of the handoff: one step restricted to the ratio tokens picks the size,
+    a continuation runs that token and lends the whole prefix; diffusion borrows it."""
+    start = pool.stats()
+    tokenizer = load_tokenizer(folder)
+    tokens = ImageTokens.from_tokenizer(tokenizer)
+    prompt = tokenizer.encode("a tall tower", add_special_tokens=False)
+    head = [tokens.bos, *prompt, tokens.boi, tokens.sizes[256]]
+    lender = engine_for(folder, pool, share=True)
+    ratios = list(tokens.ratios)
+    pick = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=ratios)
+    lender.add_request("ar", head, pick, keep=True)
+    [picked] = [d for d in lender.run_to_completion() if d.finish_reason is not None]
+    [ratio] = picked.token_ids
+    assert ratio in ratios
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=1, allowed_token_ids=ratios)
+    lender.add_request("ar-seeded", head, seeded)
+    assert [d for d in lender.run_to_completion() if d.token_ids][0].token_ids[0] in ratios
+    # The picked token is the kept sequence's last: continuing with nothing new runs it.
+    lender.add_request(
+        "ar2", [], SamplingParams(max_tokens=1), continue_from="ar", lend_kv_to=os.getpid()
+    )
+    [last] = [d for d in lender.run_to_completion() if d.finish_reason is not None]
+    context = head + [ratio]
+    assert last.kv_lease.num_tokens == len(context)
+    assert context == context_ids(tokens, prompt, 256, tokens.ratio_of(ratio))
+    borrower = engine_for(folder, pool)
+    borrower.keep_context("ctx", context, lease=last.kv_lease)
+    computed = engine_for(folder)
+    computed.keep_context("ctx", context)
+    rows, positions = block_rows(parts, len(context))
+    torch.testing.assert_close(
+        run_block(borrower, "s", "ctx", rows, positions),
+        run_block(computed, "s", "ctx", rows, positions),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        lender.add_request("bad", head, SamplingParams(allowed_token_ids=[10**6]))
+    borrower.close()
+    lender.step()
+    lender.close()
+    assert pool.stats() == start
