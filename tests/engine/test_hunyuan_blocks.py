@@ -331,3 +331,16 @@ def test_the_ar_step_picks_a_ratio_and_lends_the_prefix_through_it(folder, parts
     lender.step()
     lender.close()
     assert pool.stats() == start
+
+
+def test_bf16_on_cpu_runs_the_same_steps(folder, parts, prompts):
+    """bf16 on CPU: packed weights, the kernels' K/V writes and attention, PyTorch layers."""
+    cond, uncond = prompts
+    rows, positions = block_rows(parts, len(cond))
+    hidden = {}
+    for dtype in ("float32", "bfloat16"):
+        config = EngineConfig(device="cpu", dtype=dtype, page_size=PAGE, num_pages=64)
+        engine = LLMEngine(folder, config)
+        engine.keep_context("ctx", cond, guidance=Guidance(uncond, 5.0, combine=False))
+        hidden[dtype] = run_block(engine, "s", "ctx", rows, positions, causal_rows=1).float()
+    torch.testing.assert_close(hidden["bfloat16"], hidden["float32"], atol=0.1, rtol=0.05)
