@@ -4,6 +4,7 @@ seeded determinism, through the real loader, engine and page pool."""
 import asyncio
 import os
 import uuid
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from omniflow.engine.denoise import denoise, denoise_async
 from omniflow.engine.heads import Guidance
 from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.engine.llm_engine import EngineConfig
-from omniflow.models import load_tokenizer
+from omniflow.models import load_decoder, load_tokenizer
 from omniflow.models.hunyuan_image3_parts import load_image_parts
 from omniflow.models.hunyuan_image3_tokens import (
     ImageTokens,
@@ -344,3 +345,22 @@ def test_bf16_on_cpu_runs_the_same_steps(folder, parts, prompts):
         engine.keep_context("ctx", cond, guidance=Guidance(uncond, 5.0, combine=False))
         hidden[dtype] = run_block(engine, "s", "ctx", rows, positions, causal_rows=1).float()
     torch.testing.assert_close(hidden["bfloat16"], hidden["float32"], atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_relayout_off_leaves_every_weight_in_place(folder, parts, prompts, dtype):
+    """Weights in shared pages must stay there: relayout_weights=False makes no copies."""
+    cond, _ = prompts
+    model = load_decoder(folder, "cpu", dtype)
+    before = {name: p.data_ptr() for name, p in model.named_parameters()}
+    config = EngineConfig(
+        device="cpu", dtype=dtype, page_size=PAGE, num_pages=64, relayout_weights=False
+    )
+    engine = LLMEngine(model, config)
+    engine.keep_context("ctx", cond)
+    hidden = run_block(engine, "s", "ctx", *block_rows(parts, len(cond)))
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == before
+    relaid = LLMEngine(load_decoder(folder, "cpu", dtype), replace(config, relayout_weights=True))
+    relaid.keep_context("ctx", cond)
+    expected = run_block(relaid, "s", "ctx", *block_rows(parts, len(cond)))
+    torch.testing.assert_close(hidden.float(), expected.float(), atol=0.05, rtol=0.02)
