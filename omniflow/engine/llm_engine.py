@@ -330,8 +330,11 @@ class LLMEngine:
                 )
             )
         checked = []
-        for rid, tokens, spans, _ in halves:
-            checked.append(self._checked(rid, None, tokens, spans, params))
+        for rid, tokens, spans, half_lease in halves:
+            if half_lease is None:
+                checked.append(self._checked(rid, None, tokens, spans, params))
+            else:  # lent: the tokens take none of this engine's pages
+                checked.append((checked_tokens(rid, tokens, self.limits), []))
         views: list[KVLeaseView | None] = []
         try:
             for (rid, _, spans, half_lease), (tokens, _) in zip(halves, checked, strict=True):

@@ -58,8 +58,8 @@ def pool():
     pool.close()
 
 
-def engine_for(folder, pool=None, share=False):
-    config = EngineConfig(device="cpu", page_size=PAGE, num_pages=64, share_kv=share)
+def engine_for(folder, pool=None, share=False, num_pages=64):
+    config = EngineConfig(device="cpu", page_size=PAGE, num_pages=num_pages, share_kv=share)
     return LLMEngine(folder, config, kv_pool=pool)
 
 
@@ -146,7 +146,10 @@ def test_closing_the_borrower_hands_back_its_leases(folder, parts, prompts, pool
     cond, _ = prompts
     lender = engine_for(folder, pool, share=True)
     lease = lend_prompt(lender, "c", cond)
-    borrower = engine_for(folder, pool)
+    # Pages for the block's rows alone: the lent prompt takes none of the borrower's.
+    rows = 1 + GRID[0] * GRID[1]
+    borrower = engine_for(folder, pool, num_pages=-(-rows // PAGE))
+    assert borrower.capacity_tokens < len(cond)
     borrower.keep_context("ctx", cond, lease=lease)
     run_block(borrower, "s", "ctx", *block_rows(parts, len(cond)))
     borrower.close()  # without release
