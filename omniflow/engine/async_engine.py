@@ -44,6 +44,7 @@ class _BlockStep(NamedTuple):
     context_id: str
     rows: torch.Tensor
     positions: torch.Tensor
+    causal_rows: int = 0
 
 
 class _Release(NamedTuple):
@@ -98,12 +99,17 @@ class AsyncEngine:
             yield delta
 
     async def block_step(
-        self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
+        self,
+        request_id: str,
+        context_id: str,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        causal_rows: int = 0,
     ) -> TokenDelta:
         """One block step over the kept request context_id (LLMEngine.block_step): its delta,
         whose ``hidden`` holds the rows' final hidden states."""
         async for delta in self._stream(
-            request_id, _BlockStep(request_id, context_id, rows, positions)
+            request_id, _BlockStep(request_id, context_id, rows, positions, causal_rows)
         ):
             last = delta
         return last
@@ -114,10 +120,14 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         embeddings: list[EmbeddingSpan] | None = None,
         guidance: Any = None,
+        lease: Any = None,
     ) -> None:
-        """Hold a prompt as a kept context for block steps (LLMEngine.keep_context)."""
+        """Hold a prompt as a kept context for block steps (LLMEngine.keep_context; lease:
+        the prompt's K/V lent by another process)."""
         tokens = list(prompt_token_ids)
-        await self.call(lambda: self.backend.keep_context(context_id, tokens, embeddings, guidance))
+        await self.call(
+            lambda: self.backend.keep_context(context_id, tokens, embeddings, guidance, lease)
+        )
 
     def release(self, request_id: str) -> None:
         """Free a kept request's pages (LLMEngine.release)."""

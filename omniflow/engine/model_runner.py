@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from omniflow.cache.kv_share import KVLeaseView
 from omniflow.engine.decode_mirror import DecodeMirror
 from omniflow.engine.latent_attention import LatentPagedAttention
 from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
@@ -42,9 +43,12 @@ class ModelRunner:
         cache: KVCache,
         mirror_bytes: int | None = None,
         kernels: CpuKernels | None | bool = True,
+        relayout: bool = True,
     ):
         """kernels: omniflow's CPU kernels for a bf16 model on CPU (True: build or load them
-        here, falling back to PyTorch ops where they are unavailable; False: PyTorch ops)."""
+        here, falling back to PyTorch ops where they are unavailable; False: PyTorch ops).
+        relayout: on CPU, re-lay the projection weights (packed or input-major copies);
+        False leaves every parameter's storage as it is (weights shared with others)."""
         self.model = model
         self.cache = cache
         parameter = next(model.parameters())
@@ -72,20 +76,21 @@ class ModelRunner:
             )
         )
         self.mirror = DecodeMirror(cache, 0 if self.kernel_decode else mirror_bytes)
-        if packed_weights_supported(self.device, parameter.dtype):
+        if relayout and packed_weights_supported(self.device, parameter.dtype):
             # MLA keeps oneDNN's packing: its float32 routers and bare kv_b weights are not
             # the AMX kernel's layers.
             model.use_packed_weights(kernels=None if self.latent else self.kernels)
             model.set_row_block(
                 CPU_KERNELS_ROW_BLOCK if self.kernels is not None else CPU_BF16_ROW_BLOCK
             )
-        elif self.device.type == "cpu":
+        elif relayout and self.device.type == "cpu":
             model.use_input_major_weights()
         self.scale = (
             config.softmax_scale if isinstance(config, MLAConfig) else config.head_dim**-0.5
         )
         # A step of decodes alone runs every layer in one call on the kernels (AMX).
         self.fused_decode = self.kernel_decode and model.decodes_on_pages()
+        self.unnormed_blocks = bool(getattr(model, "block_rows_unnormed", False))
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
@@ -100,7 +105,7 @@ class ModelRunner:
             self.mirror.clear()
         ordered = decodes + prefills
         input_ids: list[int] = []
-        positions: list[int] = []
+        positions: list = []  # ints, and [y, x] pairs of 2D block rows
         logits_rows: list[int] = []
         sampling: list[Sequence] = []
         embed_rows: list[int] = []
@@ -117,6 +122,9 @@ class ModelRunner:
                 if lo < hi:
                     embed_rows += range(row + lo - start, row + hi - start)
                     embed_values.append(span.embeddings[lo - span.start : hi - span.start])
+                    if span.positions is not None:  # 2D rows
+                        pairs = span.positions[lo - span.start : hi - span.start].tolist()
+                        positions[row + lo - start : row + hi - start] = pairs
             if sequence.input_rows:
                 for position in range(start, end):
                     generated = sequence.input_rows.get(position)
@@ -136,13 +144,18 @@ class ModelRunner:
                 embed_values.append(block.rows)
                 block_rows += range(row, row + chunk.block)
                 blocks.append(sequence)
-        prefill_attention: list[tuple[list[int], int, int, bool]] = []
+        prefill_attention: list[tuple[list[int], int, int, bool, KVLeaseView | None, int]] = []
         for c in prefills:
             if c.num_tokens:
-                prefill_attention.append((c.sequence.page_ids, c.start, c.num_tokens, False))
+                prefill_attention.append(
+                    (c.sequence.page_ids, c.start, c.num_tokens, False, None, 0)
+                )
             if c.block:
-                end = c.start + c.num_tokens
-                prefill_attention.append((c.sequence.page_ids, end, c.block, True))
+                end, block = c.start + c.num_tokens, c.sequence.block
+                assert block is not None, "a chunk with block rows has a block step"
+                prefill_attention.append(
+                    (c.sequence.page_ids, end, c.block, True, c.sequence.lent, block.causal_rows)
+                )
         batch = build_attention_batch(
             self.cache,
             [(c.sequence.page_ids, c.start + 1) for c in decodes],
@@ -156,10 +169,11 @@ class ModelRunner:
         wants_hidden = bool(blocks) or any(
             s.head is not None or s.partner is not None for s in sampling
         )
-        ids, at, rows = (
-            torch.tensor(column, dtype=torch.long, device=device)
-            for column in (input_ids, positions, logits_rows + block_rows)
-        )
+        if any(isinstance(p, list) for p in positions):  # 2D rotary: text at (p, p)
+            positions = [p if isinstance(p, list) else [p, p] for p in positions]
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        at = torch.tensor(positions, dtype=torch.long, device=device)
+        rows = torch.tensor(logits_rows + block_rows, dtype=torch.long, device=device)
         if self.fused_decode and not prefills and not embed_rows and not wants_hidden:
             assert batch.decode_pages is not None and batch.decode_lengths is not None
             logits = self.model.decode_on_pages(
@@ -174,6 +188,8 @@ class ModelRunner:
                 rows,
             )
             return StepOutput(sampling, logits.float())
+        # A model whose block rows skip the final norm (HunyuanImage-3's final_layer).
+        unnormed = {"unnormed_from": len(sampling)} if blocks and self.unnormed_blocks else {}
         attention = (
             LatentPagedAttention(self.cache, batch, self.scale, self.kernels)
             if self.latent
@@ -189,6 +205,7 @@ class ModelRunner:
             else None,
             embed_values=torch.cat([v.to(device) for v in embed_values]) if embed_values else None,
             hidden=wants_hidden,
+            **unnormed,
         )
         if mirrored is not None:
             self.mirror.commit()

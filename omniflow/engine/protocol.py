@@ -62,12 +62,19 @@ class EngineBackend(Protocol):
         prompt_token_ids: SequenceOf[int],
         embeddings: list[EmbeddingSpan] | None = None,
         guidance: Guidance | None = None,
+        lease: Any = None,
     ) -> None:
-        """Hold a prompt as a kept context for block steps (computed by the first one)."""
+        """Hold a prompt as a kept context for block steps (computed by the first one, or
+        lent by another process: a KVLease, read in place)."""
         ...
 
     def block_step(
-        self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
+        self,
+        request_id: str,
+        context_id: str,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        causal_rows: int = 0,
     ) -> None:
         """Queue N rows that attend bidirectionally among themselves and causally to the kept
         context's tokens (computed once for all block steps); their K/V are scratch, never

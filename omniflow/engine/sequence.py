@@ -16,11 +16,14 @@ class EmbeddingSpan(NamedTuple):
     """Precomputed input embeddings [n, hidden] that replace the token embeddings at prompt
     positions start..start+n-1 (multimodal placeholders). content_hash keys the span in the
     prefix cache so equal placeholder ids of different media never share pages; a list keys
-    each row on its own (media tokens a codes head generated: one key per token)."""
+    each row on its own (media tokens a codes head generated: one key per token).
+    positions: the rows' 2D rotary positions [n, 2] (y, x), for a model with 2D positions
+    (HunyuanImage-3's condition image); None: their token indices."""
 
     start: int
     embeddings: torch.Tensor
     content_hash: Hashable | list[Hashable] | None = None
+    positions: torch.Tensor | None = None
 
 
 class SequenceStatus(enum.Enum):
@@ -68,6 +71,10 @@ class Sequence:
         self.follows = False  # True on the unconditional sequence of a pair
         self.guidance_scale = 1.0
         self.block: BlockRows | None = None  # a pending block step over this prefix
+        self.combine_halves = True  # a guided block step: combine (else stack) the halves
+        # A lent context: its prefix K/V are another process's pages (KVLeaseView), read by
+        # block steps; the sequence itself holds no tokens, only its block rows' slots.
+        self.lent: Any = None
         self.keep = False  # at the end, hold the pages for a continuation (KEPT)
         self.keep_as: str | None = None  # a block step's context id: kept under it again
         self.text_stream: Any = None  # the output's text so far, for stop strings (TextStream)

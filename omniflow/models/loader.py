@@ -16,6 +16,12 @@ from safetensors import safe_open
 from omniflow.models.cpu_layouts import packed_weights_supported
 from omniflow.models.decoder import DecoderLM
 from omniflow.models.decoder_config import DecoderConfig
+from omniflow.models.hunyuan_image3 import HunyuanImage3LM
+from omniflow.models.hunyuan_image3_config import (
+    HUNYUAN_IMAGE3_ARCHITECTURES,
+    HUNYUAN_IMAGE3_MODEL_TYPES,
+    HunyuanImage3Config,
+)
 from omniflow.models.mla_config import MLA_ARCHITECTURES, MLAConfig
 from omniflow.models.mla_decoder import MLADecoderLM
 from omniflow.models.rope import compute_inv_freq
@@ -73,8 +79,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def load_config(path: str | Path) -> DecoderConfig:
-    """The folder's config.json: an `MLAConfig` for DeepSeek-V2 / LongCat-Flash, else a
-    Llama/Qwen2 `DecoderConfig` (which refuses other architectures)."""
+    """The folder's config.json: an `MLAConfig` for DeepSeek-V2 / LongCat-Flash, a
+    `HunyuanImage3Config` for HunyuanImage-3, else a Llama/Qwen2 `DecoderConfig` (which
+    refuses other architectures)."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in model folder {path}")
@@ -82,6 +89,11 @@ def load_config(path: str | Path) -> DecoderConfig:
     architecture = (raw.get("architectures") or [""])[0]
     if architecture in MLA_ARCHITECTURES or raw.get("model_type") in _MLA_MODEL_TYPES:
         return MLAConfig.from_dict(raw)
+    if (
+        architecture in HUNYUAN_IMAGE3_ARCHITECTURES
+        or raw.get("model_type") in HUNYUAN_IMAGE3_MODEL_TYPES
+    ):
+        return HunyuanImage3Config.from_dict(raw)
     return DecoderConfig.from_dict(raw)
 
 
@@ -121,7 +133,7 @@ def load_decoder(
             "load a CPU model"
         )
     with torch.device("meta"):
-        model = MLADecoderLM(config) if isinstance(config, MLAConfig) else DecoderLM(config)
+        model = _decoder_for(config)
     model = model.to(dtype=target_dtype)
     if place is not None and not packed_weights_supported(target_device, target_dtype):
         # The engine's layout on this CPU, chosen now (on meta: no memory touched), so that
@@ -129,7 +141,7 @@ def load_decoder(
         model.use_input_major_weights()
     model = model.to_empty(device=target_device)
     model.rotary.inv_freq = compute_inv_freq(config)[0].to(target_device)
-    if isinstance(model, MLADecoderLM):
+    if isinstance(model, MLADecoderLM | HunyuanImage3LM):
         model.materialized()
 
     def fill(select: Callable[[str], bool] | None = None) -> None:
@@ -148,6 +160,14 @@ def load_decoder(
         place(model, fill)
         model.shared_weights = True
     return model.eval()
+
+
+def _decoder_for(config: DecoderConfig) -> DecoderLM:
+    if isinstance(config, MLAConfig):
+        return MLADecoderLM(config)
+    if isinstance(config, HunyuanImage3Config):
+        return HunyuanImage3LM(config)
+    return DecoderLM(config)
 
 
 def load_tokenizer(path: str | Path) -> TextTokenizer:
