@@ -38,7 +38,15 @@ from omniflow.messages import (
     add_usage,
 )
 from omniflow.runtime.config import Config
-from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
+from omniflow.transport.codec import (
+    BadMessage,
+    check_parts,
+    decode,
+    decoder_for,
+    encode,
+    materialize_tensors,
+    release_tensors,
+)
 from omniflow.transport.endpoint import Inbox, Outbox
 
 _decoder = decoder_for(DataMessage)
@@ -166,6 +174,14 @@ class Client:
         except BadMessage:
             return
         pending = self._pending.get(getattr(msg, "request_id", ""))
+        try:
+            check_parts(msg, parts)
+        except BadMessage as e:
+            release_tensors(getattr(msg, "tensors", {}).values())
+            if pending is not None:
+                role = getattr(msg, "role", "")
+                pending.push(RequestFailed(Code.BAD_REQUEST.value, str(e), role, msg.request_id))
+            return
         if pending is None:
             return  # a late message of a request that already ended
         if isinstance(msg, Emit):

@@ -137,6 +137,7 @@ class Worker:
         inbox = Inbox(
             self.ctx, endpoint_for(cfg, self.run_dir, self.role, self.replica), host.on_message
         )
+        host.reply = inbox.reply
         inbox.start()
         record = ActorRecord(
             self.role,

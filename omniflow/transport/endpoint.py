@@ -47,6 +47,18 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
 
+def private_dir(path: str | os.PathLike[str]) -> None:
+    """Make ``path`` (and missing parents) a directory only this user can enter: 0700,
+    owned by us. ipc:// sockets live there, so another local user cannot even connect;
+    a directory someone else made for us (in a shared /tmp) is refused, not reused."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path, follow_symlinks=False)
+    if st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+        raise PermissionError(f"{path}: owned by uid {st.st_uid} (or a link); refusing to use it")
+    if st.st_mode & 0o777 != 0o700:
+        os.chmod(path, 0o700)
+
+
 class Inbox:
     """A bound ROUTER; ``on_message(identity, parts)`` gets ``[header, *frames]``.
 
