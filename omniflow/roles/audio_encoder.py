@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import struct
 import wave
 from typing import Any
 
@@ -44,8 +45,10 @@ def read_wav(data: bytes, accepted_rates: tuple[int, ...]) -> tuple[np.ndarray, 
             )
             frames = reader.getnframes()
             raw = reader.readframes(frames)
-    except (wave.Error, EOFError, ValueError) as e:
-        raise BadRequest("audio", f"unreadable WAV: {e}") from None
+    except (wave.Error, EOFError, ValueError, RuntimeError, struct.error) as e:
+        # RuntimeError, struct.error: chunk headers that lie about their sizes
+        # (found by tests/security's fuzzing); all mean the bytes are no WAV.
+        raise BadRequest("audio", f"unreadable WAV: {type(e).__name__}: {e}") from None
     if width != 2:
         raise BadRequest("audio", f"expected 16-bit PCM, got {8 * width}-bit samples")
     if channels not in (1, 2):

@@ -114,6 +114,9 @@ class ActorHost:
         else:
             self.bad_messages += 1
             log.warning("%s: dropped an unexpected %s", self.role, type(msg).__name__)
+            if self.reply is not None:
+                what = f"an actor takes Call and Cancel messages, not {type(msg).__name__}"
+                self.reply(identity, [encode(Fail(Code.BAD_REQUEST.value, what, self.role, ""))])
 
     def _is_new_request(self, call: Call) -> bool:
         """A client's first hop of a request this actor knows nothing of yet."""

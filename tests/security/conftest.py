@@ -21,20 +21,28 @@ settings.load_profile(os.environ.get("OMNIFLOW_FUZZ", "ci"))
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveDeployment]:
+def run_root_module() -> Iterator[Path]:
+    """A short run root for the module's deployments (ipc:// paths fit in 107 bytes)."""
     root = Path(tempfile.mkdtemp(prefix="ofs-", dir="/tmp"))
     old = os.environ.get("OMNIFLOW_RUN_ROOT")
     os.environ["OMNIFLOW_RUN_ROOT"] = str(root)
-    dep = LiveDeployment(tensor_config(f"sec{os.getpid() % 10000}"))
     try:
-        yield dep
+        yield root
     finally:
-        dep.close()
         if old is None:
             os.environ.pop("OMNIFLOW_RUN_ROOT", None)
         else:
             os.environ["OMNIFLOW_RUN_ROOT"] = old
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def live(run_root_module: Path) -> Iterator[LiveDeployment]:
+    dep = LiveDeployment(tensor_config(f"sec{os.getpid() % 10000}"))
+    try:
+        yield dep
+    finally:
+        dep.close()
 
 
 @pytest.fixture

@@ -40,7 +40,8 @@ def tensor_config(name: str = "sec") -> Config:
 class LiveDeployment:
     """``omniflow.Runtime(config)`` running on its own event loop thread until ``close``."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, role: str = ROLE) -> None:
+        self.role = role
         self._started = threading.Event()
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -65,7 +66,7 @@ class LiveDeployment:
 
     @property
     def replica(self) -> Any:
-        return next(r for r in self.rt.supervisor.replicas if r.role == ROLE)
+        return next(r for r in self.rt.supervisor.replicas if r.role == self.role)
 
     @property
     def pool(self) -> PagePool:
