@@ -135,12 +135,13 @@ class Client:
             address = f"tcp://{self.config.runtime.bind_host}:*"
         else:
             address = f"ipc://{self.run_dir}/client-{os.getpid()}-{next(_client_ids)}.sock"
-        self.inbox = Inbox(self.ctx, address, self._on_message)
+        keys = self.config.security.load_keys()
+        self.inbox = Inbox(self.ctx, address, self._on_message, keys=keys)
         self.inbox.start()
         self.registry = open_registry(self.registry_address)
         self.view = RegistryView(self.registry, self.config.name)
         await self.view.start()
-        self.outbox = Outbox(self.ctx, self.config.runtime.send_timeout_s)
+        self.outbox = Outbox(self.ctx, self.config.runtime.send_timeout_s, keys=keys)
         policies = {
             name: make_policy(rc.policy, role=name) for name, rc in self.config.roles.items()
         }

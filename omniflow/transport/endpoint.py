@@ -21,6 +21,8 @@ from typing import Any
 
 import zmq
 
+from omniflow.transport.security import Gatekeeper, Keys, secure_client, secure_server
+
 log = logging.getLogger(__name__)
 
 # Plain ints: pyzmq's enum members cost an object construction per use, per message.
@@ -72,8 +74,15 @@ class Inbox:
         endpoint: str,
         on_message: Callable[[bytes, list[Any]], None],
         mandatory: bool = False,
+        keys: Keys | None = None,
     ) -> None:
         self._sock = ctx.socket(zmq.ROUTER)
+        self._ctx = ctx
+        # CURVE on tcp:// when the deployment has keys; ipc:// stays in the 0700 run dir.
+        self._curve = keys is not None and endpoint.startswith("tcp://")
+        if self._curve:
+            assert keys is not None
+            secure_server(self._sock, keys)
         if mandatory:  # replies to a vanished peer raise instead of vanishing silently
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -129,6 +138,8 @@ class Inbox:
         self._closed = True
         stop_reading(self._loop, self._sock)
         self._sock.close(0)
+        if self._curve:
+            Gatekeeper.release(self._ctx)
         if self._path and os.path.exists(self._path):
             try:
                 os.unlink(self._path)
@@ -146,9 +157,14 @@ class Outbox:
     """
 
     def __init__(
-        self, ctx: zmq.Context, send_timeout: float = 5.0, max_peers: int = MAX_PEERS
+        self,
+        ctx: zmq.Context,
+        send_timeout: float = 5.0,
+        max_peers: int = MAX_PEERS,
+        keys: Keys | None = None,
     ) -> None:
         self._ctx = ctx
+        self._keys = keys  # CURVE client keys for tcp:// peers
         self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._sending: dict[str, int] = {}  # address -> sends waiting on its DEALER
         # Address -> loop time until which a send that cannot go at once fails at once:
@@ -168,6 +184,8 @@ class Outbox:
             # Queue only to a connected peer: a send to a dead replica fails fast
             # instead of piling up behind a reconnect that never comes.
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            if self._keys is not None and address.startswith("tcp://"):
+                secure_client(sock, self._keys)
             sock.connect(address)
             self._socks[address] = sock
         return sock
