@@ -20,8 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from omniflow.transport.security import Gatekeeper, Keys, secure_client, secure_server
+from omniflow.transport.security import (
+    HANDSHAKE_FAILED,
+    Gatekeeper,
+    Keys,
+    Refusals,
+    describe_failure,
+    secure_client,
+    secure_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +89,13 @@ class Inbox:
         self._ctx = ctx
         # CURVE on tcp:// when the deployment has keys; ipc:// stays in the 0700 run dir.
         self._curve = keys is not None and endpoint.startswith("tcp://")
+        self._monitor: zmq.Socket | None = None
         if self._curve:
             assert keys is not None
             secure_server(self._sock, keys)
+            # Keyless peers never reach the ZAP handler: the monitor sees them fail.
+            self._monitor = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
+            self._refusals = Refusals()
         if mandatory:  # replies to a vanished peer raise instead of vanishing silently
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -104,6 +117,15 @@ class Inbox:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(fd_of(self._sock), self._drain)
         self._loop.call_soon(self._drain)  # messages that arrived before the reader
+        if self._monitor is not None:
+            self._loop.add_reader(fd_of(self._monitor), self._drain_monitor)
+            self._loop.call_soon(self._drain_monitor)
+
+    def _drain_monitor(self) -> None:
+        monitor = self._monitor
+        while not self._closed and monitor is not None and monitor.get(_EVENTS) & _POLLIN:
+            event = recv_monitor_message(monitor, _NOBLOCK)
+            self._refusals.note(describe_failure(event))
 
     def _drain(self) -> None:
         sock = self._sock
@@ -136,6 +158,10 @@ class Inbox:
         if self._closed:
             return
         self._closed = True
+        if self._monitor is not None:
+            stop_reading(self._loop, self._monitor)
+            self._sock.disable_monitor()
+            self._monitor.close(0)
         stop_reading(self._loop, self._sock)
         self._sock.close(0)
         if self._curve:

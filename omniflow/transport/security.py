@@ -149,9 +149,7 @@ class Gatekeeper(ThreadAuthenticator):
     def __init__(self, ctx: zmq.Context, log: Any) -> None:
         super().__init__(ctx, log=log)
         self.users = 0
-        self.refused = 0
-        self._folded = 0
-        self._logged_at = 0.0
+        self.refusals = Refusals()
         self._address = ""
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
@@ -163,14 +161,39 @@ class Gatekeeper(ThreadAuthenticator):
     ) -> None:
         super()._send_zap_reply(request_id, status_code, status_text, user_id or "anonymous")
         if status_code != b"200":
-            self._refusal(status_text.decode("utf-8", "replace"))
+            why = status_text.decode("utf-8", "replace")
+            self.refusals.note(f"from {self._address}: {why} (its key is not in authorized/)")
 
-    def _refusal(self, why: str) -> None:
-        self.refused += 1
+
+class Refusals:
+    """Refused handshakes, logged at most once per ``LOG_EVERY_S`` (a flood of strangers
+    must not flood the log); the next report counts the ones folded into it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._folded = 0
+        self._logged_at = -LOG_EVERY_S
+
+    def note(self, what: str) -> None:
+        self.count += 1
         now = time.monotonic()
         if now - self._logged_at < LOG_EVERY_S:
             self._folded += 1
             return
         folded, self._folded, self._logged_at = self._folded, 0, now
         more = f" ({folded} more refused since the last report)" if folded else ""
-        log.warning("refused a CURVE handshake from %s: %s%s", self._address, why, more)
+        log.warning("refused a CURVE handshake %s%s", what, more)
+
+
+# Handshake failures a CURVE server's monitor reports: a peer without keys (no common
+# mechanism) or one whose CURVE hello does not decrypt under the server key.
+HANDSHAKE_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def describe_failure(event: dict[str, Any]) -> str:
+    """A refusal reported by a socket monitor, in words."""
+    where = event.get("endpoint", b"")
+    where = where.decode("utf-8", "replace") if isinstance(where, bytes) else str(where)
+    if event.get("event") == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"on {where}: the peer speaks no CURVE, or not with this deployment's server key"
+    return f"on {where}: the handshake failed"
