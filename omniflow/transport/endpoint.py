@@ -123,9 +123,9 @@ class Inbox:
 
     def _drain_monitor(self) -> None:
         monitor = self._monitor
-        while not self._closed and monitor is not None and monitor.get(_EVENTS) & _POLLIN:
+        while not self._closed and monitor is not None and int(monitor.get(_EVENTS)) & _POLLIN:
             event = recv_monitor_message(monitor, _NOBLOCK)
-            self._refusals.note(describe_failure(event))
+            self._refusals.note(describe_failure(dict(event)))
 
     def _drain(self) -> None:
         sock = self._sock
