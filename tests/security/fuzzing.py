@@ -60,8 +60,17 @@ values = st.recursive(
     max_leaves=12,
 )
 dtypes = st.sampled_from([*ITEMSIZE, "complex64", "", "object", "float32\x00", "<f4"])
-dims = st.integers(0, 4) | st.integers(-(2**63), 2**63 - 1) | st.sampled_from([2**40, 2**40 + 1])
-shapes = st.lists(dims, max_size=4) | st.lists(st.integers(0, 2), min_size=15, max_size=20)
+_hostile_dims = st.integers(-(2**63), 2**63 - 1) | st.sampled_from([-1, 2**40, 2**40 + 1])
+_good_shapes = st.lists(st.integers(0, 4), max_size=4)
+# Mostly shapes the decoder takes (so that frames, sizes and pool refs get tested),
+# some with a hostile dimension, some with too many dimensions.
+shapes = st.one_of(
+    _good_shapes,
+    _good_shapes,
+    _good_shapes,
+    st.lists(st.integers(0, 4) | _hostile_dims, min_size=1, max_size=4),
+    st.lists(st.integers(0, 2), min_size=15, max_size=20),
+)
 
 
 # ------------------------------------------------------------------ the wire
@@ -83,7 +92,9 @@ shm_specs = st.builds(
     ShmSpec,
     st.sampled_from(["held", "unshared", "stale", "random"]),
     st.sampled_from(["float32", "uint8", "bfloat16", "complex64"]),
-    st.lists(st.integers(0, 20), max_size=3) | shapes,
+    st.sampled_from([[16], [4, 4], [64], [2, 8]])
+    | st.lists(st.integers(0, 20), max_size=3)
+    | shapes,
     st.sampled_from([0, 0, 0, 1, 4, -4, 65536, -(2**20), 2**40]),
     st.sampled_from([0, 0, 0, 1, -1, 1 << 24]),
     st.sampled_from([None, None, None, "", "another-deployment"]),
@@ -95,9 +106,9 @@ def tensor_refs(draw: Any) -> tuple[dict[str, Any], list[bytes]]:
     """Frame refs and frames, consistent or not; pool refs as ``ShmSpec``s."""
     refs: dict[str, Any] = {}
     frames: list[bytes] = []
-    for i in range(draw(st.integers(0, 3))):
-        name = draw(st.sampled_from(["x", "x", "y", f"t{i}", ""]))
-        if draw(st.integers(0, 3)) == 0:
+    for i in range(draw(st.sampled_from([0, 1, 1, 1, 2, 3]))):
+        name = draw(st.sampled_from(["x", "x", "x", "y", f"t{i}", ""]))
+        if draw(st.sampled_from(range(3))) == 0:
             refs[name] = draw(shm_specs)
             continue
         dtype, shape = draw(dtypes), draw(shapes)
@@ -106,12 +117,16 @@ def tensor_refs(draw: Any) -> tuple[dict[str, Any], list[bytes]]:
         else:
             data = draw(st.binary(max_size=64))
         frames.append(data)
-        index = draw(st.sampled_from([len(frames), len(frames), 0, -1, 7, 2**40]))
+        index = draw(st.sampled_from([len(frames)] * 6 + [len(frames) + 1, 0, -1, 7, 2**40]))
         refs[name] = {"type": "frame", "index": index, "dtype": dtype, "shape": shape}
-    frames += draw(st.lists(st.binary(max_size=8), max_size=2))  # stray frames
-    if frames and draw(st.integers(0, 4)) == 0:
+    if draw(st.sampled_from(range(5))) == 0:
+        frames += draw(st.lists(st.binary(max_size=8), min_size=1, max_size=2))  # stray
+    if frames and draw(st.sampled_from(range(6))) == 0:
         frames.pop(draw(st.integers(0, len(frames) - 1)))  # a missing one
     return refs, frames
+
+
+FRESH, REPLAY = "\0fresh", "\0replay"
 
 
 @dataclass
@@ -123,23 +138,26 @@ class WireInput:
 
 @st.composite
 def wire_inputs(draw: Any) -> WireInput:
+    """Four in ten headers are malformed; the rest are well-formed Calls whose tensors,
+    frames, pool refs and request ids (replays included) are what is hostile."""
     refs, frames = draw(tensor_refs())
-    rid = draw(st.sampled_from(["r0", "r1", "r2"]) | st.text(max_size=8))  # replays too
-    fields: list[Any] = ["call", rid, "check", None, draw(values), None]
-    fields += draw(st.lists(values, max_size=2))  # params, seq...: any types
-    kind = draw(st.integers(0, 7))
-    if kind == 0:  # bytes that may not be msgpack at all
-        return WireInput(draw(st.binary(max_size=200)), {}, frames)
-    if kind == 1:  # an unknown tag or another message type
+    # FRESH: a new id at check time; REPLAY: the id of the input before; or any text
+    rid = draw(st.sampled_from([FRESH] * 6 + [REPLAY]) | st.text(max_size=8))
+    data = draw(st.dictionaries(st.text(max_size=8), values, max_size=3))
+    fields: list[Any] = ["call", rid, "check", None, data, None]
+    # hypothesis favours the simplest choice (the first): make that a well-formed Call
+    kind = draw(st.sampled_from(range(10)))
+    if kind == 6:  # bytes that may not be msgpack at all, or a torn header
+        return WireInput(draw(st.binary(max_size=200)), refs, frames)
+    if kind == 7:  # an unknown tag or another message type
         fields[0] = draw(st.sampled_from(["exec", "pickle", "emit", "done", "reg_put", "hello"]))
-    if kind == 2:  # wrong types in the known fields
+    if kind == 8:  # wrong types in the known fields, and in the ones after them
         for i in range(1, 5):
             if draw(st.booleans()):
                 fields[i] = draw(values)
-    if kind == 3:  # a truncated or overlong header
+        fields += draw(st.lists(values, max_size=3))
+    if kind == 9:  # a truncated or overlong header
         fields = fields[: draw(st.integers(0, 4))] or fields + [0] * 20
-    if kind == 4:
-        return WireInput(draw(st.binary(min_size=1, max_size=40)), refs, frames)  # a torn header
     return WireInput(fields, refs, frames)
 
 
@@ -149,6 +167,7 @@ class WireChecker:
     def __init__(self, live: Any, probe: Any, tally: Tally) -> None:
         self.live, self.probe, self.tally = live, probe, tally
         self.pid = live.replica.proc.pid
+        self._ids = 0
 
     def _shm(self, spec: ShmSpec, leases: list[int]) -> dict[str, Any]:
         import torch
@@ -176,6 +195,9 @@ class WireChecker:
         header = item.header
         if isinstance(header, list):
             header = list(header)
+            if len(header) > 1 and header[1] in (FRESH, REPLAY):
+                self._ids += header[1] == FRESH
+                header[1] = f"fz-{id(self):x}-{self._ids}"
             if len(header) > 3 and header[3] is None:
                 header[3] = self.probe.reply_to
             if len(header) > 5 and header[5] is None:
