@@ -20,6 +20,14 @@ settings.register_profile("long", max_examples=5000, **_COMMON)
 settings.load_profile(os.environ.get("OMNIFLOW_FUZZ", "ci"))
 
 
+def pytest_collection_modifyitems(config, items):
+    if settings.default.max_examples > 100:  # a long run: past the suite's 120 s timeout
+        here = Path(__file__).parent
+        for item in items:
+            if here in Path(item.fspath).parents:
+                item.add_marker(pytest.mark.timeout(3600))
+
+
 @pytest.fixture(scope="module")
 def run_root_module() -> Iterator[Path]:
     """A short run root for the module's deployments (ipc:// paths fit in 107 bytes)."""
