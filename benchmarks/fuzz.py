@@ -56,7 +56,7 @@ def gateway_deployment() -> tuple[LiveDeployment, str]:
     from omniflow.runtime.config import GatewayConfig
     from tests.helpers import echo_config
 
-    config = echo_config("fzb")
+    config = echo_config("fzb", runtime={"heartbeat_s": 0.5, "ttl_s": 10.0})
     config.gateway = GatewayConfig(port=0, api_key=GATEWAY_KEY, max_body_mb=0.25)
     dep = LiveDeployment(config, role="upper")
     url_file = Path(dep.rt.supervisor.run_dir) / "gateway.url"

@@ -32,7 +32,7 @@ def tensor_config(name: str = "sec") -> Config:
             "roles": {ROLE: {"actor": "tests.graph_roles:CheckTensor", "max_concurrency": 8}},
             "graph": {"edges": [{"from": "input", "to": ROLE}]},
             "cache": {"host_pool": "16MiB", "page_size": "64KiB"},
-            "runtime": {"heartbeat_s": 0.2, "ttl_s": 2.0, "drain_timeout_s": 2.0},
+            "runtime": {"heartbeat_s": 0.5, "ttl_s": 10.0, "drain_timeout_s": 2.0},
         }
     )
 
