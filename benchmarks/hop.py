@@ -10,8 +10,10 @@ event-loop design pays over ``floor`` before doing anything;
 ``zmq_asyncio`` — the naive design the actor loop must beat: a zmq.asyncio DEALER
 awaiting ``send``/``recv`` against a zmq.asyncio ROUTER echo (uvloop, no codec);
 ``mp_pipe`` — multiprocessing.Pipe with pickle; ``ray`` — a Ray async actor call.
-Also ``pipeline_rps``: a two-role pipeline driven by 64 concurrent clients, and
-``*_after_idle``: the hop and the floor when each call follows a 5 ms idle gap (as a
+Also ``hop_tcp`` and ``hop_curve``: the same hop over tcp:// on loopback, without and
+with CurveZMQ keys (``[security] keys``), interleaved with the rest: their ratio is
+what encryption costs a hop; ``pipeline_rps``: a two-role pipeline driven by 64
+concurrent clients; and ``*_after_idle``: the hop and the floor when each call follows a 5 ms idle gap (as a
 pipeline hop follows a role's compute): on a VM, waking idle threads costs more than
 the hop itself, and back-to-back calls never see it.
 
@@ -26,17 +28,20 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import emit, have_ray, pct, short_run_root  # noqa: E402
+from _common import emit, have_ray, pct, scratch_dir, short_run_root  # noqa: E402
 
 import omniflow  # noqa: E402
 from omniflow.messages import Call  # noqa: E402
 from omniflow.runtime.config import parse  # noqa: E402
 from omniflow.transport.codec import encode  # noqa: E402
+from omniflow.transport.security import generate_keys  # noqa: E402
 
 PAYLOAD = {"text": "x" * 64}
 IDLE_GAP_S = 0.005
@@ -143,18 +148,29 @@ async def timed(call, count: int, into: list[float], gap: float = 0.0) -> None:
         into.append(time.perf_counter() - t)
 
 
-def config(roles: int):
+def config(roles: int, name: str = "", **extra: Any):
     names = [f"noop{i}" for i in range(roles)]
     edges = [{"from": "input", "to": names[0]}]
     edges += [{"from": a, "to": b} for a, b in zip(names, names[1:], strict=False)]
     return parse(
         {
-            "name": f"hop{roles}",
+            "name": name or f"hop{roles}",
             "roles": {
                 n: {"actor": "omniflow.roles.echo:Noop", "max_concurrency": 256} for n in names
             },
             "graph": {"edges": edges},
+            **extra,
         }
+    )
+
+
+def curve_configs(folder: Path) -> tuple[Any, Any]:
+    """The one-hop deployment over tcp:// on loopback, without and with CurveZMQ keys."""
+    generate_keys(folder)
+    tcp = {"transport": "tcp", "bind_host": "127.0.0.1"}
+    return (
+        config(1, "hoptcp", runtime=tcp),
+        config(1, "hopcurve", runtime=tcp, security={"keys": str(folder)}),
     )
 
 
@@ -212,6 +228,8 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
 
     samples: dict[str, list[float]] = {
         "hop": [],
+        "hop_tcp": [],
+        "hop_curve": [],
         "floor": [],
         "asyncio_floor": [],
         "zmq_asyncio": [],
@@ -234,9 +252,16 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         parent.send(PAYLOAD)
         parent.recv()
 
-    async with omniflow.Runtime(config(1)) as rt:
+    tcp_config, curve_config = curve_configs(scratch_dir("ofk-") / "keys")
+    async with (
+        omniflow.Runtime(config(1)) as rt,
+        omniflow.Runtime(tcp_config) as rt_tcp,
+        omniflow.Runtime(curve_config) as rt_curve,
+    ):
         subjects = {  # (call, calls per round); interleaved in this order every round
             "hop": (lambda: rt.call(PAYLOAD), per_round),
+            "hop_tcp": (lambda: rt_tcp.call(PAYLOAD), per_round),
+            "hop_curve": (lambda: rt_curve.call(PAYLOAD), per_round),
             "floor": (floor_call, per_round),
             "asyncio_floor": (lambda: aping.ping(header), per_round),
             "zmq_asyncio": (zmq_asyncio_call, per_round),
@@ -290,6 +315,8 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         "calls": len(us["hop"]),
         "hop_p50_us": round(pct(us["hop"], 50), 1),
         "hop_p99_us": round(pct(us["hop"], 99), 1),
+        "hop_tcp_p50_us": round(pct(us["hop_tcp"], 50), 1),
+        "hop_curve_p50_us": round(pct(us["hop_curve"], 50), 1),
         "pipeline_rps": round(rps, 1),
         "floor_p50_us": round(pct(us["floor"], 50), 1),
         "asyncio_floor_p50_us": round(pct(us["asyncio_floor"], 50), 1),
@@ -300,6 +327,8 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         "ray_p50_us": round(pct(us["ray"], 50), 1) if us["ray"] else None,
     }
     result["hop_over_floor"] = round(result["hop_p50_us"] / result["floor_p50_us"], 2)
+    # The cost of encryption on a hop: CurveZMQ against the same tcp:// hop without it.
+    result["hop_curve_over_tcp"] = round(result["hop_curve_p50_us"] / result["hop_tcp_p50_us"], 2)
     result["asyncio_floor_over_floor"] = round(
         result["asyncio_floor_p50_us"] / result["floor_p50_us"], 2
     )

@@ -8,11 +8,22 @@ for ``Frame`` refs, as the raw bytes of a later frame. No pickle anywhere.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
-_WIRE = {"array_like": True, "omit_defaults": True, "gc": False}
+# Fields a message does not declare are refused, not skipped: a peer on another
+# version (or a stranger) gets a clear error instead of a silently partial message.
+_WIRE = {"array_like": True, "omit_defaults": True, "gc": False, "forbid_unknown_fields": True}
+_REF = {"omit_defaults": True, "gc": False, "forbid_unknown_fields": True}
+
+# Bounds every tensor ref must meet before any buffer is looked at (see codec.py for
+# the per-message limits: frames, header bytes, tensor bytes).
+MAX_DIMS = 16
+MAX_DIM = 1 << 40
+_Dim = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
+Shape = Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=MAX_DIMS)]
+_NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Code(enum.StrEnum):
@@ -32,33 +43,33 @@ class Code(enum.StrEnum):
 # each other inside a header.
 
 
-class Frame(msgspec.Struct, tag="frame", omit_defaults=True, gc=False):
+class Frame(msgspec.Struct, tag="frame", **_REF):
     """The bytes travel as frame ``index`` after the header (other hosts, small tensors)."""
 
-    index: int
+    index: Annotated[int, msgspec.Meta(ge=1)]
     dtype: str
-    shape: tuple[int, ...]
+    shape: Shape
 
 
-class Shm(msgspec.Struct, tag="shm", omit_defaults=True, gc=False):
+class Shm(msgspec.Struct, tag="shm", **_REF):
     """Bytes at ``offset`` in the host page pool that every local process maps."""
 
-    offset: int
-    nbytes: int
+    offset: _NonNeg
+    nbytes: _NonNeg
     dtype: str
-    shape: tuple[int, ...]
+    shape: Shape
     lease: int = 0
     pool: str = ""
 
 
-class CudaIpc(msgspec.Struct, tag="cuda", omit_defaults=True, gc=False):
+class CudaIpc(msgspec.Struct, tag="cuda", **_REF):
     """Bytes at ``offset`` in a device pool chunk shared through a CUDA IPC handle."""
 
     handle: bytes
-    offset: int
-    nbytes: int
+    offset: _NonNeg
+    nbytes: _NonNeg
     dtype: str
-    shape: tuple[int, ...]
+    shape: Shape
     device: int = 0
     lease: int = 0
 
@@ -66,7 +77,7 @@ class CudaIpc(msgspec.Struct, tag="cuda", omit_defaults=True, gc=False):
 TensorRef = Frame | Shm | CudaIpc
 
 
-class Timing(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class Timing(msgspec.Struct, **_WIRE):
     """Time one role spent computing for one request (milliseconds), and when.
 
     ``arrived`` and ``left`` are wall-clock (time.time()) instants: the first input
@@ -80,7 +91,7 @@ class Timing(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     left: float = 0.0
 
 
-class Join(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class Join(msgspec.Struct, **_WIRE):
     """Fan-in bookkeeping: the branch ``part`` of ``parts`` that meet at ``role``."""
 
     role: str

@@ -27,6 +27,7 @@ from omniflow.runtime.config import (  # noqa: E402
     ResourcesConfig,
     RoleConfig,
     RuntimeConfig,
+    SecurityConfig,
 )
 from omniflow.runtime.tables import describe  # noqa: E402
 
@@ -81,6 +82,7 @@ def reference() -> str:
         table("`[cache]`", CacheConfig, note='Sizes are bytes or strings such as `"4GiB"`.\n\n'),
         table("`[resources]`", ResourcesConfig),
         table("`[resources.groups.NAME]`", DeviceGroup),
+        table("`[security]`", SecurityConfig),
         table(
             "Every model role's `options`",
             options.WeightsOptions,

@@ -26,7 +26,8 @@ dies with refs outstanding is cleaned up by ``reclaim``/``scan``. A view stays r
 after its lease is released, but the pages may be reused: release only when done.
 
 Trust: handles arriving in messages are checked (pool name, bounds, alignment, live
-lease, dtype/shape against nbytes) before any view is made. Every local process of the
+lease and generation, a ref held for the receiver, dtype/shape against nbytes) before
+any view is made. Every local process of the
 deployment's user can write the segment, header included; the pool does not defend
 against a process that scribbles on it.
 """
@@ -212,10 +213,18 @@ class PagePool:
             self._table.retain(lease, pid)
         return Shm(offset, nbytes, name, tuple(tensor.shape), lease, self.name)
 
-    def open(self, ref: Shm) -> torch.Tensor:
-        """The tensor ``ref`` names, as a view of the pool; ``InvalidHandle`` unless it checks out."""
-        if ref.pool and ref.pool != self.name:
-            raise InvalidHandle(f"handle names pool {ref.pool!r}; this process maps {self.name!r}")
+    def open(self, ref: Shm, holder: int | None = None, claimed: int = 0) -> torch.Tensor:
+        """The tensor ``ref`` names, as a view of the pool; ``InvalidHandle`` unless it checks out.
+
+        With ``holder`` (the receiver's pid), the lease must also hold more refs for it
+        (or anonymous ones) than the ``claimed`` refs it already opened: a ref that no
+        sender took for this process is a forgery, whatever bytes it names.
+        """
+        if ref.pool != self.name:
+            raise InvalidHandle(
+                f"handle names pool {ref.pool!r} (another deployment's segment); "
+                f"this process maps {self.name!r}"
+            )
         try:
             dtype = torch_dtype(ref.dtype)
             expected = nbytes_of(ref.dtype, tuple(ref.shape))
@@ -236,6 +245,13 @@ class PagePool:
         with self._seg.lock():
             slot = self._table.check(ref.lease)
             self._check_within(slot, ref.offset, ref.nbytes, ref.lease)
+            if holder is not None:
+                holders = self._table.holders(ref.lease)
+                if holders.get(holder, 0) + holders.get(0, 0) <= claimed:
+                    raise InvalidHandle(
+                        f"lease {ref.lease} holds no ref for pid {holder} (holders: "
+                        f"{holders}, already opened: {claimed}): no sender shared it here"
+                    )
         return self._view(ref.offset, dtype, tuple(ref.shape))
 
     def _check_within(self, slot: int, offset: int, nbytes: int, lease: int) -> None:

@@ -38,7 +38,15 @@ from omniflow.messages import (
     add_usage,
 )
 from omniflow.runtime.config import Config
-from omniflow.transport.codec import BadMessage, decode, decoder_for, encode, materialize_tensors
+from omniflow.transport.codec import (
+    BadMessage,
+    check_parts,
+    decode,
+    decoder_for,
+    encode,
+    materialize_tensors,
+    release_tensors,
+)
 from omniflow.transport.endpoint import Inbox, Outbox
 
 _decoder = decoder_for(DataMessage)
@@ -127,12 +135,13 @@ class Client:
             address = f"tcp://{self.config.runtime.bind_host}:*"
         else:
             address = f"ipc://{self.run_dir}/client-{os.getpid()}-{next(_client_ids)}.sock"
-        self.inbox = Inbox(self.ctx, address, self._on_message)
+        keys = self.config.security.load_keys()
+        self.inbox = Inbox(self.ctx, address, self._on_message, keys=keys)
         self.inbox.start()
         self.registry = open_registry(self.registry_address)
         self.view = RegistryView(self.registry, self.config.name)
         await self.view.start()
-        self.outbox = Outbox(self.ctx, self.config.runtime.send_timeout_s)
+        self.outbox = Outbox(self.ctx, self.config.runtime.send_timeout_s, keys=keys)
         policies = {
             name: make_policy(rc.policy, role=name) for name, rc in self.config.roles.items()
         }
@@ -166,6 +175,14 @@ class Client:
         except BadMessage:
             return
         pending = self._pending.get(getattr(msg, "request_id", ""))
+        try:
+            check_parts(msg, parts)
+        except BadMessage as e:
+            release_tensors(getattr(msg, "tensors", {}).values())
+            if pending is not None:
+                role = getattr(msg, "role", "")
+                pending.push(RequestFailed(Code.BAD_REQUEST.value, str(e), role, msg.request_id))
+            return
         if pending is None:
             return  # a late message of a request that already ended
         if isinstance(msg, Emit):

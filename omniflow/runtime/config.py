@@ -9,6 +9,8 @@ the file, the table and the field:
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,6 +20,8 @@ from msgspec import Meta
 from omniflow.cache.config import CacheConfig
 from omniflow.control.graph import GraphError, Plan, graph_from_edges
 from omniflow.runtime.tables import FieldError, decode
+from omniflow.transport.security import Keys, KeysError, load_keys
+from omniflow.transport.security import generate_keys as generate_keys  # for `omniflow keys`
 
 _STRICT = {"forbid_unknown_fields": True, "omit_defaults": True}
 
@@ -121,6 +125,18 @@ class ResourcesConfig(msgspec.Struct, **_STRICT):
         return None
 
 
+class SecurityConfig(msgspec.Struct, **_STRICT):
+    """[security]: CurveZMQ on every tcp:// socket (required off loopback)."""
+
+    keys: Annotated[
+        str, Meta(description="folder from `omniflow keys DIR`; relative to the config file")
+    ] = ""
+
+    def load_keys(self) -> Keys | None:
+        """The deployment's key pairs, or None when it runs without CurveZMQ."""
+        return load_keys(self.keys) if self.keys else None
+
+
 GATEWAY_ROLE = "gateway"
 GATEWAY_ACTOR = "omniflow.roles.gateway:Gateway"
 
@@ -166,6 +182,9 @@ class Config(msgspec.Struct, **_STRICT):
     gateway: Annotated[
         GatewayConfig | None, Meta(description="[gateway] (absent: no HTTP server)")
     ] = None
+    security: Annotated[SecurityConfig, Meta(description="[security] CurveZMQ keys")] = (
+        msgspec.field(default_factory=SecurityConfig)
+    )
     source: str = ""  # the file this came from (filled by load)
 
     def plan(self) -> Plan:
@@ -216,6 +235,11 @@ def load(path: str | Path) -> Config:
         raw = msgspec.toml.decode(text)
     except msgspec.DecodeError as e:
         raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    keys = raw.get("security", {}).get("keys") if isinstance(raw.get("security"), dict) else None
+    if isinstance(keys, str) and keys and not Path(keys).expanduser().is_absolute():
+        raw["security"]["keys"] = os.path.normpath(
+            path.resolve().parent / keys
+        )  # as the file means
     config = parse(raw, source)
     config.source = str(path.resolve())
     return config
@@ -231,7 +255,40 @@ def validate(config: Config, source: str) -> None:
     if rt.ttl_s <= rt.heartbeat_s:
         raise ConfigError(f"{source}: [runtime] ttl_s: must exceed heartbeat_s")
     _check_resources(config, source)
+    _check_exposure(config, source)
     build_plan(config, source)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a socket on this machine (127/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname, "*", an interface name: reachable from elsewhere
+
+
+def _check_exposure(config: Config, source: str) -> None:
+    """Off loopback, every socket is authenticated: CurveZMQ keys, the gateway's API key."""
+    rt, security = config.runtime, config.security
+    if rt.transport == "tcp" and not is_loopback(rt.bind_host) and not security.keys:
+        raise ConfigError(
+            f"{source}: [runtime] bind_host = {rt.bind_host!r} is not a loopback address: "
+            "set [security] keys = DIR (make them with `omniflow keys DIR`) so that peers "
+            "must hold the deployment's CurveZMQ keys"
+        )
+    if security.keys:
+        try:
+            security.load_keys()
+        except KeysError as e:
+            raise ConfigError(f"{source}: [security] keys: {e}") from None
+    gw = config.gateway
+    if gw is not None and not is_loopback(gw.host) and not gw.api_key:
+        raise ConfigError(
+            f"{source}: [gateway] host = {gw.host!r} is not a loopback address: set "
+            "[gateway] api_key so that callers must present it"
+        )
 
 
 def _check_resources(config: Config, source: str) -> None:

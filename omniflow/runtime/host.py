@@ -27,6 +27,7 @@ from omniflow.runtime.holding import HoldingFile
 from omniflow.runtime.inflight import Slots, Stream, carry_on, resume
 from omniflow.transport.codec import (
     BadMessage,
+    check_parts,
     decode,
     decoder_for,
     encode,
@@ -70,6 +71,9 @@ class ActorHost:
         self._idle.set()
         self._holding = holding
         self._held: dict[str, list[int]] = {}  # request id -> [its slot there, holders here]
+        # Answers the sending socket itself (the Inbox's ``reply``), for a message too
+        # malformed to name a reply address.
+        self.reply: Callable[[bytes, list[Any]], bool] | None = None
 
     @property
     def inflight(self) -> int:
@@ -89,8 +93,15 @@ class ActorHost:
         except BadMessage as e:
             self.bad_messages += 1
             log.warning("%s: dropped a malformed message: %s", self.role, e)
+            if self.reply is not None:  # no reply address to trust: answer the socket
+                self.reply(identity, [encode(Fail(Code.BAD_REQUEST.value, str(e), self.role, ""))])
             return
         if isinstance(msg, Call):
+            try:
+                check_parts(msg, parts)
+            except BadMessage as e:
+                self.bad_messages += 1
+                return self._reject(msg, Code.BAD_REQUEST, f"{self.role}: {e}")
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "%s got %s seq %d from %s", self.role, msg.request_id, msg.seq, msg.origin
@@ -103,6 +114,9 @@ class ActorHost:
         else:
             self.bad_messages += 1
             log.warning("%s: dropped an unexpected %s", self.role, type(msg).__name__)
+            if self.reply is not None:
+                what = f"an actor takes Call and Cancel messages, not {type(msg).__name__}"
+                self.reply(identity, [encode(Fail(Code.BAD_REQUEST.value, what, self.role, ""))])
 
     def _is_new_request(self, call: Call) -> bool:
         """A client's first hop of a request this actor knows nothing of yet."""
@@ -123,6 +137,9 @@ class ActorHost:
         stream = self._streams.get(key)
         if stream is None:
             if key in self._finished:
+                if call.seq == 0:  # not a late chunk: a first chunk again (a replay)
+                    message = f"request id {call.request_id!r} already ended at {self.role}"
+                    return self._reject(call, Code.BAD_REQUEST, message)
                 release_tensors(call.tensors.values())
                 return  # a late chunk of a request that already ended here
             if not self.accepting:

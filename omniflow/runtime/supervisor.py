@@ -40,7 +40,7 @@ from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.config import Config, to_json
 from omniflow.runtime.holding import holding_path, read_holding
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
-from omniflow.transport.endpoint import Inbox, Outbox
+from omniflow.transport.endpoint import Inbox, Outbox, private_dir
 
 if TYPE_CHECKING:
     from omniflow.cache import PagePool
@@ -166,7 +166,7 @@ class Supervisor:
     def _lock_run_dir(self) -> None:
         """Hold the run dir's lock for this supervisor's life: a second start of the same
         deployment fails here, before it can touch the first one's sockets, pool or state."""
-        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(self.run_dir)
         fd = os.open(self.run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

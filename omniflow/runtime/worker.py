@@ -123,7 +123,8 @@ class Worker:
         await view.start()
         policies = {name: make_policy(rc.policy, role=name) for name, rc in cfg.roles.items()}
         idempotent = frozenset(n for n, rc in cfg.roles.items() if rc.idempotent)
-        outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s)
+        keys = cfg.security.load_keys()
+        outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s, keys=keys)
         router = Router(cfg.plan(), view, outbox, policies, idempotent, socket.gethostname())
         rc = self.role_config
         holding = HoldingFile(
@@ -135,8 +136,12 @@ class Worker:
         if self.intake_closed:
             host.close_intake()
         inbox = Inbox(
-            self.ctx, endpoint_for(cfg, self.run_dir, self.role, self.replica), host.on_message
+            self.ctx,
+            endpoint_for(cfg, self.run_dir, self.role, self.replica),
+            host.on_message,
+            keys=keys,
         )
+        host.reply = inbox.reply
         inbox.start()
         record = ActorRecord(
             self.role,

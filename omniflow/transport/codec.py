@@ -5,6 +5,12 @@ header (decoded against the union its socket expects); ``export_tensors`` turns 
 tensors a message carries into refs (and frames, for ``Frame`` refs) and
 ``materialize_tensors`` turns them back. Unknown Python types raise ``TypeError`` at
 encode time: nothing is ever pickled. torch is imported only when a tensor travels.
+
+Hostile input: ``decode`` refuses a header over ``MAX_HEADER_BYTES``, unknown tags,
+undeclared fields, msgpack extension types and nesting too deep to decode;
+``check_parts`` refuses a message whose frames do not match its tensor refs (too
+many, missing, unreferenced, reused) or whose tensors sum past ``MAX_TENSOR_BYTES``.
+Both raise ``BadMessage`` naming the request and the field, before any buffer is read.
 """
 
 from __future__ import annotations
@@ -15,8 +21,13 @@ from typing import Any
 
 import msgspec
 
-from omniflow.messages import Message
+from omniflow.cache.dtypes import nbytes_of
+from omniflow.messages import Frame, Message
 from omniflow.transport.links import Link
+
+MAX_HEADER_BYTES = 64 << 20  # media may ride inline (base64 from the gateway)
+MAX_FRAMES = 1 + 1024  # the header and one frame per tensor
+MAX_TENSOR_BYTES = 16 << 30  # all tensors of one message, frames and pool refs alike
 
 
 def _refuse(obj: Any) -> Any:
@@ -26,8 +37,12 @@ def _refuse(obj: Any) -> Any:
     )
 
 
+def _refuse_ext(code: int, data: memoryview) -> Any:
+    raise msgspec.ValidationError(f"msgpack extension type {code} is not part of the protocol")
+
+
 _encoder = msgspec.msgpack.Encoder(enc_hook=_refuse)
-_message_decoder = msgspec.msgpack.Decoder(Message)
+_message_decoder = msgspec.msgpack.Decoder(Message, ext_hook=_refuse_ext)
 
 
 class BadMessage(ValueError):
@@ -40,14 +55,57 @@ def encode(msg: Any) -> bytes:
 
 def decoder_for(union: Any) -> msgspec.msgpack.Decoder:
     """A decoder typed to what one socket receives."""
-    return msgspec.msgpack.Decoder(union)
+    return msgspec.msgpack.Decoder(union, ext_hook=_refuse_ext)
 
 
 def decode(header: bytes | memoryview, decoder: msgspec.msgpack.Decoder = _message_decoder) -> Any:
+    if len(header) > MAX_HEADER_BYTES:
+        raise BadMessage(f"message header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         return decoder.decode(header)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise BadMessage(f"malformed message header: {e}") from None
+    except RecursionError:
+        raise BadMessage("malformed message header: nested too deep") from None
+
+
+def check_parts(msg: Any, parts: list[Any]) -> None:
+    """``msg``'s tensor refs against the frames it came with: each frame after the header
+    named by exactly one ``Frame`` ref, sizes and the message's total within limits."""
+    where = f"request {getattr(msg, 'request_id', '?')!r}"
+    if len(parts) > MAX_FRAMES:
+        raise BadMessage(f"{where}: {len(parts)} frames, more than {MAX_FRAMES}")
+    refs = getattr(msg, "tensors", None) or {}
+    used: set[int] = set()
+    total = 0
+    for name, ref in refs.items():
+        try:
+            nbytes = nbytes_of(ref.dtype, tuple(ref.shape))
+        except ValueError as e:
+            raise BadMessage(f"{where}: tensors[{name!r}]: {e}") from None
+        total += nbytes
+        if total > MAX_TENSOR_BYTES:
+            raise BadMessage(
+                f"{where}: tensors[{name!r}]: {total} tensor bytes in one message, "
+                f"more than {MAX_TENSOR_BYTES}"
+            )
+        if isinstance(ref, Frame):
+            if ref.index >= len(parts) or ref.index in used:
+                raise BadMessage(
+                    f"{where}: tensors[{name!r}] names frame {ref.index}, which is "
+                    f"{'taken' if ref.index in used else 'missing'} ({len(parts)} frames)"
+                )
+            used.add(ref.index)
+            size = len(parts[ref.index])
+            if size != nbytes:
+                raise BadMessage(
+                    f"{where}: tensors[{name!r}]: frame {ref.index} holds {size} bytes, dtype "
+                    f"{ref.dtype} shape {list(ref.shape)} needs {nbytes}"
+                )
+    if len(used) != len(parts) - 1:
+        raise BadMessage(
+            f"{where}: {len(parts) - 1} frames after the header, {len(used)} named by tensors"
+        )
 
 
 def export_tensors(

@@ -20,6 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from omniflow.transport.security import (
+    HANDSHAKE_FAILED,
+    Gatekeeper,
+    Keys,
+    Refusals,
+    describe_failure,
+    secure_client,
+    secure_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +58,18 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
 
+def private_dir(path: str | os.PathLike[str]) -> None:
+    """Make ``path`` (and missing parents) a directory only this user can enter: 0700,
+    owned by us. ipc:// sockets live there, so another local user cannot even connect;
+    a directory someone else made for us (in a shared /tmp) is refused, not reused."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path, follow_symlinks=False)
+    if st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+        raise PermissionError(f"{path}: owned by uid {st.st_uid} (or a link); refusing to use it")
+    if st.st_mode & 0o777 != 0o700:
+        os.chmod(path, 0o700)
+
+
 class Inbox:
     """A bound ROUTER; ``on_message(identity, parts)`` gets ``[header, *frames]``.
 
@@ -60,8 +83,19 @@ class Inbox:
         endpoint: str,
         on_message: Callable[[bytes, list[Any]], None],
         mandatory: bool = False,
+        keys: Keys | None = None,
     ) -> None:
         self._sock = ctx.socket(zmq.ROUTER)
+        self._ctx = ctx
+        # CURVE on tcp:// when the deployment has keys; ipc:// stays in the 0700 run dir.
+        self._curve = keys is not None and endpoint.startswith("tcp://")
+        self._monitor: zmq.Socket | None = None
+        if self._curve:
+            assert keys is not None
+            secure_server(self._sock, keys)
+            # Keyless peers never reach the ZAP handler: the monitor sees them fail.
+            self._monitor = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
+            self._refusals = Refusals()
         if mandatory:  # replies to a vanished peer raise instead of vanishing silently
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -83,6 +117,15 @@ class Inbox:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(fd_of(self._sock), self._drain)
         self._loop.call_soon(self._drain)  # messages that arrived before the reader
+        if self._monitor is not None:
+            self._loop.add_reader(fd_of(self._monitor), self._drain_monitor)
+            self._loop.call_soon(self._drain_monitor)
+
+    def _drain_monitor(self) -> None:
+        monitor = self._monitor
+        while not self._closed and monitor is not None and int(monitor.get(_EVENTS)) & _POLLIN:
+            event = recv_monitor_message(monitor, _NOBLOCK)
+            self._refusals.note(describe_failure(dict(event)))
 
     def _drain(self) -> None:
         sock = self._sock
@@ -115,8 +158,14 @@ class Inbox:
         if self._closed:
             return
         self._closed = True
+        if self._monitor is not None:
+            stop_reading(self._loop, self._monitor)
+            self._sock.disable_monitor()
+            self._monitor.close(0)
         stop_reading(self._loop, self._sock)
         self._sock.close(0)
+        if self._curve:
+            Gatekeeper.release(self._ctx)
         if self._path and os.path.exists(self._path):
             try:
                 os.unlink(self._path)
@@ -134,9 +183,14 @@ class Outbox:
     """
 
     def __init__(
-        self, ctx: zmq.Context, send_timeout: float = 5.0, max_peers: int = MAX_PEERS
+        self,
+        ctx: zmq.Context,
+        send_timeout: float = 5.0,
+        max_peers: int = MAX_PEERS,
+        keys: Keys | None = None,
     ) -> None:
         self._ctx = ctx
+        self._keys = keys  # CURVE client keys for tcp:// peers
         self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._sending: dict[str, int] = {}  # address -> sends waiting on its DEALER
         # Address -> loop time until which a send that cannot go at once fails at once:
@@ -156,6 +210,8 @@ class Outbox:
             # Queue only to a connected peer: a send to a dead replica fails fast
             # instead of piling up behind a reconnect that never comes.
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            if self._keys is not None and address.startswith("tcp://"):
+                secure_client(sock, self._keys)
             sock.connect(address)
             self._socks[address] = sock
         return sock

@@ -27,6 +27,7 @@ allocated until the receiver exits and is reclaimed. A full pool makes ``export`
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Iterable
@@ -48,6 +49,12 @@ from omniflow.transport.links import attach_device_pool as attach_device_pool
 from omniflow.transport.links import attach_pool as attach_pool
 from omniflow.transport.links import attached_pool as attached_pool
 from omniflow.transport.links import detach_pool as detach_pool
+
+log = logging.getLogger(__name__)
+
+# Shm refs this process opened and has not released yet, per lease: a second message
+# naming the same lease is accepted only while the lease holds more refs for this pid.
+_opened: dict[int, int] = {}
 
 # Received frames are read-only; the views handed to roles are documented as such.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -118,9 +125,11 @@ def materialize(ref: TensorRef, frames: list[Any]) -> torch.Tensor:
     if isinstance(ref, Shm):
         pool = _require_pool(ref)
         try:
-            return pool.open(ref)
+            view = pool.open(ref, os.getpid(), _opened.get(ref.lease, 0))
         except (PoolError, ValueError) as e:
             raise TensorError(f"rejected Shm ref: {e}") from None
+        _opened[ref.lease] = _opened.get(ref.lease, 0) + 1
+        return view
     if isinstance(ref, CudaIpc):
         if _attached.opener is None:
             from omniflow.cache.cuda_ipc import IpcOpener  # imports cupy: only when needed
@@ -171,6 +180,9 @@ def release(ref: TensorRef) -> None:
     if isinstance(ref, Frame):
         return
     pool = _require_pool(ref)
+    opened = _opened.pop(ref.lease, 0)
+    if opened > 1:
+        _opened[ref.lease] = opened - 1
     try:
         pool.release(ref.lease, os.getpid())
     except PoolError as e:
@@ -190,6 +202,11 @@ def revoke(ref: TensorRef, pid: int) -> None:
 
 
 def release_all(refs: Iterable[TensorRef]) -> None:
-    """``release`` every ref of a message (``msg.tensors.values()``)."""
+    """``release`` every ref of a message (``msg.tensors.values()``); a ref this process
+    holds nothing on (forged, or already reclaimed) is logged and skipped, so that the
+    message's other refs still go back."""
     for ref in refs:
-        release(ref)
+        try:
+            release(ref)
+        except TensorError as e:
+            log.warning("skipped a tensor ref: %s", e)

@@ -164,7 +164,7 @@ async def test_a_bad_tensor_ref_is_one_bad_request_fail() -> None:
     await asyncio.wait_for(host._idle.wait(), 5)
     host.on_message(b"id", _call("s", text="after"))  # and its slot was given back
     fail, done = outbox.sent
-    assert isinstance(fail, Fail) and fail.code == "bad_request" and "frame ref 3" in fail.message
+    assert isinstance(fail, Fail) and fail.code == "bad_request" and "frame 3" in fail.message
     assert isinstance(done, Done) and done.request_id == "s"
 
 
