@@ -158,3 +158,71 @@ def test_without_sglang_kernels_config_load_says_what_is_missing():
     ).stdout
     assert "backend 'sglang' needs SGLang's kernels" in out
     assert "sgl_kernel" in out and "torchvision" in out
+
+
+DEPLOYMENT = """
+name = "sglang_text"
+registry = "embedded"
+
+[roles.llm]
+actor = "omniflow.roles.llm:LLMRole"
+
+[roles.llm.options]
+model_path = "models/llama-tiny"
+build_tiny = true
+backend = "sglang"
+max_tokens = 16
+
+[graph]
+edges = [{ from = "input", to = "llm" }]
+
+[runtime]
+start_timeout_s = 170
+"""
+
+
+def test_a_deployment_with_backend_sglang_serves_omniflow_send(tmp_path, monkeypatch):
+    import json
+    import tempfile
+
+    from tests.helpers import cli
+
+    root = Path(__file__).resolve().parents[2]
+    # The role's worker processes import SGLang: the stand-ins go on their path too.
+    path = [str(root)] + ([] if REAL_KERNELS else [str(STUBS)])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("OMNIFLOW_RUN_ROOT", tempfile.mkdtemp(prefix="of-", dir="/tmp"))
+    (tmp_path / "sglang.toml").write_text(DEPLOYMENT)
+    cli("up", "sglang.toml", "--detach", cwd=tmp_path, timeout=240)
+    try:
+        proc = cli(
+            "send",
+            "--name",
+            "sglang_text",
+            "--text",
+            "hello there",
+            "--json",
+            "--param",
+            "max_tokens=6",
+            "--param",
+            "temperature=0",
+            cwd=tmp_path,
+        )
+        reply = json.loads(proc.stdout)
+        assert reply["usage"]["completion_tokens"] == 6
+        refused = cli(
+            "send",
+            "--name",
+            "sglang_text",
+            "--text",
+            "hi",
+            "--want",
+            "text,image",
+            cwd=tmp_path,
+            check=False,
+        )
+        assert refused.returncode != 0
+        assert "params.want" in refused.stdout + refused.stderr
+        assert "sglang" in refused.stdout + refused.stderr
+    finally:
+        cli("down", "--name", "sglang_text", check=False, cwd=tmp_path)
