@@ -12,7 +12,8 @@ that shape (a slot is ``page * page_size + offset``, the engine's slot mapping),
 land in exactly the pages the allocator gave the sequence. The request-to-token table of
 a step is built from the sequences' page tables. Prefill chunks (with a cached prefix:
 ``extend_prefix_lens`` > 0) and decodes run as one EXTEND batch; a step of decodes alone
-runs as DECODE. The attention backend is SGLang's torch_native on CPU and triton on a GPU.
+runs as DECODE. The attention backend is SGLang's torch_native (PyTorch SDPA, any device);
+its GPU backends (FlashInfer, Triton) want a full SGLang ModelRunner and are not wired.
 
 SGLang's internals change between releases: this adapter is written against exactly
 `SGLANG_VERSION` and refuses another. On CPU, SGLang needs ``SGLANG_USE_CPU_ENGINE=1``
@@ -45,7 +46,6 @@ UNSERVED = ("codes_heads", "guidance", "block_steps", "embeddings")
 _REQUIRED_MODULES = ("sglang", "sgl_kernel", "torchvision")
 
 _bootstrap_lock = threading.Lock()
-_bootstrapped = False
 
 
 def sglang_missing() -> str | None:
@@ -81,7 +81,6 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
     """SGLang's one-process bootstrap (as its weight-cache daemon does it): server args
     published for this process, model parallel of world size 1 (gloo on CPU), then its
     model loader. The distributed groups are made once per process."""
-    global _bootstrapped
     if device.type == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     from sglang.srt.configs.device_config import DeviceConfig
@@ -102,12 +101,12 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
     args = ServerArgs(
         model_path=str(path),
         device=device.type,
-        attention_backend="torch_native" if device.type == "cpu" else "triton",
+        attention_backend="torch_native",
         dtype=dtype_name,
         skip_tokenizer_init=True,
         disable_cuda_graph=True,
     )
-    gpu = device.index or 0 if device.type == "cuda" else 0
+    gpu = device.index or 0
     with _bootstrap_lock:
         publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=gpu))
         initialize_moe_config()
@@ -121,7 +120,6 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
                 backend="gloo" if device.type == "cpu" else "nccl",
             )
             initialize_model_parallel()
-            _bootstrapped = True
         initialize_dp_attention(args)
         init_dp_gathered_buffer(model_config)
         loader = get_model_loader(
@@ -208,14 +206,9 @@ class SGLangRunner:
         self.pool = _PagesAsTokens(cache)
         self.table = _RequestTable()
         runner = _RunnerView(self.device, self.table, self.pool)
-        if self.device.type == "cpu":
-            from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-            self.attention: Any = TorchNativeAttnBackend(runner)
-        else:
-            from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-
-            self.attention = TritonAttnBackend(runner)
+        self.attention = TorchNativeAttnBackend(runner)
 
     def _slots(self, page_ids: list[int], end: int) -> torch.Tensor:
         size = self.cache.page_size
