@@ -85,7 +85,7 @@ class EngineConfig:
             if unserved:
                 raise ValueError(
                     f"engine config field flow: backend 'sglang' cannot serve "
-                    f"{', '.join(unserved)} (text requests only); use backend 'torch'"
+                    f"{', '.join(unserved)} (text outputs only); use backend 'torch'"
                 )
             missing = sglang_missing()
             if missing:
@@ -246,9 +246,7 @@ class LLMEngine:
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params, request_id)
         self._check_unused(request_id)
-        self._check_served(
-            request_id, head=head is not None, guidance=guidance is not None, embeddings=embeddings
-        )
+        self._check_served(request_id, head=head is not None, guidance=guidance is not None)
         params.validate(request_id, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id}: sampling field stop needs a tokenizer")
@@ -293,7 +291,7 @@ class LLMEngine:
             if fields:
                 raise ValueError(
                     f"request {request_id}: field {fields[0]} is not served by engine backend "
-                    "'sglang' (text requests only)"
+                    "'sglang' (text outputs only)"
                 )
 
     def _check_unused(self, request_id: str) -> None:

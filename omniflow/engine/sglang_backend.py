@@ -19,8 +19,9 @@ SGLang's internals change between releases: this adapter is written against exac
 `SGLANG_VERSION` and refuses another. On CPU, SGLang needs ``SGLANG_USE_CPU_ENGINE=1``
 (set here before it is imported) and still imports two CUDA-only modules at module level,
 ``sgl_kernel`` and ``torchvision``: without them `sglang_missing` says so, and the engine
-config is refused. Text requests only: codes heads, guided pairs, block steps and
-embedding spans need hidden states or input rows this adapter does not pass (`UNSERVED`).
+config is refused. Text outputs only: prompts may carry embedding spans (multimodal
+inputs, as SGLang's ``input_embeds``), but codes heads, guided pairs and block steps need
+hidden states this adapter does not return (`UNSERVED`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from omniflow.engine.scheduler import ScheduledChunk
 
 SGLANG_VERSION = "0.5.23"
 # Compute Flow operations the SGLang backend cannot serve (EngineConfig.flow names them).
-UNSERVED = ("codes_heads", "guidance", "block_steps", "embeddings")
+UNSERVED = ("codes_heads", "guidance", "block_steps")
 # Modules SGLang 0.5.23 imports at module level even for a text model on CPU.
 _REQUIRED_MODULES = ("sglang", "sgl_kernel", "torchvision")
 
@@ -219,10 +220,10 @@ class SGLangRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
         ForwardBatch, ForwardMode, CaptureHiddenMode, ForwardContext, forward_context = self._sglang
         for chunk in chunks:
-            if chunk.block or chunk.sequence.embedding_spans or chunk.sequence.input_rows:
+            if chunk.block or chunk.sequence.input_rows:
                 raise ValueError(
-                    f"request {chunk.sequence.request_id}: backend 'sglang' runs token rows "
-                    "only (no block steps, embedding spans or media-token rows)"
+                    f"request {chunk.sequence.request_id}: backend 'sglang' runs prompt and "
+                    "text rows only (no block steps or media-token rows)"
                 )
         decode_only = all(c.num_tokens == 1 and c.start > 0 for c in chunks)
         input_ids: list[int] = []
@@ -230,9 +231,17 @@ class SGLangRunner:
         out_slots: list[torch.Tensor] = []
         tables: list[torch.Tensor] = []
         starts, lengths, ends, sampling, rows = [], [], [], [], []
+        embed_rows: list[int] = []
+        embed_values: list[torch.Tensor] = []
         for index, chunk in enumerate(chunks):
             sequence, start = chunk.sequence, chunk.start
             end = start + chunk.num_tokens
+            row = len(input_ids)
+            for span in sequence.embedding_spans:  # multimodal rows replace their embeddings
+                lo, hi = max(start, span.start), min(end, span.start + len(span.embeddings))
+                if lo < hi:
+                    embed_rows += range(row + lo - start, row + hi - start)
+                    embed_values.append(span.embeddings[lo - span.start : hi - span.start])
             input_ids += sequence.token_ids[start:end]
             positions += range(start, end)
             table = self._slots(sequence.page_ids, end)
@@ -277,8 +286,15 @@ class SGLangRunner:
             **extend,
         )
         self.attention.init_forward_metadata(batch)
+        input_embeds = None
+        if embed_rows:
+            input_embeds = self.model.get_input_embeddings()(batch.input_ids)
+            values = torch.cat([v.to(device) for v in embed_values]).to(input_embeds.dtype)
+            input_embeds[torch.tensor(embed_rows, dtype=torch.long, device=device)] = values
         with forward_context(ForwardContext(attn_backend=self.attention), forward_batch=batch):
-            out = self.model.forward(batch.input_ids, batch.positions, batch)
+            out = self.model.forward(
+                batch.input_ids, batch.positions, batch, input_embeds=input_embeds
+            )
         # One logits row per sequence (its last row); keep those that sample.
         logits = out.next_token_logits[torch.tensor(rows, dtype=torch.long, device=device)]
         return StepOutput(sampling, logits.float())

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import hf_greedy, random_prompts
 
-from omniflow.engine import LLMEngine, SamplingParams
+from omniflow.engine import EmbeddingSpan, LLMEngine, SamplingParams
 from omniflow.engine.heads import Guidance
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.engine.sglang_backend import sglang_missing
@@ -125,6 +125,26 @@ def test_kv_lands_only_in_allocated_pages_as_the_torch_backend_writes_it(tiny_mo
     torch.testing.assert_close(sglang_cache.values, torch_cache.values, rtol=1e-4, atol=1e-5)
 
 
+def test_embedding_spans_enter_as_input_embeds_like_the_torch_backend(tiny_models):
+    path = tiny_models["qwen2-tied-odd-heads"]
+    [prompt] = random_prompts((14,), seed=41)
+    placeholder = prompt[:2] + [0] * 6 + prompt[8:]
+    media = torch.randn(6, 60, generator=torch.Generator().manual_seed(5)) * 3
+    outputs = {}
+    for backend in ("torch", "sglang"):
+        engine = engine_for(path, page_size=4, backend=backend)
+        runs = []
+        for tag in ("first", "again"):  # again: the span's pages come from the prefix cache
+            engine.add_request(tag, placeholder, GREEDY, [EmbeddingSpan(2, media, "hash-media")])
+            deltas = engine.run_to_completion()
+            runs.append(([t for d in deltas for t in d.token_ids], deltas[0].num_cached_tokens))
+        outputs[backend] = runs
+    assert outputs["sglang"] == outputs["torch"]
+    assert outputs["sglang"][1][1] == 12  # three full pages, the span's among them
+    plain, _ = generate(engine_for(path, page_size=4, backend="sglang"), [placeholder])
+    assert plain[0] != outputs["sglang"][0][0]  # the span's rows did replace the embeddings
+
+
 def test_config_load_refuses_compute_flow_it_cannot_serve():
     with pytest.raises(ValueError, match="flow.*sglang.*codes_heads, block_steps"):
         EngineConfig(backend="sglang", flow=("codes_heads", "block_steps"))
@@ -181,6 +201,8 @@ start_timeout_s = 170
 """
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_a_deployment_with_backend_sglang_serves_omniflow_send(tmp_path, monkeypatch):
     import json
     import tempfile
