@@ -7,7 +7,6 @@ Needs sglang==0.5.23 (the extra ``sglang``; CI installs its CPU variant). On a C
 torchvision and sgl_kernel are stood in for by tests/engine/sglang_stubs (see there)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -145,14 +144,6 @@ def test_embedding_spans_enter_as_input_embeds_like_the_torch_backend(tiny_model
     assert plain[0] != outputs["sglang"][0][0]  # the span's rows did replace the embeddings
 
 
-def test_config_load_refuses_compute_flow_it_cannot_serve():
-    with pytest.raises(ValueError, match="flow.*sglang.*codes_heads, block_steps"):
-        EngineConfig(backend="sglang", flow=("codes_heads", "block_steps"))
-    with pytest.raises(ValueError, match="backend must be one of"):
-        EngineConfig(backend="vllm")
-    EngineConfig(backend="torch", flow=("codes_heads", "block_steps"))  # the torch backend does
-
-
 def test_requests_it_cannot_serve_are_refused_by_name(tiny_models):
     engine = engine_for(tiny_models["llama-mha"], page_size=8, backend="sglang")
     with pytest.raises(ValueError, match="request g1: field guidance"):
@@ -161,23 +152,6 @@ def test_requests_it_cannot_serve_are_refused_by_name(tiny_models):
         engine.keep_context("c1", [5, 6, 7])
     got, _ = generate(engine, [[5, 6, 7]])  # and it keeps serving text
     assert got == hf_greedy(tiny_models["llama-mha"], [[5, 6, 7]], GREEDY.max_tokens)
-
-
-@pytest.mark.skipif(REAL_KERNELS, reason="SGLang's real kernels are installed here")
-def test_without_sglang_kernels_config_load_says_what_is_missing():
-    root = Path(__file__).resolve().parents[2]
-    code = (
-        "from omniflow.engine.llm_engine import EngineConfig\n"
-        "try:\n    EngineConfig(backend='sglang')\n"
-        "except ValueError as error:\n    print(error)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(root)  # no stand-ins: sgl_kernel and torchvision are absent
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout
-    assert "backend 'sglang' needs SGLang's kernels" in out
-    assert "sgl_kernel" in out and "torchvision" in out
 
 
 DEPLOYMENT = """
