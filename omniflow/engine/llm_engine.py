@@ -33,7 +33,7 @@ from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.scheduler import Scheduler
 from omniflow.engine.sequence import EmbeddingSpan, Sequence, SequenceStatus
 from omniflow.engine.sglang_backend import UNSERVED, SGLangRunner, sglang_missing
-from omniflow.models import DecoderLM, TextTokenizer, load_decoder, load_tokenizer
+from omniflow.models import DecoderLM, MLAConfig, TextTokenizer, load_decoder, load_tokenizer
 from omniflow.models.loader import load_config, resolve_device, resolve_dtype
 
 
@@ -137,6 +137,12 @@ class LLMEngine:
             dtype, device = parameter.dtype, parameter.device
         else:
             model_config = load_config(path)
+            if isinstance(model_config, MLAConfig):
+                raise ValueError(
+                    f"engine config field backend 'sglang' serves Llama/Qwen2 checkpoints; "
+                    f"{model_config.architecture} in {path} keeps latent (MLA) pages, which "
+                    "SGLang lays out differently: use backend 'torch'"
+                )
             device = resolve_device(config.device)
             dtype = resolve_dtype(config.dtype, model_config, device)
         self.model_config = model_config

@@ -144,6 +144,14 @@ def test_embedding_spans_enter_as_input_embeds_like_the_torch_backend(tiny_model
     assert plain[0] != outputs["sglang"][0][0]  # the span's rows did replace the embeddings
 
 
+def test_latent_attention_checkpoints_are_refused_at_load(tmp_path):
+    from omniflow.models import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "deepseek", "deepseek-v2-tiny", seed=0)
+    with pytest.raises(ValueError, match="backend 'sglang' serves Llama/Qwen2.*DeepseekV2"):
+        engine_for(path, backend="sglang")
+
+
 def test_requests_it_cannot_serve_are_refused_by_name(tiny_models):
     engine = engine_for(tiny_models["llama-mha"], page_size=8, backend="sglang")
     with pytest.raises(ValueError, match="request g1: field guidance"):
