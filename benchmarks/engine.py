@@ -25,6 +25,14 @@ A floor for any engine on this machine, same model, same precision:
   floor_speedup                    median over rounds of floor / transformers within the round:
                                    about the most an engine could show here against transformers
 Subject and baseline run interleaved (A B A B ...); each figure is a median over rounds.
+With --backend sglang it measures instead the SGLang backend (SGLang's forward over omniflow's
+pages, omniflow's scheduler and sampler) beside the torch backend on the same model, A B A B:
+  sglang_tokens_per_s, torch_tokens_per_s   throughput as above, each backend's engine
+  sglang_ttft_cached_ms, torch_ttft_cached_ms      TTFT with the prefix cached
+  sglang_ttft_uncached_ms, torch_ttft_uncached_ms  and with prefix caching off
+  sglang_over_torch                         median over rounds of sglang / torch tokens/s
+  cpu, device                               where it ran (on CPU SGLang runs its torch_native
+                                            attention: a correctness path, expected slower)
 With --model deepseek_v2 (a tiny DeepSeek-V2: MLA + DeepSeekMoE) it adds
   mla_kv_bytes_per_token           the engine's latent pages: (kv_lora_rank + rope) x layers
   mha_kv_bytes_per_token           K and V of an MHA of the same width and heads
@@ -195,6 +203,83 @@ def ttft_ms(engine: LLMEngine, prompt: list[int], tag: str) -> float:
     return (first - started) * 1000
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def compare_backends(args, folder) -> None:
+    """The SGLang backend beside the torch backend: tokens/s and TTFT, interleaved rounds."""
+    device = args.device
+    engines = {}
+    for backend in ("torch", "sglang"):
+        options = dict(device=device, dtype=args.dtype, max_num_seqs=64, backend=backend)
+        engines[backend] = (
+            LLMEngine(folder, EngineConfig(**options)),
+            LLMEngine(folder, EngineConfig(**options, enable_prefix_caching=False)),
+        )
+    vocab = engines["torch"][0].vocab_size
+    print(f"cpu: {cpu_name()}, device={device}, threads={torch.get_num_threads()}")
+    warm = random_prompts(4, 16, vocab, seed=99)
+    for engine, _ in engines.values():
+        omniflow_throughput(engine, warm, 4, "warmup")
+    rates: dict[str, list[float]] = {"torch": [], "sglang": []}
+    for round_index in range(args.rounds):
+        prompts = random_prompts(args.requests, args.prompt_len, vocab, seed=round_index)
+        for backend, (engine, _) in engines.items():
+            rate, _, _ = omniflow_throughput(engine, prompts, args.output_len, f"tp{round_index}")
+            rates[backend].append(rate)
+        print(
+            f"round {round_index}: torch {rates['torch'][-1]:.1f} tok/s, "
+            f"sglang {rates['sglang'][-1]:.1f}"
+        )
+    [prefix] = random_prompts(1, args.prefix_len, vocab, seed=1000)
+    for engine, _ in engines.values():
+        ttft_ms(engine, prefix + [5], "prefix-warm")  # puts the prefix in the cache
+    ttft: dict[str, list[float]] = {}
+    for round_index in range(args.rounds + 2):
+        [suffix] = random_prompts(1, 16, vocab, seed=2000 + round_index)
+        for backend, (engine, uncached_engine) in engines.items():
+            for kind, which in (("cached", engine), ("uncached", uncached_engine)):
+                ms = ttft_ms(which, prefix + suffix, f"{kind}{round_index}")
+                ttft.setdefault(f"{backend}_{kind}", []).append(ms)
+        print(
+            f"ttft round {round_index}: "
+            + ", ".join(f"{k} {v[-1]:.1f} ms" for k, v in ttft.items())
+        )
+    result = {
+        "sglang_tokens_per_s": round(statistics.median(rates["sglang"]), 1),
+        "torch_tokens_per_s": round(statistics.median(rates["torch"]), 1),
+        "sglang_over_torch": round(
+            statistics.median(a / b for a, b in zip(rates["sglang"], rates["torch"], strict=True)),
+            3,
+        ),
+        **{
+            f"{backend}_ttft_{kind}_ms": round(statistics.median(ttft[f"{backend}_{kind}"]), 2)
+            for backend in ("sglang", "torch")
+            for kind in ("cached", "uncached")
+        },
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": device,
+        "cpu": cpu_name(),
+        "requests": args.requests,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "prefix_len": args.prefix_len,
+        "rounds": args.rounds,
+    }
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="llama", choices=sorted(MODELS))
@@ -216,7 +301,16 @@ def main() -> None:
         help="bf16: also run the engine with its CPU kernels off (cpu_kernels=False) in every "
         "round, and report pytorch_ops_tokens_per_s and kernels_speedup",
     )
+    parser.add_argument(
+        "--backend",
+        default="torch",
+        choices=["torch", "sglang"],
+        help="sglang: the SGLang backend beside the torch backend (needs sglang==0.5.23)",
+    )
+    parser.add_argument("--device", default="cpu", help="with --backend sglang: cpu or cuda")
     args = parser.parse_args()
+    if args.backend == "sglang" and args.device != "cpu":
+        args.dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     if args.dtype == "auto":
         native = packed_weights_supported(torch.device("cpu"), torch.bfloat16)
         args.dtype = "bfloat16" if native else "float32"
@@ -225,6 +319,9 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     folder = build_tiny_model(scratch_dir("omniflow-bench-"), MODELS[args.model])
+    if args.backend == "sglang":
+        compare_backends(args, folder)
+        return
     config = EngineConfig(device="cpu", dtype=args.dtype, max_num_seqs=64)
     engine = LLMEngine(folder, config)
     uncached_engine = LLMEngine(

@@ -104,6 +104,29 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   CONSTRAINTS=(-c constraints-cpu.txt)
 fi
 "$VPY" -m pip install -q --disable-pip-version-check "${CONSTRAINTS[@]}" -e ".[${EXTRAS}]" rust-just
+# The SGLang engine backend (engine/sglang_backend.py), when OMNIFLOW_SGLANG is set (CI sets
+# cpu). gpu: the extra `sglang` (SGLang with its CUDA torch and sgl-kernel). cpu: SGLang
+# without its deps (they would replace torch with a CUDA build), then the pure-Python ones
+# its imports need and the CPU-safe binaries it imports at module level, torch held at the
+# CPU build. Never torchvision here; a CPU machine also lacks sgl_kernel: the engine config
+# says so, and the tests stand in for both (tests/engine/sglang_stubs).
+SGLANG_CPU=(sglang==0.5.23 triton==3.8.0 apache-tvm-ffi==0.1.11 xgrammar==0.2.7)
+SGLANG_CPU_DEPS=(orjson psutil pybase64 requests pillow starlette msgspec pyzmq IPython aiohttp
+  dill sentencepiece compressed-tensors gguf openai partial_json_parser uvicorn fastapi einops
+  uvloop setproctitle transformers)
+case "${OMNIFLOW_SGLANG:-}" in
+  "") ;;
+  cpu)
+    SGLANG_START=$SECONDS
+    "$VPY" -m pip install -q --disable-pip-version-check --no-deps "${SGLANG_CPU[@]}"
+    "$VPY" -m pip install -q --disable-pip-version-check -c constraints-cpu.txt "${SGLANG_CPU_DEPS[@]}"
+    "$VPY" -c 'import torch; assert torch.version.cuda is None, torch.__version__' ||
+      die "the SGLang CPU install replaced torch with a CUDA build"
+    echo "setup: sglang (CPU, no kernels) installed in $((SECONDS - SGLANG_START))s"
+    ;;
+  gpu) "$VPY" -m pip install -q --disable-pip-version-check -e ".[sglang]" ;;
+  *) die "OMNIFLOW_SGLANG must be cpu or gpu, not ${OMNIFLOW_SGLANG}" ;;
+esac
 # Build the CPU kernels now rather than in the first engine that wants them.
 KERNELS=$("$VPY" -c 'from omniflow.kernels import cpu_kernels, unavailable_reason as why
 print("built" if cpu_kernels() else f"off ({why()})")')

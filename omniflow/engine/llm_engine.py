@@ -32,7 +32,9 @@ from omniflow.engine.sampler import Sampler
 from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.scheduler import Scheduler
 from omniflow.engine.sequence import EmbeddingSpan, Sequence, SequenceStatus
-from omniflow.models import DecoderLM, TextTokenizer, load_decoder, load_tokenizer
+from omniflow.engine.sglang_backend import UNSERVED, SGLangRunner, sglang_missing
+from omniflow.models import DecoderLM, MLAConfig, TextTokenizer, load_decoder, load_tokenizer
+from omniflow.models.loader import load_config, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -63,9 +65,40 @@ class EngineConfig:
     # in bf16). False: leave every weight where it is, e.g. in shared pages another process
     # maps too (one copy of the backbone for two roles).
     relayout_weights: bool = True
+    # "torch": omniflow's model; "sglang": SGLang's model forward over the same pages, with
+    # this engine's scheduler, prefix cache and sampler (engine/sglang_backend.py).
+    backend: str = "torch"
+    # Compute Flow operations the caller will use beyond text requests: "codes_heads",
+    # "guidance", "block_steps", "embeddings". A backend that cannot serve one refuses
+    # the config here, not the request later.
+    flow: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"engine config field backend must be one of {BACKENDS}, not {self.backend!r}"
+            )
+        unknown = [op for op in self.flow if op not in FLOW_OPERATIONS]
+        if unknown:
+            raise ValueError(
+                f"engine config field flow: unknown operation(s) {unknown}; "
+                f"known: {FLOW_OPERATIONS}"
+            )
+        if self.backend == "sglang":
+            unserved = [op for op in self.flow if op in UNSERVED]
+            if unserved:
+                raise ValueError(
+                    f"engine config field flow: backend 'sglang' cannot serve "
+                    f"{', '.join(unserved)} (text outputs only); use backend 'torch'"
+                )
+            missing = sglang_missing()
+            if missing:
+                raise ValueError(f"engine config field backend 'sglang' needs {missing}")
 
 
 PREFIX_CACHES = ("radix",)
+BACKENDS = ("torch", "sglang")
+FLOW_OPERATIONS = ("codes_heads", "guidance", "block_steps", "embeddings")
 
 
 def _kv_tiers(config: EngineConfig, cache: KVCache, pool: PagePool | None) -> KVTiers | None:
@@ -90,23 +123,40 @@ class LLMEngine:
                 f"engine config field prefix_cache must be one of {PREFIX_CACHES}, "
                 f"not {config.prefix_cache!r}"
             )
+        sglang = config.backend == "sglang"
         if isinstance(model, (str, Path)):
-            if tokenizer is None and (Path(model) / "tokenizer.json").is_file():
+            path = Path(model)
+            if tokenizer is None and (path / "tokenizer.json").is_file():
                 tokenizer = load_tokenizer(model)
-            model = load_decoder(model, config.device, config.dtype)
-        self.model = model
+            if not sglang:
+                model = load_decoder(model, config.device, config.dtype)
+        elif sglang:
+            raise ValueError("engine backend 'sglang' loads its model itself: pass a model folder")
+        # None with backend "sglang": SGLang holds the weights (self.runner.model).
+        self.model: DecoderLM | None = None if sglang else model  # type: ignore[assignment]
         self.tokenizer = tokenizer
-        model_config = model.config
+        if self.model is not None:
+            model_config = self.model.config
+            parameter = next(self.model.parameters())
+            dtype, device = parameter.dtype, parameter.device
+        else:
+            model_config = load_config(path)
+            if isinstance(model_config, MLAConfig):
+                raise ValueError(
+                    f"engine config field backend 'sglang' serves Llama/Qwen2 checkpoints; "
+                    f"{model_config.architecture} in {path} keeps latent (MLA) pages, which "
+                    "SGLang lays out differently: use backend 'torch'"
+                )
+            device = resolve_device(config.device)
+            dtype = resolve_dtype(config.dtype, model_config, device)
+        self.model_config = model_config
         self.vocab_size = model_config.vocab_size
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.eos_token_ids = set(model_config.eos_token_ids)
         if tokenizer is not None:
             self.eos_token_ids |= set(tokenizer.eos_token_ids)
-        parameter = next(model.parameters())
         kv_layers, kv_heads, kv_head_dim = model_config.kv_layout
-        per_page = KVCache.bytes_per_page(
-            kv_layers, config.page_size, kv_heads, kv_head_dim, parameter.dtype
-        )
+        per_page = KVCache.bytes_per_page(kv_layers, config.page_size, kv_heads, kv_head_dim, dtype)
         pages_for_all = config.max_num_seqs * -(-self.max_model_len // config.page_size)
         num_pages = config.num_pages or max(
             1, min(config.kv_cache_bytes // per_page, pages_for_all)
@@ -117,18 +167,18 @@ class LLMEngine:
             config.page_size,
             kv_heads,
             kv_head_dim,
-            parameter.dtype,
-            parameter.device,
+            dtype,
+            device,
         )
         self.leases: LeaseBook | None = None
         self.kv_pool = kv_pool  # also where lent contexts' pages are read (keep_context)
         self._kv_blocks: list[Lease] = []
         if config.share_kv and kv_pool is None:
             raise ValueError("engine config field share_kv needs a kv_pool to put the K/V in")
-        if config.share_kv and kv_pool is not None and parameter.device.type == "cpu":
+        if config.share_kv and kv_pool is not None and device.type == "cpu":
             # K/V in the deployment's pool: other roles on this host can read leased pages.
             for name in ("keys", "values"):
-                block = kv_pool.empty(getattr(self.cache, name).shape, parameter.dtype)
+                block = kv_pool.empty(getattr(self.cache, name).shape, dtype)
                 block.tensor.zero_()
                 setattr(self.cache, name, block.tensor)
                 self._kv_blocks.append(block.lease)
@@ -143,8 +193,15 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.enable_prefix_caching,
         )
-        self.runner = ModelRunner(
-            model, self.cache, kernels=config.cpu_kernels, relayout=config.relayout_weights
+        self.runner: ModelRunner | SGLangRunner = (
+            SGLangRunner(path, self.cache)
+            if self.model is None
+            else ModelRunner(
+                self.model,
+                self.cache,
+                kernels=config.cpu_kernels,
+                relayout=config.relayout_weights,
+            )
         )
         self.limits = Limits(
             self.vocab_size,
@@ -212,6 +269,7 @@ class LLMEngine:
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params, request_id)
         self._check_unused(request_id)
+        self._check_served(request_id, head=head is not None, guidance=guidance is not None)
         params.validate(request_id, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id}: sampling field stop needs a tokenizer")
@@ -254,6 +312,16 @@ class LLMEngine:
             self.scheduler.requeue(sequence)
         else:
             self.scheduler.add(sequence)
+
+    def _check_served(self, request_id: str, **used: object) -> None:
+        """Requests that need what backend "sglang" does not run are refused, named."""
+        if self.model is None:
+            fields = [name for name, value in used.items() if value]
+            if fields:
+                raise ValueError(
+                    f"request {request_id}: field {fields[0]} is not served by engine backend "
+                    "'sglang' (text outputs only)"
+                )
 
     def _check_unused(self, request_id: str) -> None:
         if request_id in self.sequences or request_id in self.kept:
@@ -317,6 +385,7 @@ class LLMEngine:
         `release` or `close` hands the lease back. prompt_token_ids must be the lent
         tokens (as many as the lease holds); embeddings do not apply to a lent half."""
         self._check_unused(context_id)
+        self._check_served(context_id, block_steps=True)
         params = SamplingParams(max_tokens=1)
         uncond_lease = None if guidance is None else guidance.lease
         halves = [(context_id, prompt_token_ids, embeddings, lease)]
@@ -478,6 +547,7 @@ class LLMEngine:
         if output.logits is not None:  # text alone, no guidance
             append_text(self.sampler, leaders, output.logits)
         else:
+            assert self.model is not None, "hidden states come from omniflow's model only"
             append_from_hidden(self.model, self.sampler, output, leaders)
         for sequence in leaders:
             check_stop(sequence, self.eos_token_ids, self.tokenizer, self.max_model_len)

@@ -137,15 +137,16 @@ class LLMRole(ModelActor):
             ssd_kv_dir=(cache.ssd_dir or None) if cache is not None and ssd_kv_mb else None,
             ssd_kv_bytes=ssd_kv_mb << 20,
             share_kv=opts.share_kv and self.pool is not None,
+            # backend sglang serves the text stage only (image/audio are refused by name).
+            backend=opts.backend,
         )
         self.tokenizer = load_tokenizer(self.path)
         self.engine = AsyncEngine(
             LLMEngine(self.path, config, kv_pool=self.pool),
             thread_setup=functools.partial(lower_thread_priority, self.model_nice),
         )
-        self.model = self.engine.backend.model  # type: ignore[attr-defined]  # shared weights
         omni = self.path / "omni"
-        self.hidden_size = self.model.config.hidden_size
+        self.hidden_size = self.engine.backend.model_config.hidden_size  # type: ignore[attr-defined]
         # Media positions hold a placeholder id; their embeddings replace its embedding.
         self.placeholder = self.tokenizer.tokenizer.token_to_id("<pad>") or 0
         self.bos = self.tokenizer.encode("", add_special_tokens=True) or [self.placeholder]
@@ -278,6 +279,10 @@ class LLMRole(ModelActor):
     def _media_stages(self, request: Request, want: set[str]) -> list[_Stage]:
         """The image stage (guided) and the audio stage this request wants, checked."""
         stages = []
+        if want & {"image", "audio"} and self.options.backend == "sglang":
+            raise BadRequest(
+                "params.want", "image and audio need codes heads: backend 'sglang' makes text only"
+            )
         if "image" in want:
             grid = request.params.get("image_grid", [4, 4])
             if not (

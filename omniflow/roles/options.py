@@ -110,6 +110,20 @@ class LLMOptions(WeightsOptions, kw_only=True):
     summary_media: Annotated[
         int, Meta(ge=0, description="leading media published for prefix_aware routing")
     ] = 256
+    backend: Annotated[
+        Literal["torch", "sglang"],
+        Meta(description="engine backend; sglang: SGLang's forward, text outputs only"),
+    ] = "torch"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.backend == "sglang":
+            # Imports torch, so only for a deployment that asks for SGLang.
+            from omniflow.engine.sglang_backend import sglang_missing
+
+            missing = sglang_missing()
+            if missing:
+                raise FieldError("backend", f"'sglang' needs {missing}")
 
 
 class ImageDecoderOptions(WeightsOptions, kw_only=True):
