@@ -153,6 +153,7 @@ class Fail(msgspec.Struct, tag="fail", **_WIRE):
     message: str
     role: str
     request_id: str
+    replica: str = ""  # the actor id of a replica that died holding it (a death notice)
 
 
 class Cancel(msgspec.Struct, tag="cancel", **_WIRE):

@@ -130,6 +130,8 @@ class Fanout:
         self.emitted = 0
         self.addresses: set[str] = set()
         self.waited_for_replicas = False
+        # Replicas this request must not be sent to: ones that died holding it before.
+        self.exclude: frozenset[str] = frozenset()
 
     async def output(self, output: Mapping[str, Any]) -> None:
         data, tensors = split_output(output)
@@ -197,7 +199,12 @@ class Fanout:
                 continue
             if len(members) < 2:
                 continue
-            target = self.router.pick(join_role, self._key(join_role, data))
+            try:
+                target = self.router.pick(join_role, self._key(join_role, data), self.exclude)
+            except NoReplicaError:
+                raise RouteError(
+                    Code.UNAVAILABLE, f"no live replica of role {join_role!r}"
+                ) from None
             for i, route in enumerate(members):
                 tags[route] = Join(join_role, target.actor_id, len(members), i)
         return tags
@@ -234,7 +241,7 @@ class Fanout:
         self, role: str, exclude: frozenset[str] = frozenset(), key: PickKey | None = None
     ) -> ActorRecord:
         try:
-            record = self.router.pick(role, key or self._key(role), exclude)
+            record = self.router.pick(role, key or self._key(role), exclude | self.exclude)
         except NoReplicaError:
             raise RouteError(Code.UNAVAILABLE, f"no live replica of role {role!r}") from None
         self.router.policies[role].on_send(record.actor_id)

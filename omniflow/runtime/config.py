@@ -91,6 +91,10 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
     restart_backoff_max_s: Annotated[
         float, Meta(ge=0, description="the backoff doubles up to this")
     ] = 10.0
+    max_migrations: Annotated[
+        int,
+        Meta(ge=0, description="times a request on a dead replica moves to another (0: off)"),
+    ] = 3
 
 
 class DeviceGroup(msgspec.Struct, **_STRICT):

@@ -19,6 +19,7 @@ class RegistryView:
         self._records: dict[str, ActorRecord] = {}
         self._by_role: dict[str, list[ActorRecord]] = {}
         self._seen_ready: set[str] = set()  # roles this view has seen with a ready replica
+        self._flags: set[tuple[str, str]] = set()  # (role, meta key) seen set to True
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
 
@@ -53,6 +54,9 @@ class RegistryView:
         for rec in self._records.values():
             if rec.state == "ready":
                 by_role.setdefault(rec.role, []).append(rec)
+            for key, value in rec.meta.items():
+                if value is True:
+                    self._flags.add((rec.role, key))
         for recs in by_role.values():
             recs.sort(key=lambda r: r.replica)
         self._by_role = by_role
@@ -62,6 +66,11 @@ class RegistryView:
 
     def replicas(self, role: str) -> list[ActorRecord]:
         return self._by_role.get(role, [])
+
+    def flagged(self, role: str, key: str) -> bool:
+        """Whether a replica of ``role`` ever published ``meta[key] = True`` here (it stays
+        known after the replica dies: what a role can do outlives one replica)."""
+        return (role, key) in self._flags
 
     def lost(self, role: str) -> bool:
         """``role`` had a ready replica in this view and has none now. Right after a start
