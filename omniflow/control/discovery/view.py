@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 from omniflow.control.discovery.base import Registry, actors_prefix, decode_record
 from omniflow.messages import ActorRecord
 
 log = logging.getLogger(__name__)
+_RESYNC_MIN_S = 0.2  # first wait before listing and watching again after the watch broke
+_RESYNC_MAX_S = 2.0
 
 
 class RegistryView:
@@ -32,16 +35,47 @@ class RegistryView:
         self._task = asyncio.create_task(self._follow(events), name="registry-view")
 
     async def _follow(self, events) -> None:
-        try:
-            async for event in events:
-                log.debug("registry %s %s", event.kind, event.key)
-                if event.kind == "put":
-                    self._set(event.key, event.value)
-                else:
-                    self._records.pop(event.key, None)
-                self._reindex()
-        finally:
-            await events.aclose()
+        """Apply the watch's events; when the watch breaks (the registry went away), keep
+        routing on the last view and list + watch afresh until the registry answers."""
+        delay = _RESYNC_MIN_S
+        while True:
+            try:
+                async for event in events:
+                    log.debug("registry %s %s", event.kind, event.key)
+                    if event.kind == "put":
+                        self._set(event.key, event.value)
+                    else:
+                        self._records.pop(event.key, None)
+                    self._reindex()
+                    delay = _RESYNC_MIN_S
+                log.warning("the registry watch ended; keeping the last view")
+            except Exception as e:
+                log.warning("the registry watch failed (%s); keeping the last view", e)
+            finally:
+                with contextlib.suppress(Exception):
+                    await events.aclose()
+            events = await self._resync(delay)
+            delay = min(delay * 2, _RESYNC_MAX_S)
+
+    async def _resync(self, delay: float) -> Any:
+        """A new watch, then the whole listing in place of the records (what changed while
+        the watch was away is then known); retried every ``delay`` seconds until it works."""
+        while True:
+            await asyncio.sleep(delay)
+            events: Any = self._registry.watch(self._prefix)  # an async generator: aclose()
+            try:
+                listed = await self._registry.list(self._prefix)
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    await events.aclose()
+                log.debug("the registry is still away: %s", e)
+                continue
+            self._records = {}
+            for key, value in listed:
+                self._set(key, value)
+            self._reindex()
+            log.info("the registry is back: %d actors listed", len(self._records))
+            return events
 
     def _set(self, key: str, value: bytes) -> None:
         try:
