@@ -38,6 +38,9 @@ class RoleConfig(msgspec.Struct, **_STRICT):
     max_queue: Annotated[
         int, Meta(ge=0, description="requests waiting beyond those; more are refused")
     ] = 1024
+    max_stream_chunks: Annotated[
+        int, Meta(ge=1, description="one streamed request's chunks waiting; more: overloaded")
+    ] = 1024
     policy: Annotated[
         str, Meta(description="how producers pick a replica: round_robin, prefix_aware, ...")
     ] = "round_robin"

@@ -130,7 +130,9 @@ class Worker:
             holding_path(self.run_dir, self.role, self.replica),
             rc.max_concurrency + rc.max_queue + 256,  # joins' waiting requests count too
         )
-        host = ActorHost(actor, router, rc.max_concurrency, rc.max_queue, holding)
+        host = ActorHost(
+            actor, router, rc.max_concurrency, rc.max_queue, holding, rc.max_stream_chunks
+        )
         self.host = host
         if self.intake_closed:
             host.close_intake()

@@ -157,5 +157,3 @@ def test_resume_tokens_are_checked(run_root, llm_model):
         assert failure.code == "bad_request"
         assert "params.resume.tokens" in failure.detail
     assert outs
-
-
