@@ -156,6 +156,7 @@ class Ledger:
         self.latency_ms: list[tuple[float, float]] = []  # (ended at, ms) of the ok ones
         self.migrated = 0
         self.bad_outputs: Counter[str] = Counter()
+        self.failed_at: Counter[str] = Counter()  # "role:code" of each failure
         self._ids = 0
 
     def open(self) -> int:
@@ -184,6 +185,7 @@ async def one_request(client, ledger: Ledger, i: int, streamed: bool) -> None:
             outputs, result = await client.call(inputs, params=params, timeout=REQUEST_TIMEOUT_S)
     except omniflow.RequestFailed as e:
         ledger.end(rid, e.code)
+        ledger.failed_at[f"{e.role}:{e.code}"] += 1
         return
     except Exception as e:  # noqa: BLE001 - counted, by type: the soak must see every end
         ledger.end(rid, f"exception:{type(e).__name__}")
@@ -263,8 +265,12 @@ class Sampler:
         grown = [self.last[p][0] - self.first[p][0] for p in self.first if p in alive]
         return sum(grown) / 2**20
 
-    def max_fd_growth(self) -> int:
-        return max((self.max_fds[p] - self.first[p][1] for p in self.first), default=0)
+    def max_fd_growth(self) -> tuple[int, str]:
+        """The most FDs one process gained, and which process that was."""
+        names = {r.proc.pid: r.actor_id for r in self.rt.supervisor.replicas if r.proc}
+        names[os.getpid()] = "supervisor+clients"
+        grown = [(self.max_fds[p] - self.first[p][1], names.get(p, str(p))) for p in self.first]
+        return max(grown, default=(0, ""))
 
 
 async def killer(rt, every: float, until: float, rng: random.Random, kills: Counter) -> None:
@@ -350,7 +356,7 @@ async def main(args: argparse.Namespace) -> dict:
         sampler.sample()
         all_ready = await wait_all_ready(rt, 60.0)
         pool_after = await pool_bytes_settled(rt, 15.0)
-        rss_growth, fd_growth = sampler.rss_growth_mb(), sampler.max_fd_growth()
+        rss_growth, (fd_growth, fd_process) = sampler.rss_growth_mb(), sampler.max_fd_growth()
     finally:
         await rt.close()
     leaked = [e for e in os.listdir("/dev/shm") if e == pool_name] + shm_entries(name)
@@ -367,6 +373,8 @@ async def main(args: argparse.Namespace) -> dict:
         "kills": dict(sorted(kills.items())),
         "replicas_ready_after": all_ready,
         "bad_outputs": dict(ledger.bad_outputs),
+        "failed_at": dict(sorted(ledger.failed_at.items())),
+        "max_fd_growth_in": fd_process,
         "baseline_requests": len(base_ms),
         "baseline_p50_ms": round(pct(base_ms, 50), 1),
         "requests": len(outcomes),
