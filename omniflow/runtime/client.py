@@ -28,6 +28,7 @@ from omniflow.control.discovery.view import RegistryView
 from omniflow.control.graph import INPUT
 from omniflow.control.routing import FULL_CREDIT, Fanout, RouteError, Router
 from omniflow.messages import (
+    ActorRecord,
     Call,
     Cancel,
     Code,
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
 _client_ids = itertools.count()
 _PATIENCE_TICK = 0.1  # seconds: how often waits past their deadline are ended
+# How long after a replica left the view the requests it may have dropped unread move on:
+# time for the supervisor's death notices (which cover what it had read) to arrive first.
+_GONE_GRACE_S = 0.5
 
 
 class RequestFailed(RuntimeError):
@@ -104,6 +108,7 @@ class _Pending:
         "tokens",
         "token_role",
         "text_done",
+        "heard",
     )
 
     def __init__(self, push: Any, patience: float, request_id: str) -> None:
@@ -125,6 +130,7 @@ class _Pending:
         self.tokens: list[int] = []  # ids of the text streamed so far (outputs' "tokens")
         self.token_role = ""
         self.text_done = False
+        self.heard = False  # anything came back for the current attempt
 
     def deliver(self, output: Output) -> None:
         """Hand one output to the caller, once: after a migration, what the new attempt
@@ -184,6 +190,7 @@ class Client:
         self.inbox.start()
         self.registry = open_registry(self.registry_address)
         self.view = RegistryView(self.registry, self.config.name)
+        self.view.on_gone = self._replica_gone
         await self.view.start()
         self.outbox = Outbox(self.ctx, self.config.runtime.send_timeout_s)
         policies = {
@@ -223,6 +230,7 @@ class Client:
         pending = self._pending.get(getattr(msg, "request_id", ""))
         if pending is None:
             return  # a late message of a request that already ended
+        pending.heard = True
         if isinstance(msg, Emit):
             tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
             pending.deliver(Output(msg.role, msg.seq, msg.data, tensors))
@@ -273,6 +281,32 @@ class Client:
             return f"no other replica of {fail.role!r} to move it to"
         return None
 
+    def _replica_gone(self, record: ActorRecord) -> None:
+        """A replica left the view (it died, most likely). What this client sent it and has
+        heard nothing of since may have sat unread in its queue, which no death notice
+        covers (the supervisor knows only what it read): shortly after, once any notice had
+        time to arrive, each such request moves on as a migration would, where it may."""
+        suspects = [
+            (p, p.attempt)
+            for p in self._pending.values()
+            if not p.heard and p.fanout is not None and _sent_to(p.fanout, record)
+        ]
+        if suspects:
+            asyncio.get_running_loop().call_later(
+                _GONE_GRACE_S, self._lost_in_queue, record, suspects
+            )
+
+    def _lost_in_queue(self, record: ActorRecord, suspects: list[tuple[_Pending, str]]) -> None:
+        for pending, attempt in suspects:
+            if pending.heard or self._pending.get(attempt) is not pending:
+                continue  # answered meanwhile, migrated by a notice, or ended
+            message = f"{record.actor_id} died before it answered"
+            fail = Fail(Code.UNAVAILABLE.value, message, record.role, attempt, record.actor_id)
+            if self._cannot_migrate(pending, fail) is None:
+                self._cancel_everywhere(attempt)
+                self._migrate(pending, fail)
+            # Else it is left to its deadline: it may be on its way past that replica.
+
     def _cancel_everywhere(self, request_id: str) -> None:
         """Cancel an attempt at every replica: the dead one's downstream branches hold pool
         blocks (and compute) that would otherwise wait out the deadline."""
@@ -297,6 +331,7 @@ class Client:
         )
         pending.skip = dict(pending.delivered)
         pending.credit = 0
+        pending.heard = False
         pending.usage, pending.timings = {}, []
         inputs, params, session, deadline = pending.resend
         if pending.tokens or pending.text_done:
@@ -486,6 +521,14 @@ class Client:
                 waiting = True
         if waiting:
             self._watch_patience()
+
+
+def _sent_to(fanout: Fanout, record: ActorRecord) -> bool:
+    """Whether ``fanout`` sent a branch to that process of a replica."""
+    return any(
+        b.record.pid == record.pid and b.record.actor_id == record.actor_id
+        for b in fanout.branches.values()
+    )
 
 
 def _cancel_is_moot(pending: _Pending, failure: RequestFailed) -> bool:

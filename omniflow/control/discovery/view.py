@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from omniflow.control.discovery.base import Registry, actors_prefix, decode_record
@@ -25,6 +26,9 @@ class RegistryView:
         self._flags: set[tuple[str, str]] = set()  # (role, meta key) seen set to True
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
+        # Called with the record of a replica that left the view (deleted, or replaced by
+        # another process of the same replica): a client ends what it sent there.
+        self.on_gone: Callable[[ActorRecord], None] | None = None
 
     async def start(self) -> None:
         # Watch before listing: a change between the two is then seen (perhaps twice).
@@ -42,11 +46,13 @@ class RegistryView:
             try:
                 async for event in events:
                     log.debug("registry %s %s", event.kind, event.key)
+                    old = self._records.get(event.key)
                     if event.kind == "put":
                         self._set(event.key, event.value)
                     else:
                         self._records.pop(event.key, None)
                     self._reindex()
+                    self._left(old, self._records.get(event.key))
                     delay = _RESYNC_MIN_S
                 log.warning("the registry watch ended; keeping the last view")
             except Exception as e:
@@ -70,12 +76,22 @@ class RegistryView:
                     await events.aclose()
                 log.debug("the registry is still away: %s", e)
                 continue
-            self._records = {}
+            old, self._records = self._records, {}
             for key, value in listed:
                 self._set(key, value)
             self._reindex()
+            for key, record in old.items():
+                self._left(record, self._records.get(key))
             log.info("the registry is back: %d actors listed", len(self._records))
             return events
+
+    def _left(self, old: ActorRecord | None, new: ActorRecord | None) -> None:
+        if old is None or self.on_gone is None or (new is not None and new.pid == old.pid):
+            return
+        try:
+            self.on_gone(old)
+        except Exception:
+            log.exception("on_gone failed for %s/%d", old.role, old.replica)
 
     def _set(self, key: str, value: bytes) -> None:
         try:
