@@ -157,6 +157,7 @@ class Ledger:
         self.migrated = 0
         self.bad_outputs: Counter[str] = Counter()
         self.failed_at: Counter[str] = Counter()  # "role:code" of each failure
+        self.examples: dict[str, str] = {}  # "role:code" -> one failure's message
         self._ids = 0
 
     def open(self) -> int:
@@ -186,6 +187,7 @@ async def one_request(client, ledger: Ledger, i: int, streamed: bool) -> None:
     except omniflow.RequestFailed as e:
         ledger.end(rid, e.code)
         ledger.failed_at[f"{e.role}:{e.code}"] += 1
+        ledger.examples.setdefault(f"{e.role}:{e.code}", e.detail[:160])
         return
     except Exception as e:  # noqa: BLE001 - counted, by type: the soak must see every end
         ledger.end(rid, f"exception:{type(e).__name__}")
@@ -374,6 +376,7 @@ async def main(args: argparse.Namespace) -> dict:
         "replicas_ready_after": all_ready,
         "bad_outputs": dict(ledger.bad_outputs),
         "failed_at": dict(sorted(ledger.failed_at.items())),
+        "failure_examples": ledger.examples,
         "max_fd_growth_in": fd_process,
         "baseline_requests": len(base_ms),
         "baseline_p50_ms": round(pct(base_ms, 50), 1),
