@@ -242,11 +242,14 @@ class Sampler:
         self.first: dict[int, tuple[int, int]] = {}
         self.last: dict[int, tuple[int, int]] = {}
         self.max_fds: dict[int, int] = {}
+        self.names: dict[int, str] = {os.getpid(): "supervisor+clients"}
 
     def pids(self) -> list[int]:
         replicas = self.rt.supervisor.replicas
-        live = [r.proc.pid for r in replicas if r.proc is not None and r.state == "ready"]
-        return [os.getpid(), *live]
+        live = [r for r in replicas if r.proc is not None and r.state == "ready"]
+        for r in live:
+            self.names[r.proc.pid] = r.actor_id
+        return [os.getpid(), *(r.proc.pid for r in live)]
 
     def sample(self) -> None:
         for pid in self.pids():
@@ -269,9 +272,7 @@ class Sampler:
 
     def max_fd_growth(self) -> tuple[int, str]:
         """The most FDs one process gained, and which process that was."""
-        names = {r.proc.pid: r.actor_id for r in self.rt.supervisor.replicas if r.proc}
-        names[os.getpid()] = "supervisor+clients"
-        grown = [(self.max_fds[p] - self.first[p][1], names.get(p, str(p))) for p in self.first]
+        grown = [(self.max_fds[p] - self.first[p][1], self.names[p]) for p in self.first]
         return max(grown, default=(0, ""))
 
 

@@ -123,7 +123,7 @@ class _Pending:
         self.fanout: Fanout | None = None
         self.resend: tuple[dict, dict, str, float] = ({}, {}, "", 0.0)
         self.migrations = 0
-        self.exclude: frozenset[str] = frozenset()  # replicas that died holding it
+        self.exclude: frozenset[int] = frozenset()  # pids of replicas that died holding it
         self.delivered: dict[str, int] = {}  # role -> output chunks handed to the caller
         self.skip: dict[str, int] = {}  # role -> chunks of a new attempt it already has
         self.offset: dict[str, int] = {}  # role -> seq shift of the role that resumes
@@ -270,16 +270,35 @@ class Client:
             return ""
         if not fail.replica:
             return ""  # not a death notice: a send that failed, as it did before migration
-        # Another replica of the dead one's role must be up, and the role must be one that
-        # may run a request again: idempotent, or resuming what was streamed (the LLM).
-        gone = pending.exclude | {fail.replica}
-        others = [r for r in self.view.replicas(fail.role) if r.actor_id not in gone]
-        resumable = self.view.flagged(fail.role, RESUMABLE_META)
-        if not resumable and fail.role not in self.router.idempotent:
+        # The role must be one that may run a request again: idempotent (then on another
+        # replica, or its restart: the new attempt waits a little for a ready one), or
+        # resuming what was streamed (the LLM: on another replica, up now).
+        idempotent = fail.role in self.router.idempotent
+        if not idempotent and not self.view.flagged(fail.role, RESUMABLE_META):
             return ""
-        if not others:
+        others = [
+            r
+            for r in self.view.replicas(fail.role)
+            if r.actor_id != fail.replica and r.pid not in pending.exclude
+        ]
+        if not others and not idempotent:
             return f"no other replica of {fail.role!r} to move it to"
         return None
+
+    def _moved_on(self, pending: _Pending, error: BaseException) -> bool:
+        """A first hop that a replica did not take (dead, most likely): the request moves
+        on as after a death notice, where it may (True)."""
+        if not isinstance(error, RouteError) or not error.replica:
+            return False
+        if error.code != Code.UNAVAILABLE.value or pending.heard:
+            return False
+        role = error.replica.rpartition("/")[0]
+        fail = Fail(Code.UNAVAILABLE.value, str(error), role, pending.attempt, error.replica)
+        if self._cannot_migrate(pending, fail) is not None:
+            return False
+        self._cancel_everywhere(pending.attempt)
+        self._migrate(pending, fail)
+        return True
 
     def _replica_gone(self, record: ActorRecord) -> None:
         """A replica left the view (it died, most likely). What this client sent it and has
@@ -304,7 +323,7 @@ class Client:
             fail = Fail(Code.UNAVAILABLE.value, message, record.role, attempt, record.actor_id)
             if self._cannot_migrate(pending, fail) is None:
                 self._cancel_everywhere(attempt)
-                self._migrate(pending, fail)
+                self._migrate(pending, fail, record.pid)
             # Else it is left to its deadline: it may be on its way past that replica.
 
     def _cancel_everywhere(self, request_id: str) -> None:
@@ -316,14 +335,16 @@ class Client:
                 with contextlib.suppress(Exception):
                     self.outbox.post(record.endpoint, cancel)
 
-    def _migrate(self, pending: _Pending, fail: Fail) -> None:
+    def _migrate(self, pending: _Pending, fail: Fail, pid: int = 0) -> None:
         """Send the request again under a new attempt id, away from the dead replica, with
         the text already streamed as ``params["resume"]``: the LLM re-prefills it and goes
         on; outputs the caller has already are not handed over twice."""
         del self._pending[pending.attempt]
         pending.migrations += 1
-        if fail.replica:
-            pending.exclude |= {fail.replica}
+        dead = self.view.find(fail.replica) if fail.replica else None
+        pid = pid or (dead.pid if dead is not None else 0)
+        if pid:  # still listed (the view may not have seen it go): never pick that process
+            pending.exclude |= {pid}
         pending.offset = (
             {pending.token_role: pending.delivered.get(pending.token_role, 0)}
             if pending.token_role
@@ -347,14 +368,15 @@ class Client:
             origin="client",
         )
         fanout = Fanout(self.router, INPUT, call)
-        fanout.exclude = pending.exclude
+        fanout.exclude_pids = pending.exclude
         pending.attempt, pending.fanout = attempt, fanout
         self._pending[attempt] = pending
         log.info("request %s moves on as %s: %s", pending.request_id, attempt, fail.message)
         try:
             rest = fanout.finish_now(FULL_CREDIT, [], {}, inputs)
         except RouteError as e:
-            pending.push(RequestFailed(e.code, str(e), "client", pending.request_id))
+            if not self._moved_on(pending, e):
+                pending.push(RequestFailed(e.code, str(e), "client", pending.request_id))
             return
         if rest is not None:
             task = asyncio.get_running_loop().create_task(self._migration_sent(pending, rest))
@@ -365,7 +387,8 @@ class Client:
         try:
             await rest
         except RouteError as e:
-            pending.push(RequestFailed(e.code, str(e), "client", pending.request_id))
+            if not self._moved_on(pending, e):
+                pending.push(RequestFailed(e.code, str(e), "client", pending.request_id))
         except PeerUnavailable as e:
             pending.push(
                 RequestFailed(Code.UNAVAILABLE.value, str(e), "client", pending.request_id)
@@ -447,14 +470,17 @@ class Client:
         try:
             rest = fanout.finish_now(FULL_CREDIT, [], {}, dict(inputs or {}))
         except BaseException as e:
-            self._failed_to_send(pending, e)
+            if not self._moved_on(pending, e):
+                self._failed_to_send(pending, e)
+            rest = None
         return pending, deadline, rest
 
     async def _sent(self, pending: _Pending, rest: Awaitable[None]) -> None:
         try:
             await rest
         except BaseException as e:
-            self._failed_to_send(pending, e)
+            if not self._moved_on(pending, e):
+                self._failed_to_send(pending, e)
 
     def _failed_to_send(self, pending: _Pending, error: BaseException) -> NoReturn:
         self._end(pending, False)

@@ -157,3 +157,25 @@ def test_resume_tokens_are_checked(run_root, llm_model):
         assert failure.code == "bad_request"
         assert "params.resume.tokens" in failure.detail
     assert outs
+
+
+def test_a_first_hop_to_a_dead_llm_replica_moves_on(run_root, llm_model):
+    """The client's view still lists a replica that died (its record kept, as while a
+    lease runs out): a request sent there that it did not take goes to the other one."""
+    cfg = llm_config("deadhop", llm_model, replicas=2, send_timeout_s=0.3, restart_backoff_s=30.0)
+
+    async def main():
+        async with omniflow.Runtime(cfg) as rt:
+            rt.supervisor.forget_dead = False
+            victim = next(r for r in rt.supervisor.replicas if r.index == 1)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            await asyncio.sleep(0.3)
+            assert rt.client.view.find("llm/1") is not None  # still listed
+            params = {**GREEDY, "max_tokens": 4}
+            return [await rt.call(PROMPT, params=params, timeout=30) for _ in range(4)]
+
+    ends = asyncio.run(main())
+    moved = [result.migrations for _, result in ends]
+    assert all(outs for outs, _ in ends)
+    assert 1 in moved and set(moved) <= {0, 1}  # round robin: some were sent to llm/1
+    assert {t.replica for _, result in ends for t in result.timings} == {0}
