@@ -41,6 +41,9 @@ from omniflow.transport.endpoint import Inbox, Outbox, fd_of
 from omniflow.transport.links import attach_pool
 
 log = logging.getLogger("omniflow.runtime.worker")
+# DEALERs a worker keeps open (next-hop replicas and the clients it answers); one FD
+# each: clients that connect per request then cost a replica at most this many FDs.
+WORKER_PEERS = 64
 _control_decoder = decoder_for(Shutdown)
 
 
@@ -123,7 +126,7 @@ class Worker:
         await view.start()
         policies = {name: make_policy(rc.policy, role=name) for name, rc in cfg.roles.items()}
         idempotent = frozenset(n for n, rc in cfg.roles.items() if rc.idempotent)
-        outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s)
+        outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s, max_peers=WORKER_PEERS)
         router = Router(cfg.plan(), view, outbox, policies, idempotent, socket.gethostname())
         rc = self.role_config
         holding = HoldingFile(
