@@ -142,9 +142,10 @@ def check_outputs(kind: str, outputs: list) -> str | None:
         return "no image"
     if kind == "audio_out" and "audio_decoder" not in roles:
         return "no audio"
-    seqs = [o.seq for o in outputs if o.role == "llm"]
-    if seqs != list(range(len(seqs))):
-        return f"llm chunks out of order or repeated: {seqs}"
+    for role in roles:  # each role's chunks once, in order (after a migration too)
+        seqs = [o.seq for o in outputs if o.role == role]
+        if seqs != list(range(len(seqs))):
+            return f"{role} chunks out of order or repeated: {seqs}"
     return None
 
 

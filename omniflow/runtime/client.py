@@ -269,20 +269,21 @@ class Client:
         if deadline and deadline <= time.time():
             return ""
         if not fail.replica:
-            return ""  # not a death notice: a send that failed, as it did before migration
-        # The role must be one that may run a request again: idempotent (then on another
-        # replica, or its restart: the new attempt waits a little for a ready one), or
-        # resuming what was streamed (the LLM: on another replica, up now).
-        idempotent = fail.role in self.router.idempotent
-        if not idempotent and not self.view.flagged(fail.role, RESUMABLE_META):
+            return ""  # no replica named as dead or not taking it: fails as before migration
+        # The dead replica's role must be one that may run a request again: idempotent
+        # (then on another replica, or its restart: the new attempt waits a little for a
+        # ready one), or resuming what was streamed (the LLM: on another replica, up now).
+        role = fail.replica.rpartition("/")[0]
+        idempotent = role in self.router.idempotent
+        if not idempotent and not self.view.flagged(role, RESUMABLE_META):
             return ""
         others = [
             r
-            for r in self.view.replicas(fail.role)
+            for r in self.view.replicas(role)
             if r.actor_id != fail.replica and r.pid not in pending.exclude
         ]
         if not others and not idempotent:
-            return f"no other replica of {fail.role!r} to move it to"
+            return f"no other replica of {role!r} to move it to"
         return None
 
     def _moved_on(self, pending: _Pending, error: BaseException) -> bool:
@@ -290,8 +291,11 @@ class Client:
         on as after a death notice, where it may (True)."""
         if not isinstance(error, RouteError) or not error.replica:
             return False
-        if error.code != Code.UNAVAILABLE.value or pending.heard:
-            return False
+        if (
+            error.code != Code.UNAVAILABLE.value
+            or self._pending.get(pending.attempt) is not pending
+        ):
+            return False  # another failure, or the request ended meanwhile
         role = error.replica.rpartition("/")[0]
         fail = Fail(Code.UNAVAILABLE.value, str(error), role, pending.attempt, error.replica)
         if self._cannot_migrate(pending, fail) is not None:

@@ -402,7 +402,9 @@ class ActorHost:
         elif isinstance(error, BadRequest):
             await self._fail(stream, Code.BAD_REQUEST, str(error))
         elif isinstance(error, (TensorError, RouteError)):
-            await self._fail(stream, getattr(error, "code", Code.BAD_REQUEST), str(error))
+            code = getattr(error, "code", Code.BAD_REQUEST)
+            # A replica that did not take the next hop: the client may move the request on.
+            await self._fail(stream, code, str(error), getattr(error, "replica", ""))
         else:  # the handler's bug fails this request, not the actor
             log.error(
                 "%s: request %s failed",
@@ -467,11 +469,11 @@ class ActorHost:
         finally:
             await gen.aclose()
 
-    async def _fail(self, stream: Stream, code: str, message: str) -> None:
+    async def _fail(self, stream: Stream, code: str, message: str, replica: str = "") -> None:
         call = stream.call
         self._cancel_downstream(stream, code)
         code = code.value if isinstance(code, Code) else str(code)
-        fail = Fail(code, message, self.role, call.request_id)
+        fail = Fail(code, message, self.role, call.request_id, replica)
         try:
             await self.router.send(call.reply_to, fail, {})
         except Exception:
