@@ -164,6 +164,9 @@ class Fail(msgspec.Struct, tag="fail", **_WIRE):
     message: str
     role: str
     request_id: str
+    # The actor id of a replica that died holding it (a death notice), or that did not
+    # take its next hop (most likely dead): the client may move the request on.
+    replica: str = ""
 
 
 class Cancel(msgspec.Struct, tag="cancel", **_WIRE):

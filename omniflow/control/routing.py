@@ -39,9 +39,10 @@ NO_REPLICA_GRACE_S = 5.0
 class RouteError(RuntimeError):
     """No replica could take a branch; ``code`` is the Fail code to answer with."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, replica: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.replica = replica  # the actor id of a replica that did not take it, if one
 
 
 class Router:
@@ -63,10 +64,20 @@ class Router:
         self.idempotent = idempotent
         self.host = host
 
-    def pick(self, role: str, key: PickKey, exclude: frozenset[str] = frozenset()) -> ActorRecord:
+    def pick(
+        self,
+        role: str,
+        key: PickKey,
+        exclude: frozenset[str] = frozenset(),
+        exclude_pids: frozenset[int] = frozenset(),
+    ) -> ActorRecord:
+        """A replica of ``role``, but none named in ``exclude`` (actor ids) or running as one
+        of ``exclude_pids`` (a dead process; its restarted replica may be picked)."""
         replicas = self.view.replicas(role)
-        if exclude:
-            replicas = [r for r in replicas if r.actor_id not in exclude]
+        if exclude or exclude_pids:
+            replicas = [
+                r for r in replicas if r.actor_id not in exclude and r.pid not in exclude_pids
+            ]
         if not replicas:
             raise NoReplicaError(role)
         return self.policies[role].pick(replicas, key)
@@ -130,6 +141,8 @@ class Fanout:
         self.emitted = 0
         self.addresses: set[str] = set()
         self.waited_for_replicas = False
+        # Processes this request must not be sent to: replicas that died holding it before.
+        self.exclude_pids: frozenset[int] = frozenset()
 
     async def output(self, output: Mapping[str, Any]) -> None:
         data, tensors = split_output(output)
@@ -197,7 +210,13 @@ class Fanout:
                 continue
             if len(members) < 2:
                 continue
-            target = self.router.pick(join_role, self._key(join_role, data))
+            try:
+                key = self._key(join_role, data)
+                target = self.router.pick(join_role, key, exclude_pids=self.exclude_pids)
+            except NoReplicaError:
+                raise RouteError(
+                    Code.UNAVAILABLE, f"no live replica of role {join_role!r}"
+                ) from None
             for i, route in enumerate(members):
                 tags[route] = Join(join_role, target.actor_id, len(members), i)
         return tags
@@ -212,7 +231,8 @@ class Fanout:
         if join is not None and join.role == role:  # the join's replica was chosen at the split
             record = self.router.view.find(join.replica)
             if record is None:
-                raise RouteError(Code.UNAVAILABLE, f"the {role} replica {join.replica} is gone")
+                message = f"the {role} replica {join.replica} is gone"
+                raise RouteError(Code.UNAVAILABLE, message, join.replica)
         else:
             record = self._pick(role, key=self._key(role, data))
         branch = _Branch(role, record, edge.stream, join, loops)
@@ -234,7 +254,7 @@ class Fanout:
         self, role: str, exclude: frozenset[str] = frozenset(), key: PickKey | None = None
     ) -> ActorRecord:
         try:
-            record = self.router.pick(role, key or self._key(role), exclude)
+            record = self.router.pick(role, key or self._key(role), exclude, self.exclude_pids)
         except NoReplicaError:
             raise RouteError(Code.UNAVAILABLE, f"no live replica of role {role!r}") from None
         self.router.policies[role].on_send(record.actor_id)
@@ -304,6 +324,7 @@ class Fanout:
                     raise RouteError(
                         Code.UNAVAILABLE,
                         f"replica {branch.record.actor_id} did not take the request",
+                        branch.record.actor_id,
                     ) from None
                 branch.record = self._pick(branch.role, frozenset({branch.record.actor_id}))
         self._sent(branch)

@@ -36,6 +36,7 @@ here, and a request opening with the same image to where its KV is.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections import OrderedDict
@@ -60,7 +61,7 @@ from omniflow.models.omni.loader import ensure_model, load_model
 from omniflow.models.tiny import build_tiny_model
 from omniflow.roles.base import ModelActor
 from omniflow.roles.options import LLMOptions, LLMParams, read_params
-from omniflow.runtime.actor import BadRequest, Context, Request
+from omniflow.runtime.actor import RESUMABLE_META, BadRequest, Context, Request
 from omniflow.runtime.priority import lower_thread_priority
 
 AUDIO_CODEBOOKS = [8192, 4096, 2048] + [1024] * 5
@@ -147,6 +148,7 @@ class LLMRole(ModelActor):
         )
         omni = self.path / "omni"
         self.hidden_size = self.engine.backend.model_config.hidden_size  # type: ignore[attr-defined]
+        self.vocab_size: int = self.engine.backend.vocab_size  # type: ignore[attr-defined]
         # Media positions hold a placeholder id; their embeddings replace its embedding.
         self.placeholder = self.tokenizer.tokenizer.token_to_id("<pad>") or 0
         self.bos = self.tokenizer.encode("", add_special_tokens=True) or [self.placeholder]
@@ -222,32 +224,50 @@ class LLMRole(ModelActor):
         prompt = session.tokens + turn
         all_spans = session.spans + spans
         params = self._sampling(request)
-        generated: list[int] = []
+        # A migrated request (runtime/client.py): the text tokens its dead replica streamed
+        # are prefilled with the prompt and generation goes on after them.
+        resumed, text_done = _resume(request.params, self.vocab_size)
+        generated: list[int] = list(resumed)
         # One sequence for the whole turn: each stage goes on from the last one's KV (kept
         # by the engine in between), so text, image and audio tokens never re-prefill.
         kept: list[str] = []
         previous: str | None = None
         try:
-            if "text" in want:
+            if "text" in want and not text_done and params.max_tokens > len(resumed):
                 rid = f"{request.request_id}-{next(self._ids)}"
                 stream = self.tokenizer.stream()
+                stream.push(resumed)  # the client has their text: only what follows is sent
+                if resumed:
+                    params = dataclasses.replace(
+                        params, max_tokens=params.max_tokens - len(resumed)
+                    )
                 first = True
+                unsent: list[int] = []  # ids whose text is not out yet (a partial character)
                 async for delta in self.engine.generate(
-                    rid, prompt, params, all_spans or None, keep=bool(stages)
+                    rid, prompt + resumed, params, all_spans or None, keep=bool(stages)
                 ):
                     if first:
                         ctx.add_usage(cached_tokens=delta.num_cached_tokens)
                         first = False
                     generated += delta.token_ids
+                    unsent += delta.token_ids
                     piece = stream.push(delta.token_ids)
-                    if delta.finish_reason is not None:
+                    finished = delta.finish_reason is not None
+                    if finished:
                         piece += stream.finish()
-                    if piece:
-                        yield {"text": piece}
+                    if piece or (finished and unsent):
+                        # "tokens": what a migration resumes from; "finished": nothing follows
+                        text_out: dict[str, Any] = {"text": piece, "tokens": unsent}
+                        if finished:
+                            text_out["finished"] = True
+                        unsent = []
+                        yield text_out
                 ctx.add_usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
                 if stages:
                     kept.append(rid)
                     previous = rid
+            elif "text" in want:  # resumed after the text ended: the media stages go on
+                ctx.add_usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
             elif not stages:  # every LLM request reports it
                 ctx.add_usage(cached_tokens=0)
             tokens = prompt + generated
@@ -334,7 +354,11 @@ class LLMRole(ModelActor):
         """The routing summary: sessions held here, then media that began recent prompts."""
         sessions = getattr(self, "sessions", {})
         media = getattr(self, "leading_media", {})
-        return {SUMMARY_META: [s.key for s in sessions.values()] + list(media)}
+        # RESUMABLE_META: a request on a replica that dies goes on at another (migration).
+        return {
+            SUMMARY_META: [s.key for s in sessions.values()] + list(media),
+            RESUMABLE_META: True,
+        }
 
     def _note_leading_media(self, spans: list[EmbeddingSpan]) -> None:
         """Media at the start of a fresh prompt: its KV is a prefix others can reuse."""
@@ -406,6 +430,20 @@ def _embed_codes(head: MediaHead, ids: torch.Tensor) -> torch.Tensor:
     """The input rows of media tokens [n, K], as the engine fed them: the session's spans."""
     with torch.inference_mode():
         return head.embed(ids)
+
+
+def _resume(params: dict[str, Any], vocab_size: int) -> tuple[list[int], bool]:
+    """``params["resume"]`` of a migrated request: (text token ids already streamed,
+    whether the text had ended)."""
+    resume = params.get("resume")
+    if resume is None:
+        return [], False
+    tokens = resume.get("tokens", []) if isinstance(resume, dict) else None
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in tokens
+    ):
+        raise BadRequest("params.resume.tokens", f"expected a list of ids below {vocab_size}")
+    return tokens, bool(resume.get("finished", False))
 
 
 def _want(params: dict[str, Any]) -> set[str]:

@@ -162,5 +162,13 @@ class Actor:
         """Release what ``setup`` took; called after in-flight requests drained."""
 
     def meta(self) -> dict[str, Any]:
-        """Extra fields published in this replica's registry record."""
+        """Extra fields published in this replica's registry record.
+
+        ``{RESUMABLE_META: True}`` says the role takes ``params["resume"]`` (the text tokens
+        a dead replica streamed) and goes on from there: a request on a replica of it that
+        dies moves to another one (runtime/client.py), as for an idempotent role.
+        """
         return {}
+
+
+RESUMABLE_META = "resumable"

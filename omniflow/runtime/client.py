@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import time
@@ -27,6 +28,7 @@ from omniflow.control.discovery.view import RegistryView
 from omniflow.control.graph import INPUT
 from omniflow.control.routing import FULL_CREDIT, Fanout, RouteError, Router
 from omniflow.messages import (
+    ActorRecord,
     Call,
     Cancel,
     Code,
@@ -37,6 +39,7 @@ from omniflow.messages import (
     Timing,
     add_usage,
 )
+from omniflow.runtime.actor import RESUMABLE_META
 from omniflow.runtime.config import Config
 from omniflow.transport.codec import (
     BadMessage,
@@ -47,11 +50,15 @@ from omniflow.transport.codec import (
     materialize_tensors,
     release_tensors,
 )
-from omniflow.transport.endpoint import Inbox, Outbox
+from omniflow.transport.endpoint import Inbox, Outbox, PeerUnavailable
 
+log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
 _client_ids = itertools.count()
 _PATIENCE_TICK = 0.1  # seconds: how often waits past their deadline are ended
+# How long after a replica left the view the requests it may have dropped unread move on:
+# time for the supervisor's death notices (which cover what it had read) to arrive first.
+_GONE_GRACE_S = 0.5
 
 
 class RequestFailed(RuntimeError):
@@ -83,20 +90,71 @@ class Result:
     usage: dict[str, int]
     timings: list[Timing]
     latency_ms: float
+    migrations: int = 0  # times it moved to another replica after one died holding it
 
 
 class _Pending:
-    """A request in flight: where its events go, and the credit that came back."""
+    """A request in flight: where its events go, the credit that came back, and what it
+    takes to send it again (migrate it) if a replica dies holding it."""
 
-    __slots__ = ("push", "credit", "usage", "timings", "started", "patience")
+    __slots__ = (
+        "push",
+        "credit",
+        "usage",
+        "timings",
+        "started",
+        "patience",
+        "request_id",
+        "attempt",
+        "fanout",
+        "resend",
+        "migrations",
+        "exclude",
+        "delivered",
+        "skip",
+        "offset",
+        "tokens",
+        "token_role",
+        "text_done",
+        "heard",
+    )
 
-    def __init__(self, push: Any, patience: float) -> None:
+    def __init__(self, push: Any, patience: float, request_id: str) -> None:
         self.push = push  # called with each Output, then a Result or a RequestFailed
         self.credit = 0
         self.usage: dict[str, int] = {}
         self.timings: list[Timing] = []
         self.started = time.perf_counter()
         self.patience = patience  # time.time() after which the client stops waiting
+        self.request_id = request_id  # the caller's id; an attempt after a migration differs
+        self.attempt = request_id
+        self.fanout: Fanout | None = None
+        self.resend: tuple[dict, dict, str, float] = ({}, {}, "", 0.0)
+        self.migrations = 0
+        self.exclude: frozenset[int] = frozenset()  # pids of replicas that died holding it
+        self.delivered: dict[str, int] = {}  # role -> output chunks handed to the caller
+        self.skip: dict[str, int] = {}  # role -> chunks of a new attempt it already has
+        self.offset: dict[str, int] = {}  # role -> seq shift of the role that resumes
+        self.tokens: list[int] = []  # ids of the text streamed so far (outputs' "tokens")
+        self.token_role = ""
+        self.text_done = False
+        self.heard = False  # anything came back for the current attempt
+
+    def deliver(self, output: Output) -> None:
+        """Hand one output to the caller, once: after a migration, what the new attempt
+        sends again is dropped and the resuming role's chunks go on numbering."""
+        role = output.role
+        if role in self.offset:
+            output.seq += self.offset[role]
+        elif output.seq < self.skip.get(role, 0):
+            return
+        self.delivered[role] = max(self.delivered.get(role, 0), output.seq + 1)
+        tokens = output.data.get("tokens")
+        if isinstance(tokens, list):
+            self.tokens += tokens
+            self.token_role = role
+            self.text_done = self.text_done or bool(output.data.get("finished"))
+        self.push(output)
 
 
 class _Collect:
@@ -128,6 +186,7 @@ class Client:
         self._id_prefix = uuid.uuid4().hex[:16]  # unique per client; a counter after it
         self._ids = itertools.count()
         self._sweeper: asyncio.TimerHandle | None = None
+        self._migrating: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self.ctx = zmq.Context()
@@ -140,6 +199,7 @@ class Client:
         self.inbox.start()
         self.registry = open_registry(self.registry_address)
         self.view = RegistryView(self.registry, self.config.name)
+        self.view.on_gone = self._replica_gone
         await self.view.start()
         self.outbox = Outbox(self.ctx, self.config.runtime.send_timeout_s, keys=keys)
         policies = {
@@ -154,6 +214,8 @@ class Client:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        for task in self._migrating:
+            task.cancel()
         for pending in list(self._pending.values()):
             pending.push(RequestFailed(Code.CANCELLED.value, "client closed", "client", ""))
         self.inbox.close()
@@ -185,21 +247,173 @@ class Client:
             return
         if pending is None:
             return  # a late message of a request that already ended
+        pending.heard = True
         if isinstance(msg, Emit):
             tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
-            pending.push(Output(msg.role, msg.seq, msg.data, tensors))
+            pending.deliver(Output(msg.role, msg.seq, msg.data, tensors))
         elif isinstance(msg, Done):
             if msg.seq >= 0:
                 tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
-                pending.push(Output(msg.role, msg.seq, msg.data, tensors))
+                pending.deliver(Output(msg.role, msg.seq, msg.data, tensors))
             pending.credit += msg.credit
             pending.timings += msg.timings
             add_usage(pending.usage, msg.usage)
             if pending.credit >= FULL_CREDIT:
                 latency = (time.perf_counter() - pending.started) * 1e3
-                pending.push(Result(msg.request_id, pending.usage, pending.timings, latency))
+                result = Result(
+                    pending.request_id, pending.usage, pending.timings, latency, pending.migrations
+                )
+                pending.push(result)
         elif isinstance(msg, Fail):
-            pending.push(RequestFailed(msg.code, msg.message, msg.role, msg.request_id))
+            if msg.code == Code.UNAVAILABLE.value:
+                self._cancel_everywhere(msg.request_id)  # branches orphaned by the death
+                why = self._cannot_migrate(pending, msg)
+                if why is None:
+                    return self._migrate(pending, msg)
+                if why:
+                    msg.message = f"{msg.message}; {why}"
+            pending.push(RequestFailed(msg.code, msg.message, msg.role, pending.request_id))
+
+    # ------------------------------------------------------------------ migration
+
+    def _cannot_migrate(self, pending: _Pending, fail: Fail) -> str | None:
+        """Why a request that lost a replica cannot go on elsewhere ("" when no reason is
+        worth naming); None when it can."""
+        limit = self.config.runtime.max_migrations
+        if pending.migrations >= limit:
+            return f"moved {limit} times already" if limit else ""
+        deadline = pending.resend[3]
+        if deadline and deadline <= time.time():
+            return ""
+        if not fail.replica:
+            return ""  # no replica named as dead or not taking it: fails as before migration
+        # The dead replica's role must be one that may run a request again: idempotent
+        # (then on another replica, or its restart: the new attempt waits a little for a
+        # ready one), or resuming what was streamed (the LLM: on another replica, up now).
+        role = fail.replica.rpartition("/")[0]
+        idempotent = role in self.router.idempotent
+        if not idempotent and not self.view.flagged(role, RESUMABLE_META):
+            return ""
+        others = [
+            r
+            for r in self.view.replicas(role)
+            if r.actor_id != fail.replica and r.pid not in pending.exclude
+        ]
+        if not others and not idempotent:
+            return f"no other replica of {role!r} to move it to"
+        return None
+
+    def _moved_on(self, pending: _Pending, error: BaseException) -> bool:
+        """A first hop that a replica did not take (dead, most likely): the request moves
+        on as after a death notice, where it may (True)."""
+        if not isinstance(error, RouteError) or not error.replica:
+            return False
+        if (
+            error.code != Code.UNAVAILABLE.value
+            or self._pending.get(pending.attempt) is not pending
+        ):
+            return False  # another failure, or the request ended meanwhile
+        role = error.replica.rpartition("/")[0]
+        fail = Fail(Code.UNAVAILABLE.value, str(error), role, pending.attempt, error.replica)
+        if self._cannot_migrate(pending, fail) is not None:
+            return False
+        self._cancel_everywhere(pending.attempt)
+        self._migrate(pending, fail)
+        return True
+
+    def _replica_gone(self, record: ActorRecord) -> None:
+        """A replica left the view (it died, most likely). What this client sent it and has
+        heard nothing of since may have sat unread in its queue, which no death notice
+        covers (the supervisor knows only what it read): shortly after, once any notice had
+        time to arrive, each such request moves on as a migration would, where it may."""
+        suspects = [
+            (p, p.attempt)
+            for p in self._pending.values()
+            if not p.heard and p.fanout is not None and _sent_to(p.fanout, record)
+        ]
+        if suspects:
+            asyncio.get_running_loop().call_later(
+                _GONE_GRACE_S, self._lost_in_queue, record, suspects
+            )
+
+    def _lost_in_queue(self, record: ActorRecord, suspects: list[tuple[_Pending, str]]) -> None:
+        for pending, attempt in suspects:
+            if pending.heard or self._pending.get(attempt) is not pending:
+                continue  # answered meanwhile, migrated by a notice, or ended
+            message = f"{record.actor_id} died before it answered"
+            fail = Fail(Code.UNAVAILABLE.value, message, record.role, attempt, record.actor_id)
+            if self._cannot_migrate(pending, fail) is None:
+                self._cancel_everywhere(attempt)
+                self._migrate(pending, fail, record.pid)
+            # Else it is left to its deadline: it may be on its way past that replica.
+
+    def _cancel_everywhere(self, request_id: str) -> None:
+        """Cancel an attempt at every replica: the dead one's downstream branches hold pool
+        blocks (and compute) that would otherwise wait out the deadline."""
+        cancel = [encode(Cancel(request_id, Code.UNAVAILABLE.value))]
+        for role in self.config.roles:
+            for record in self.view.replicas(role):
+                with contextlib.suppress(Exception):
+                    self.outbox.post(record.endpoint, cancel)
+
+    def _migrate(self, pending: _Pending, fail: Fail, pid: int = 0) -> None:
+        """Send the request again under a new attempt id, away from the dead replica, with
+        the text already streamed as ``params["resume"]``: the LLM re-prefills it and goes
+        on; outputs the caller has already are not handed over twice."""
+        del self._pending[pending.attempt]
+        pending.migrations += 1
+        dead = self.view.find(fail.replica) if fail.replica else None
+        pid = pid or (dead.pid if dead is not None else 0)
+        if pid:  # still listed (the view may not have seen it go): never pick that process
+            pending.exclude |= {pid}
+        pending.offset = (
+            {pending.token_role: pending.delivered.get(pending.token_role, 0)}
+            if pending.token_role
+            else {}
+        )
+        pending.skip = dict(pending.delivered)
+        pending.credit = 0
+        pending.heard = False
+        pending.usage, pending.timings = {}, []
+        inputs, params, session, deadline = pending.resend
+        if pending.tokens or pending.text_done:
+            params = {**params, "resume": {"tokens": pending.tokens, "finished": pending.text_done}}
+        attempt = f"{pending.request_id}~{pending.migrations}"
+        call = Call(
+            attempt,
+            "",
+            self.inbox.endpoint,
+            params=params,
+            deadline=deadline,
+            session=session,
+            origin="client",
+        )
+        fanout = Fanout(self.router, INPUT, call)
+        fanout.exclude_pids = pending.exclude
+        pending.attempt, pending.fanout = attempt, fanout
+        self._pending[attempt] = pending
+        log.info("request %s moves on as %s: %s", pending.request_id, attempt, fail.message)
+        try:
+            rest = fanout.finish_now(FULL_CREDIT, [], {}, inputs)
+        except RouteError as e:
+            if not self._moved_on(pending, e):
+                pending.push(RequestFailed(e.code, str(e), "client", pending.request_id))
+            return
+        if rest is not None:
+            task = asyncio.get_running_loop().create_task(self._migration_sent(pending, rest))
+            self._migrating.add(task)
+            task.add_done_callback(self._migrating.discard)
+
+    async def _migration_sent(self, pending: _Pending, rest: Awaitable[None]) -> None:
+        try:
+            await rest
+        except RouteError as e:
+            if not self._moved_on(pending, e):
+                pending.push(RequestFailed(e.code, str(e), "client", pending.request_id))
+        except PeerUnavailable as e:
+            pending.push(
+                RequestFailed(Code.UNAVAILABLE.value, str(e), "client", pending.request_id)
+            )
 
     async def stream(
         self,
@@ -216,11 +430,11 @@ class Client:
         cancels the request everywhere it went.
         """
         queue: asyncio.Queue = asyncio.Queue()
-        request_id, deadline, fanout, rest = self._open(
+        pending, deadline, rest = self._open(
             inputs, params, session, timeout, request_id, queue.put_nowait
         )
         if rest is not None:
-            await self._sent(request_id, fanout, rest)
+            await self._sent(pending, rest)
         finished = False
         try:
             while True:
@@ -228,11 +442,11 @@ class Client:
                     try:
                         item = await asyncio.wait_for(queue.get(), _patience(deadline))
                     except TimeoutError:
-                        raise _no_answer(request_id) from None
+                        raise _no_answer(pending.request_id) from None
                 else:
                     item = await queue.get()
                 if isinstance(item, RequestFailed):
-                    finished = _cancel_is_moot(fanout, item)
+                    finished = _cancel_is_moot(pending, item)
                     raise item
                 if isinstance(item, Result):
                     finished = True  # before the yield: the caller may stop iterating here
@@ -240,7 +454,7 @@ class Client:
                     return
                 yield item
         finally:
-            self._end(request_id, fanout, finished)
+            self._end(pending, finished)
 
     def _open(
         self,
@@ -250,7 +464,7 @@ class Client:
         timeout: float | None,
         request_id: str | None,
         push: Any,
-    ) -> tuple[str, float, Fanout, Awaitable[None] | None]:
+    ) -> tuple[_Pending, float, Awaitable[None] | None]:
         """Start a new request: route its first hop; its events go to ``push``.
 
         The first hop leaves from here when the entry replica's queue takes it; else
@@ -270,32 +484,37 @@ class Client:
             session=session,
             origin="client",
         )
-        self._pending[request_id] = _Pending(push, deadline + 1.0 if deadline else 0.0)
-        fanout = Fanout(self.router, INPUT, call)
+        pending = _Pending(push, deadline + 1.0 if deadline else 0.0, request_id)
+        pending.resend = (dict(inputs or {}), dict(params or {}), session, deadline)
+        pending.fanout = fanout = Fanout(self.router, INPUT, call)
+        self._pending[request_id] = pending
         try:
             rest = fanout.finish_now(FULL_CREDIT, [], {}, dict(inputs or {}))
         except BaseException as e:
-            self._failed_to_send(request_id, fanout, e)
-        return request_id, deadline, fanout, rest
+            if not self._moved_on(pending, e):
+                self._failed_to_send(pending, e)
+            rest = None
+        return pending, deadline, rest
 
-    async def _sent(self, request_id: str, fanout: Fanout, rest: Awaitable[None]) -> None:
+    async def _sent(self, pending: _Pending, rest: Awaitable[None]) -> None:
         try:
             await rest
         except BaseException as e:
-            self._failed_to_send(request_id, fanout, e)
+            if not self._moved_on(pending, e):
+                self._failed_to_send(pending, e)
 
-    def _failed_to_send(self, request_id: str, fanout: Fanout, error: BaseException) -> NoReturn:
-        self._end(request_id, fanout, False)
+    def _failed_to_send(self, pending: _Pending, error: BaseException) -> NoReturn:
+        self._end(pending, False)
         if isinstance(error, RouteError):
-            raise RequestFailed(error.code, str(error), "client", request_id) from None
+            raise RequestFailed(error.code, str(error), "client", pending.request_id) from None
         raise error
 
-    def _end(self, request_id: str, fanout: Fanout, finished: bool) -> None:
+    def _end(self, pending: _Pending, finished: bool) -> None:
         """Forget a request; one left unfinished is cancelled everywhere it went."""
-        self._pending.pop(request_id, None)
-        if not finished:
-            cancel = [encode(Cancel(request_id))]
-            for address in fanout.addresses:
+        self._pending.pop(pending.attempt, None)
+        if not finished and pending.fanout is not None:
+            cancel = [encode(Cancel(pending.attempt))]
+            for address in pending.fanout.addresses:
                 with contextlib.suppress(Exception):
                     self.outbox.post(address, cancel)
 
@@ -315,11 +534,9 @@ class Client:
         wait is bounded by one sweep timer per client, not a timer per call.
         """
         collect = _Collect(asyncio.get_running_loop().create_future())
-        request_id, deadline, fanout, rest = self._open(
-            inputs, params, session, timeout, request_id, collect
-        )
+        pending, deadline, rest = self._open(inputs, params, session, timeout, request_id, collect)
         if rest is not None:
-            await self._sent(request_id, fanout, rest)
+            await self._sent(pending, rest)
         finished = False
         if deadline and self._sweeper is None:
             self._watch_patience()
@@ -328,10 +545,10 @@ class Client:
             finished = True
             return collect.outputs, result
         except RequestFailed as e:
-            finished = _cancel_is_moot(fanout, e)
+            finished = _cancel_is_moot(pending, e)
             raise
         finally:
-            self._end(request_id, fanout, finished)
+            self._end(pending, finished)
 
     def _watch_patience(self) -> None:
         loop = asyncio.get_running_loop()
@@ -342,23 +559,32 @@ class Client:
         self._sweeper = None
         now = time.time()
         waiting = False
-        for request_id, pending in list(self._pending.items()):
+        for pending in list(self._pending.values()):
             if not pending.patience or not isinstance(pending.push, _Collect):
                 continue
             if pending.patience <= now:
-                pending.push(_no_answer(request_id))
+                pending.push(_no_answer(pending.request_id))
             else:
                 waiting = True
         if waiting:
             self._watch_patience()
 
 
-def _cancel_is_moot(fanout: Fanout, failure: RequestFailed) -> bool:
+def _sent_to(fanout: Fanout, record: ActorRecord) -> bool:
+    """Whether ``fanout`` sent a branch to that process of a replica."""
+    return any(
+        b.record.pid == record.pid and b.record.actor_id == record.actor_id
+        for b in fanout.branches.values()
+    )
+
+
+def _cancel_is_moot(pending: _Pending, failure: RequestFailed) -> bool:
     """Whether a failed request needs no Cancel: the failing role cancels only what it
     sent itself, so the other branches (parts waiting at a join, a producer still
     streaming) must be cancelled from here, unless the client opened one branch only and
     that is the role that failed (as a request refused at its first hop)."""
-    return len(fanout.branches) == 1 and failure.role in fanout.branches
+    fanout = pending.fanout
+    return fanout is not None and len(fanout.branches) == 1 and failure.role in fanout.branches
 
 
 def _patience(deadline: float) -> float:

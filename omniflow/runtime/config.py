@@ -42,6 +42,9 @@ class RoleConfig(msgspec.Struct, **_STRICT):
     max_queue: Annotated[
         int, Meta(ge=0, description="requests waiting beyond those; more are refused")
     ] = 1024
+    max_stream_chunks: Annotated[
+        int, Meta(ge=1, description="one streamed request's chunks waiting; more: overloaded")
+    ] = 1024
     policy: Annotated[
         str, Meta(description="how producers pick a replica: round_robin, prefix_aware, ...")
     ] = "round_robin"
@@ -95,6 +98,10 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
     restart_backoff_max_s: Annotated[
         float, Meta(ge=0, description="the backoff doubles up to this")
     ] = 10.0
+    max_migrations: Annotated[
+        int,
+        Meta(ge=0, description="times a request on a dead replica moves to another (0: off)"),
+    ] = 3
 
 
 class DeviceGroup(msgspec.Struct, **_STRICT):

@@ -50,12 +50,16 @@ class ActorHost:
         max_concurrency: int = 64,
         max_queue: int = 1024,
         holding: HoldingFile | None = None,
+        max_stream_chunks: int = 1024,
     ) -> None:
         self.actor = actor
         self.role = actor.role
         self.router = router
         self._slots = Slots(max_concurrency)
         self._max_pending = max_concurrency + max_queue
+        # Chunks of one streamed request waiting for its handler: a producer that outruns
+        # it fails that request as overloaded instead of growing the queue without end.
+        self._max_chunks = max_stream_chunks
         self._streams: dict[tuple[str, int], Stream] = {}  # (request id, hops)
         self._joins = JoinBuffer(self.role)
         self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
@@ -162,6 +166,12 @@ class ActorHost:
             stream.queue = asyncio.Queue()
             stream.task = asyncio.create_task(self._run_stream(stream))
         assert stream.queue is not None, "a single-chunk request got a second chunk"
+        if stream.queue.qsize() >= self._max_chunks or stream.overflowed:
+            release_tensors(call.tensors.values())
+            if not stream.overflowed and stream.task is not None:
+                stream.overflowed = True
+                _cancel_soon(stream.task)  # fails it as overloaded (_failed)
+            return
         stream.queue.put_nowait((call, parts))
 
     def _open(
@@ -231,7 +241,7 @@ class ActorHost:
             if key[0] == rid:
                 stream.ctx.cancelled.set()
                 if stream.task is not None:
-                    stream.task.cancel()  # its handler cancels what it sent downstream
+                    _cancel_soon(stream.task)  # its handler cancels what it sent downstream
         for key, addresses in list(self._finished.items()):
             if key[0] == rid:
                 for address in addresses:
@@ -399,14 +409,19 @@ class ActorHost:
     async def _failed(self, stream: Stream, error: BaseException) -> None:
         """End a request that raised ``error``: one Fail to the client, Cancels downstream."""
         if isinstance(error, asyncio.CancelledError):
-            if stream.expired:
+            if stream.overflowed:
+                message = f"{self.role}: more than {self._max_chunks} chunks waiting"
+                await self._fail(stream, Code.OVERLOADED, message)
+            elif stream.expired:
                 await self._fail(stream, Code.DEADLINE, f"deadline exceeded in {self.role}")
             else:
                 self._cancel_downstream(stream, Code.CANCELLED)
         elif isinstance(error, BadRequest):
             await self._fail(stream, Code.BAD_REQUEST, str(error))
         elif isinstance(error, (TensorError, RouteError)):
-            await self._fail(stream, getattr(error, "code", Code.BAD_REQUEST), str(error))
+            code = getattr(error, "code", Code.BAD_REQUEST)
+            # A replica that did not take the next hop: the client may move the request on.
+            await self._fail(stream, code, str(error), getattr(error, "replica", ""))
         else:  # the handler's bug fails this request, not the actor
             log.error(
                 "%s: request %s failed",
@@ -471,11 +486,11 @@ class ActorHost:
         finally:
             await gen.aclose()
 
-    async def _fail(self, stream: Stream, code: str, message: str) -> None:
+    async def _fail(self, stream: Stream, code: str, message: str, replica: str = "") -> None:
         call = stream.call
         self._cancel_downstream(stream, code)
         code = code.value if isinstance(code, Code) else str(code)
-        fail = Fail(code, message, self.role, call.request_id)
+        fail = Fail(code, message, self.role, call.request_id, replica)
         try:
             await self.router.send(call.reply_to, fail, {})
         except Exception:
@@ -504,6 +519,9 @@ class ActorHost:
         # Outputs that reuse an input's block were shared onward before this release.
         _release_inputs(stream.refs, stream.ctx)
         stream.refs = []
+        while stream.queue is not None and not stream.queue.empty():  # chunks never handled
+            call, _ = stream.queue.get_nowait()
+            release_tensors(call.tensors.values())
         key = (stream.call.request_id, stream.call.hops)
         if self._streams.pop(key, None) is not None:
             self._unhold(stream.call.request_id)
@@ -573,6 +591,13 @@ class ActorHost:
                 if stream.task is not None:
                     stream.task.cancel()
             return False
+
+
+def _cancel_soon(task: asyncio.Task) -> None:
+    """Cancel ``task`` once it has taken its first step: a Task cancelled before it ever
+    ran never enters its body, so no ``finally`` of it would fail, close and release the
+    request (all its chunks may come in one read, before the Task that takes them ran)."""
+    asyncio.get_running_loop().call_soon(task.cancel)
 
 
 def _pool_refs(call: Call) -> list[Any]:

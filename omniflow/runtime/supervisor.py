@@ -367,6 +367,7 @@ class Supervisor:
             f"{replica.actor_id} died while handling it",
             replica.role,
             request_id,
+            replica.actor_id,
         )
         with contextlib.suppress(Exception):
             self.outbox.post(reply_to, [encode(fail)])

@@ -41,6 +41,9 @@ from omniflow.transport.endpoint import Inbox, Outbox, fd_of
 from omniflow.transport.links import attach_pool
 
 log = logging.getLogger("omniflow.runtime.worker")
+# DEALERs a worker keeps open (next-hop replicas and the clients it answers); one FD
+# each: clients that connect per request then cost a replica at most this many FDs.
+WORKER_PEERS = 64
 _control_decoder = decoder_for(Shutdown)
 
 
@@ -124,14 +127,16 @@ class Worker:
         policies = {name: make_policy(rc.policy, role=name) for name, rc in cfg.roles.items()}
         idempotent = frozenset(n for n, rc in cfg.roles.items() if rc.idempotent)
         keys = cfg.security.load_keys()
-        outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s, keys=keys)
+        outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s, max_peers=WORKER_PEERS, keys=keys)
         router = Router(cfg.plan(), view, outbox, policies, idempotent, socket.gethostname())
         rc = self.role_config
         holding = HoldingFile(
             holding_path(self.run_dir, self.role, self.replica),
             rc.max_concurrency + rc.max_queue + 256,  # joins' waiting requests count too
         )
-        host = ActorHost(actor, router, rc.max_concurrency, rc.max_queue, holding)
+        host = ActorHost(
+            actor, router, rc.max_concurrency, rc.max_queue, holding, rc.max_stream_chunks
+        )
         self.host = host
         if self.intake_closed:
             host.close_intake()
