@@ -88,6 +88,7 @@ class Context:
         self._cancelled: asyncio.Event | None = None
         self.usage: dict[str, int] = {}
         self.held: list[Any] = []
+        self._peer: Any = None  # role -> the ActorRecord its outputs go to (the host's Fanout)
 
     @property
     def cancelled(self) -> asyncio.Event:
@@ -103,6 +104,13 @@ class Context:
     async def emit(self, output: Mapping[str, Any]) -> None:
         """Send one output onward now, as a yield from an async-generator handler would."""
         await self._sink(output)
+
+    def peer_pid(self, role: str) -> int:
+        """The pid of the ``role`` replica this request's outputs will go to, chosen now:
+        what a lease for that process (``lend_kv_to``) names as its borrower."""
+        if self._peer is None:
+            raise RuntimeError(f"request {self.request_id}: no route to {role!r} from here")
+        return int(self._peer(role).pid)
 
     def hold(self, lease: Any) -> None:
         """Keep a page-pool lease (from ``pool.empty``) until this request's outputs are sent.

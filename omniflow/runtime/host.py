@@ -153,7 +153,7 @@ class ActorHost:
         if ctx is None:
             fanout = Fanout(self.router, self.role, call)
             ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, None)
-            ctx._sink = fanout.output
+            ctx._sink, ctx._peer = fanout.output, fanout.peer
         assert fanout is not None
         stream = Stream(call, fanout, ctx)
         self._streams[key] = stream
@@ -234,6 +234,7 @@ class ActorHost:
         arrived = time.time()
         fanout = Fanout(self.router, self.role, call)
         ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, fanout.output)
+        ctx._peer = fanout.peer
         started = time.perf_counter()
         try:
             tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
