@@ -14,6 +14,12 @@ from safetensors import safe_open
 
 from omniflow.models.decoder import DecoderLM
 from omniflow.models.decoder_config import DecoderConfig
+from omniflow.models.hunyuan_image3 import HunyuanImage3LM
+from omniflow.models.hunyuan_image3_config import (
+    HUNYUAN_IMAGE3_ARCHITECTURES,
+    HUNYUAN_IMAGE3_MODEL_TYPES,
+    HunyuanImage3Config,
+)
 from omniflow.models.mla_config import MLA_ARCHITECTURES, MLAConfig
 from omniflow.models.mla_decoder import MLADecoderLM
 from omniflow.models.rope import compute_inv_freq
@@ -71,8 +77,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def load_config(path: str | Path) -> DecoderConfig:
-    """The folder's config.json: an `MLAConfig` for DeepSeek-V2 / LongCat-Flash, else a
-    Llama/Qwen2 `DecoderConfig` (which refuses other architectures)."""
+    """The folder's config.json: an `MLAConfig` for DeepSeek-V2 / LongCat-Flash, a
+    `HunyuanImage3Config` for HunyuanImage-3, else a Llama/Qwen2 `DecoderConfig` (which
+    refuses other architectures)."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in model folder {path}")
@@ -80,6 +87,11 @@ def load_config(path: str | Path) -> DecoderConfig:
     architecture = (raw.get("architectures") or [""])[0]
     if architecture in MLA_ARCHITECTURES or raw.get("model_type") in _MLA_MODEL_TYPES:
         return MLAConfig.from_dict(raw)
+    if (
+        architecture in HUNYUAN_IMAGE3_ARCHITECTURES
+        or raw.get("model_type") in HUNYUAN_IMAGE3_MODEL_TYPES
+    ):
+        return HunyuanImage3Config.from_dict(raw)
     return DecoderConfig.from_dict(raw)
 
 
@@ -98,16 +110,24 @@ def load_decoder(
             "float16; use bfloat16 or float32"
         )
     with torch.device("meta"):
-        model = MLADecoderLM(config) if isinstance(config, MLAConfig) else DecoderLM(config)
+        model = _decoder_for(config)
     model = model.to(dtype=target_dtype).to_empty(device=target_device)
     model.rotary.inv_freq = compute_inv_freq(config)[0].to(target_device)
-    if isinstance(model, MLADecoderLM):
+    if isinstance(model, MLADecoderLM | HunyuanImage3LM):
         model.materialized()
     loaded = model.load_weights(iter_checkpoint_tensors(path))
     missing = model.expected_checkpoint_names() - loaded
     if missing:
         raise ValueError(f"checkpoint in {path} lacks tensors: {sorted(missing)[:8]}")
     return model.eval()
+
+
+def _decoder_for(config: DecoderConfig) -> DecoderLM:
+    if isinstance(config, MLAConfig):
+        return MLADecoderLM(config)
+    if isinstance(config, HunyuanImage3Config):
+        return HunyuanImage3LM(config)
+    return DecoderLM(config)
 
 
 def load_tokenizer(path: str | Path) -> TextTokenizer:

@@ -1,0 +1,298 @@
+"""The HunyuanImage-3.0 backbone: one MoE decoder for text and for denoising image tokens.
+
+GQA attention with QK-norm (RMSNorm over each q and k head, after rotary, as the reference
+orders them), MoE MLPs (models/moe.py: softmax top-k routing, one shared MLP) and 2D rotary
+positions: rotary frequency i turns with the row (y) for even i and the column (x) for odd
+i. A text token at position p sits at (p, p), where the 2D rotary equals the 1D one, so an
+engine running text with 1D positions computes exactly the K/V of the 2D model.
+
+`HunyuanImage3LM` is a `DecoderLM` (same forward, heads, embedding overrides, packing) with
+its own layers, rotary and checkpoint names; `load_decoder` loads the backbone's tensors
+from a HunyuanImage-3 folder and leaves the image parts (hunyuan_image3_parts.py) alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from omniflow.models.decoder import AttentionFn, DecoderLM, RMSNorm, SwiGLU, causal_attention
+from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
+from omniflow.models.mla_config import MLAConfig
+from omniflow.models.moe import MoE
+from omniflow.models.rope import apply_rotary, compute_inv_freq
+
+if TYPE_CHECKING:
+    from omniflow.kernels import CpuKernels
+
+# Checkpoint tensors of the image parts, which the backbone does not load.
+IMAGE_PART_PREFIXES = (
+    "vae.",
+    "vision_model.",
+    "vision_aligner.",
+    "timestep_emb.",
+    "patch_embed.",
+    "time_embed.",
+    "final_layer.",
+    "time_embed_2.",
+)
+
+
+class Rotary2D(nn.Module):
+    """cos/sin [tokens, head_dim] for positions [tokens] (text: (p, p)) or [tokens, 2] (y, x)."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, config: HunyuanImage3Config):
+        super().__init__()
+        if config.head_dim % 4:
+            raise ValueError(f"2D rotary needs head_dim divisible by 4, not {config.head_dim}")
+        self.register_buffer("inv_freq", compute_inv_freq(config)[0], persistent=False)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            positions = positions[:, None].expand(-1, 2)
+        half = self.inv_freq.shape[0]
+        axis = torch.arange(half, device=positions.device) % 2  # 0: y, 1: x
+        freqs = positions.float()[:, axis] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class QKNormAttention(nn.Module):
+    def __init__(self, config: HunyuanImage3Config, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.query_layernorm: RMSNorm | None = None
+        self.key_layernorm: RMSNorm | None = None
+        if config.use_qk_norm:
+            self.query_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.key_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attention: AttentionFn) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.reshape(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        if self.query_layernorm is not None and self.key_layernorm is not None:
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        out = attention(self.layer_index, q.contiguous(), k.contiguous(), v)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class HunyuanLayer(nn.Module):
+    def __init__(self, config: HunyuanImage3Config, layer_index: int):
+        super().__init__()
+        self.self_attn = QKNormAttention(config, layer_index)
+        moe = config.n_routed_experts > 1 and layer_index >= config.moe_layer_num_skipped
+        # MoE reads the MoE fields by the names MLAConfig gives them.
+        self.mlp: nn.Module = MoE(cast(MLAConfig, config)) if moe else SwiGLU(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attention: AttentionFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HunyuanBody(nn.Module):
+    def __init__(self, config: HunyuanImage3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            HunyuanLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# Checkpoint names -> ours (before the per-tensor rewrites below).
+_RENAMES = (
+    ("model.wte.", "model.embed_tokens."),
+    ("model.ln_f.", "model.norm."),
+    (".mlp.gate.wg.", ".mlp.gate."),
+    (".mlp.shared_mlp.", ".mlp.shared_experts."),
+    (".gate_and_up_proj.", ".gate_up_proj."),
+)
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.weight$")
+
+
+def _swap_halves(weight: torch.Tensor) -> torch.Tensor:
+    """The reference's fused [up; gate] (it computes up * silu(gate)) -> our [gate; up]."""
+    up, gate = weight.chunk(2, dim=0)
+    return torch.cat((gate, up))
+
+
+class HunyuanImage3LM(DecoderLM):
+    config: HunyuanImage3Config
+    # Block steps may give image rows (y, x) positions (engine/llm_engine.py).
+    positions_2d = True
+
+    def __init__(self, config: HunyuanImage3Config):
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = HunyuanBody(config)  # type: ignore[assignment]
+        self.rotary = Rotary2D(config)  # type: ignore[assignment]
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self._packed_output = None
+        self._output_kernels = None
+        self._kernels = None
+        self._decode_table = None
+
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        """The CPU kernels' fused layers know Llama's layers only: PyTorch ops here (the
+        engine's attention may still run on the kernels)."""
+        self._kernels = None
+
+    def decodes_on_pages(self) -> bool:
+        return False
+
+    def materialized(self) -> None:
+        """After `to_empty`: routers in float32 (the reference keeps them so), the MoE's
+        unused score biases zeroed."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.gate.weight.data = module.gate.weight.data.float()
+                module.e_score_correction_bias.zero_()
+
+    def use_input_major_weights(self) -> None:
+        super().use_input_major_weights()
+        self._experts_input_major()
+
+    def use_packed_weights(self, rows_hint: int = 32, kernels: CpuKernels | None = None) -> None:
+        super().use_packed_weights(rows_hint, kernels)
+        self._experts_input_major()
+
+    def _experts_input_major(self) -> None:
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.use_input_major_weights()
+
+    def hidden_states(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final normed hidden states of one causal sequence (a plain forward, no pages)."""
+        if positions is None:
+            positions = torch.arange(inputs_embeds.shape[0], device=inputs_embeds.device)
+        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        x = inputs_embeds
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, causal_attention)
+        return self.model.norm(x)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy the backbone's tensors of a HunyuanImage-3 checkpoint into this module (the
+        image parts' are skipped); returns the checkpoint names loaded."""
+        if self.packed:
+            raise RuntimeError("load_weights after use_packed_weights: load into a new model")
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if hf_name.startswith(IMAGE_PART_PREFIXES) or "rotary_emb.inv_freq" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue
+            name = hf_name
+            for old, new in _RENAMES:
+                name = name.replace(old, new)
+            if name.endswith("gate_up_proj.weight"):
+                tensor = _swap_halves(tensor)
+            if name.endswith("self_attn.qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                tensor = self._qkv_from_groups(tensor)
+            expert = _EXPERT.match(name)
+            if expert:
+                base, index, which = expert.groups()
+                target = f"{base}.{which}"
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+                view = params[target][int(index)]
+            elif name in params:
+                view = params[name]
+            else:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            with torch.no_grad():
+                view.copy_(tensor.to(view.dtype))
+            loaded.add(hf_name)
+        return loaded
+
+    def _qkv_from_groups(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The reference's fused qkv rows, per kv head [its q heads, k, v], -> [q; k; v]."""
+        config = self.config
+        kv, dim = config.num_key_value_heads, config.head_dim
+        groups = config.num_attention_heads // kv
+        grouped = tensor.reshape(kv, groups + 2, dim, *tensor.shape[1:])
+        q = grouped[:, :groups].reshape(kv * groups * dim, *tensor.shape[1:])
+        k = grouped[:, groups].reshape(kv * dim, *tensor.shape[1:])
+        v = grouped[:, groups + 1].reshape(kv * dim, *tensor.shape[1:])
+        return torch.cat((q, k, v))
+
+    def expected_checkpoint_names(self) -> set[str]:
+        return backbone_checkpoint_names(self.config)
+
+
+def qkv_to_groups(config: HunyuanImage3Config, q, k, v) -> torch.Tensor:
+    """Our [q; k; v] rows -> the reference's per-kv-head grouping (for writing checkpoints)."""
+    kv, dim = config.num_key_value_heads, config.head_dim
+    groups = config.num_attention_heads // kv
+    rest = q.shape[1:]
+    grouped = torch.cat(
+        (
+            q.reshape(kv, groups, dim, *rest),
+            k.reshape(kv, 1, dim, *rest),
+            v.reshape(kv, 1, dim, *rest),
+        ),
+        dim=1,
+    )
+    return grouped.reshape(-1, *rest)
+
+
+def backbone_checkpoint_names(config: HunyuanImage3Config) -> set[str]:
+    """The checkpoint names of the backbone's tensors."""
+    names = {"model.wte.weight", "model.ln_f.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}"
+        names |= {
+            f"{prefix}.self_attn.qkv_proj.weight",
+            f"{prefix}.self_attn.o_proj.weight",
+            f"{prefix}.input_layernorm.weight",
+            f"{prefix}.post_attention_layernorm.weight",
+        }
+        if config.qkv_bias:
+            names |= {f"{prefix}.self_attn.qkv_proj.bias", f"{prefix}.self_attn.o_proj.bias"}
+        if config.use_qk_norm:
+            names |= {
+                f"{prefix}.self_attn.query_layernorm.weight",
+                f"{prefix}.self_attn.key_layernorm.weight",
+            }
+        if config.n_routed_experts > 1 and i >= config.moe_layer_num_skipped:
+            names.add(f"{prefix}.mlp.gate.wg.weight")
+            for e in range(config.n_routed_experts):
+                for which in ("gate_and_up_proj", "down_proj"):
+                    names.add(f"{prefix}.mlp.experts.{e}.{which}.weight")
+            if config.n_shared_experts:
+                for which in ("gate_and_up_proj", "down_proj"):
+                    names.add(f"{prefix}.mlp.shared_mlp.{which}.weight")
+        else:
+            names |= {f"{prefix}.mlp.gate_and_up_proj.weight", f"{prefix}.mlp.down_proj.weight"}
+    return names

@@ -1,0 +1,127 @@
+"""The subset of a HunyuanImage-3.0 config.json that the backbone and the image parts need.
+
+The backbone is a decoder with GQA attention and QK-norm, MoE MLPs (routed experts, top-k,
+one shared MLP) and 2D rotary positions for image tokens. The MoE field names are those
+models/moe.py reads, so `MoE` serves this backbone too. The image parts (timestep
+embedders, patch_embed, final_layer, VAE, ViT and its projector) keep their own sub-configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omniflow.models.decoder_config import DecoderConfig
+
+HUNYUAN_IMAGE3_ARCHITECTURES = ("HunyuanImage3ForCausalMM",)
+HUNYUAN_IMAGE3_MODEL_TYPES = ("hunyuan_image_3_moe", "hunyuan_image3")
+
+
+def _per_layer(raw: dict[str, Any], key: str, default: Any) -> Any:
+    """A field the reference allows per layer (a list): one value for all layers."""
+    value = raw.get(key, default)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise NotImplementedError(f"config.json {key}: per-layer values {value}")
+        value = value[0]
+    return value
+
+
+@dataclass(frozen=True)
+class HunyuanImage3Config(DecoderConfig):
+    # MoE (models/moe.py's names): routed experts, their top-k, one shared MLP of
+    # n_shared_experts x moe_intermediate_size; the first moe_layer_num_skipped layers dense.
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    moe_layer_num_skipped: int = 0
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    zero_expert_num: int = 0
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    use_qk_norm: bool = True
+    # Image generation: latent patches (patch_size) of a VAE latent (downsample), aspect
+    # ratios around image_base_size pixels.
+    patch_size: int = 1
+    patch_embed_hidden_dim: int = 64
+    image_base_size: int = 1024
+    vae: dict[str, Any] = field(default_factory=dict)
+    vit: dict[str, Any] = field(default_factory=dict)
+    vit_aligner: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_longcat(self) -> bool:
+        return False
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.vae["latent_channels"])
+
+    @property
+    def vae_downsample(self) -> int:
+        return int(self.vae.get("ffactor_spatial", 16))
+
+    @property
+    def pixels_per_token(self) -> int:
+        """Image pixels along one side of one image token."""
+        return self.vae_downsample * self.patch_size
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> HunyuanImage3Config:
+        architecture = (raw.get("architectures") or ["HunyuanImage3ForCausalMM"])[0]
+        if architecture not in HUNYUAN_IMAGE3_ARCHITECTURES:
+            raise NotImplementedError(
+                f"config.json architecture {architecture!r} is not HunyuanImage-3"
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {raw['hidden_act']!r}: only 'silu' is supported")
+        if raw.get("use_cla") or raw.get("use_mla"):
+            raise NotImplementedError("HunyuanImage-3 with use_cla or use_mla")
+        if raw.get("norm_type", "rms") not in ("rms", "hf_rms"):
+            raise NotImplementedError(f"norm_type {raw['norm_type']!r}: only RMSNorm")
+        heads = int(raw["num_attention_heads"])
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        experts = int(_per_layer(raw, "num_experts", 1))
+        shared = int(_per_layer(raw, "num_shared_expert", 1)) if raw.get("use_mixed_mlp_moe") else 0
+        bias = bool(raw.get("attention_bias", False))
+        return cls(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("attention_head_dim") or raw["hidden_size"] // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            # The reference's "custom" rope: the default frequencies, over 2D positions.
+            rope={"rope_type": "default", "rope_theta": float(raw.get("rope_theta", 10000.0))},
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            n_routed_experts=experts if experts > 1 else 0,
+            n_shared_experts=shared,
+            num_experts_per_tok=int(_per_layer(raw, "moe_topk", 1)),
+            moe_intermediate_size=int(
+                _per_layer(raw, "moe_intermediate_size", None) or raw["intermediate_size"]
+            ),
+            moe_layer_num_skipped=int(raw.get("moe_layer_num_skipped", 0)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            use_qk_norm=bool(raw.get("use_qk_norm", False)),
+            patch_size=int(raw.get("patch_size", 1)),
+            patch_embed_hidden_dim=int(raw.get("patch_embed_hidden_dim", 64)),
+            image_base_size=int(raw.get("image_base_size", 1024)),
+            vae=dict(raw.get("vae") or {}),
+            vit=dict(raw.get("vit") or {}),
+            vit_aligner=dict(raw.get("vit_aligner") or {}),
+        )

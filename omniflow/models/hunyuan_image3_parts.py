@@ -1,0 +1,346 @@
+"""HunyuanImage-3's small parts between pixels, latents and the backbone.
+
+- `TimestepEmbedder`: a diffusion time t -> a row (sinusoidal features through an MLP).
+- `patch_embed` (UNetDown): latent [C, H, W] + time -> image token rows [h*w, hidden].
+- `final_layer` (UNetUp): image tokens' hidden states + time -> velocity [C, H, W].
+- a VAE (`TinyVAE`: encoder for a condition image's clean latent, decoder to RGB uint8)
+- a ViT (`TinyViT`) and its projector: a condition image -> rows for the prompt.
+
+The timestep embedders, patch_embed and final_layer follow the reference's modules and
+checkpoint names (timestep-conditioned ResBlocks with adaptive group norm). The VAE and
+the ViT are small stand-ins: the real ones (a 3D-conv KL autoencoder, SigLIP2 with
+variable resolution) have other layouts and names, and do not load into these.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omniflow.models.hunyuan_image3 import IMAGE_PART_PREFIXES
+from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
+from omniflow.models.loader import iter_checkpoint_tensors
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal features [N, dim] of times t [N] (cos first, then sin)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half)
+    args = t.float()[:, None] * freqs.to(t.device)[None]
+    embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    if dim % 2:
+        embedding = torch.cat([embedding, torch.zeros_like(embedding[:, :1])], dim=-1)
+    return embedding
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, hidden: int, frequency_size: int = 256):
+        super().__init__()
+        self.frequency_size = frequency_size
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_size, hidden), nn.GELU(), nn.Linear(hidden, hidden)
+        )
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        weight = next(self.parameters())
+        return self.mlp(timestep_embedding(t, self.frequency_size).to(weight.dtype))
+
+
+def _norm(channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(min(32, channels), channels)
+
+
+class ResBlock(nn.Module):
+    """Two 3x3 convs, the second's group norm scaled and shifted by the time embedding;
+    optionally halving (down) or doubling (up) the resolution."""
+
+    def __init__(self, channels: int, emb: int, out: int, up: bool = False, down: bool = False):
+        super().__init__()
+        self.in_layers = nn.Sequential(
+            _norm(channels), nn.SiLU(), nn.Conv2d(channels, out, 3, 1, 1)
+        )
+        self.up, self.down = up, down
+        self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb, 2 * out))
+        self.out_layers = nn.Sequential(
+            _norm(out), nn.SiLU(), nn.Dropout(0.0), nn.Conv2d(out, out, 3, 1, 1)
+        )
+        self.skip_connection: nn.Module = (
+            nn.Identity() if out == channels else nn.Conv2d(channels, out, 1)
+        )
+
+    def _resample(self, x: torch.Tensor) -> torch.Tensor:
+        if self.up:
+            return F.interpolate(x, scale_factor=2, mode="nearest")
+        if self.down:
+            return F.avg_pool2d(x, 2)
+        return x
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        h = self.in_layers[:-1](x)
+        h = self.in_layers[-1](self._resample(h))
+        x = self._resample(x)
+        scale, shift = self.emb_layers(emb)[..., None, None].chunk(2, dim=1)
+        h = self.out_layers[0](h) * (1.0 + scale) + shift
+        return self.skip_connection(x) + self.out_layers[1:](h)
+
+
+class UNetDown(nn.Module):
+    """Latent [B, C, H, W] + time embedding -> token rows [B, h*w, hidden] and (h, w)."""
+
+    def __init__(self, patch: int, latent: int, emb: int, hidden_channels: int, out: int):
+        super().__init__()
+        self.model = nn.ModuleList([nn.Conv2d(latent, hidden_channels, 3, 1, 1)])
+        if patch == 1:
+            self.model.append(ResBlock(hidden_channels, emb, out))
+        for i in range(patch // 2):
+            last = (i + 1) * 2 == patch
+            self.model.append(
+                ResBlock(hidden_channels, emb, out if last else hidden_channels, down=True)
+            )
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        for module in self.model:
+            x = module(x, emb) if isinstance(module, ResBlock) else module(x)
+        batch, channels, h, w = x.shape
+        return x.reshape(batch, channels, h * w).transpose(1, 2), h, w
+
+
+class UNetUp(nn.Module):
+    """Token rows [B, h*w, hidden] + time embedding -> [B, C, H, W]."""
+
+    def __init__(self, patch: int, hidden: int, emb: int, hidden_channels: int, out: int):
+        super().__init__()
+        self.model = nn.ModuleList()
+        if patch == 1:
+            self.model.append(ResBlock(hidden, emb, hidden_channels))
+        for i in range(patch // 2):
+            self.model.append(
+                ResBlock(hidden if i == 0 else hidden_channels, emb, hidden_channels, up=True)
+            )
+        self.model.append(
+            nn.Sequential(
+                _norm(hidden_channels), nn.SiLU(), nn.Conv2d(hidden_channels, out, 3, 1, 1)
+            )
+        )
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        x = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], h, w)
+        for module in self.model:
+            x = module(x, emb) if isinstance(module, ResBlock) else module(x)
+        return x
+
+
+class TinyVAE(nn.Module):
+    """RGB <-> latent, `downsample` x smaller per side (strided convs / nearest upsampling)."""
+
+    def __init__(self, latent: int, channels: int, downsample: int, scaling: float, shift: float):
+        super().__init__()
+        stages = int(math.log2(downsample))
+        if 2**stages != downsample:
+            raise ValueError(f"vae ffactor_spatial must be a power of 2, not {downsample}")
+        self.scaling, self.shift, self.downsample = scaling, shift, downsample
+        self.encoder = nn.Sequential(
+            nn.Conv2d(3, channels, 3, 1, 1),
+            *[
+                nn.Sequential(nn.Conv2d(channels, channels, 3, 2, 1), nn.SiLU())
+                for _ in range(stages)
+            ],
+            nn.Conv2d(channels, 2 * latent, 3, 1, 1),
+        )
+        self.decoder = nn.Sequential(
+            nn.Conv2d(latent, channels, 3, 1, 1),
+            *[
+                nn.Sequential(
+                    nn.Upsample(scale_factor=2), nn.Conv2d(channels, channels, 3, 1, 1), nn.SiLU()
+                )
+                for _ in range(stages)
+            ],
+            nn.Conv2d(channels, 3, 3, 1, 1),
+        )
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] in [-1, 1] -> the posterior's mean, scaled: [B, C, H/d, W/d]."""
+        mean, _ = self.encoder(pixels).chunk(2, dim=1)
+        return (mean - self.shift) * self.scaling
+
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        """[B, C, h, w] -> [B, 3, h*d, w*d] in [-1, 1]."""
+        return torch.tanh(self.decoder(latent / self.scaling + self.shift))
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, width: int, heads: int, mlp: int):
+        super().__init__()
+        self.heads = heads
+        self.layer_norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out_proj = nn.Linear(width, width)
+        self.layer_norm2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, mlp)
+        self.fc2 = nn.Linear(mlp, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        qkv = self.qkv(self.layer_norm1(x)).view(batch, tokens, 3, self.heads, -1)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
+        x = x + self.out_proj(attended)
+        return x + self.fc2(F.gelu(self.fc1(self.layer_norm2(x)), approximate="tanh"))
+
+
+class TinyViT(nn.Module):
+    """An image resized to image_size -> one row per patch, [B, patches, width]."""
+
+    def __init__(self, image_size: int, patch: int, width: int, heads: int, layers: int, mlp: int):
+        super().__init__()
+        self.image_size = image_size
+        self.patch_embedding = nn.Conv2d(3, width, patch, patch)
+        self.position_embedding = nn.Parameter(torch.zeros((image_size // patch) ** 2, width))
+        self.layers = nn.ModuleList(ViTBlock(width, heads, mlp) for _ in range(layers))
+        self.post_layernorm = nn.LayerNorm(width)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        size = (self.image_size, self.image_size)
+        pixels = F.interpolate(pixels, size=size, mode="bilinear", align_corners=False)
+        x = self.patch_embedding(pixels).flatten(2).transpose(1, 2) + self.position_embedding
+        for layer in self.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+
+class Projector(nn.Module):
+    """ViT rows -> backbone rows."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def pixels_in(image: torch.Tensor) -> torch.Tensor:
+    """RGB uint8 [H, W, 3] -> [1, 3, H, W] float in [-1, 1]."""
+    if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3:
+        raise ValueError(f"image: RGB uint8 [H, W, 3], not {image.dtype} {list(image.shape)}")
+    return image.permute(2, 0, 1)[None].float() / 127.5 - 1.0
+
+
+def pixels_out(pixels: torch.Tensor) -> torch.Tensor:
+    """[1, 3, H, W] in [-1, 1] -> RGB uint8 [H, W, 3]."""
+    scaled = ((pixels[0].float().clamp(-1, 1) + 1.0) * 127.5).round()
+    return scaled.to(torch.uint8).permute(1, 2, 0).contiguous()
+
+
+class HunyuanImage3Parts(nn.Module):
+    """Everything of a HunyuanImage-3 checkpoint but the backbone, under its names."""
+
+    def __init__(self, config: HunyuanImage3Config):
+        super().__init__()
+        self.config = config
+        hidden, latent = config.hidden_size, config.latent_channels
+        patch, width = config.patch_size, config.patch_embed_hidden_dim
+        vae, vit, aligner = config.vae, config.vit, config.vit_aligner
+        self.timestep_emb = TimestepEmbedder(hidden)
+        self.patch_embed = UNetDown(patch, latent, hidden, width, hidden)
+        self.time_embed = TimestepEmbedder(hidden)
+        self.final_layer = UNetUp(patch, hidden, hidden, width, latent)
+        self.time_embed_2 = TimestepEmbedder(hidden)
+        self.vae = TinyVAE(
+            latent,
+            int(vae.get("channels", 32)),
+            config.vae_downsample,
+            float(vae.get("scaling_factor", 1.0)),
+            float(vae.get("shift_factor", 0.0)),
+        )
+        self.vision_model = TinyViT(
+            int(vit["image_size"]),
+            int(vit["patch_size"]),
+            int(vit["hidden_size"]),
+            int(vit["num_attention_heads"]),
+            int(vit["num_hidden_layers"]),
+            int(vit["intermediate_size"]),
+        )
+        self.vision_aligner = Projector(int(aligner.get("input_dim", vit["hidden_size"])), hidden)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def _times(self, t: float | torch.Tensor, batch: int = 1) -> torch.Tensor:
+        device = next(self.parameters()).device
+        return torch.as_tensor(t, dtype=torch.float32, device=device).reshape(-1).expand(batch)
+
+    @torch.inference_mode()
+    def timestep_row(self, t: float | torch.Tensor) -> torch.Tensor:
+        """The `<timestep>` token's row [1, hidden] for time t (0..1000)."""
+        return self.timestep_emb(self._times(t))
+
+    @torch.inference_mode()
+    def image_rows(self, latent: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+        """patch_embed: latent [C, H, W] at time t -> rows [h*w, hidden] (row-major grid)."""
+        x = latent[None].to(self.dtype)
+        rows, _, _ = self.patch_embed(x, self.time_embed(self._times(t)))
+        return rows[0]
+
+    @torch.inference_mode()
+    def velocity(
+        self, hidden: torch.Tensor, t: float | torch.Tensor, grid: tuple[int, int]
+    ) -> torch.Tensor:
+        """final_layer: image tokens' hidden states [B, h*w, hidden] (or [h*w, hidden]) at
+        time t -> predictions [B, C, H, W] (or [C, H, W])."""
+        single = hidden.dim() == 2
+        x = hidden[None] if single else hidden
+        emb = self.time_embed_2(self._times(t, x.shape[0]))
+        out = self.final_layer(x.to(self.dtype), emb, *grid).float()
+        return out[0] if single else out
+
+    @torch.inference_mode()
+    def decode_image(self, latent: torch.Tensor) -> torch.Tensor:
+        """Latent [C, h, w] -> RGB uint8 [h*d, w*d, 3]."""
+        return pixels_out(self.vae.decode(latent[None].to(self.dtype)))
+
+    @torch.inference_mode()
+    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
+        """RGB uint8 [H, W, 3] (H, W multiples of the downsample) -> clean latent [C, h, w]."""
+        d = self.vae.downsample
+        if image.dim() == 3 and (image.shape[0] % d or image.shape[1] % d):
+            raise ValueError(
+                f"image: height and width must be multiples of {d}, not {list(image.shape[:2])}"
+            )
+        return self.vae.encode(pixels_in(image).to(self.dtype))[0].float()
+
+    @torch.inference_mode()
+    def vit_rows(self, image: torch.Tensor) -> torch.Tensor:
+        """A condition image RGB uint8 [H, W, 3] -> understanding rows [n, hidden]."""
+        rows = self.vision_aligner(self.vision_model(pixels_in(image).to(self.dtype)))
+        return rows[0]
+
+
+def load_image_parts(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> HunyuanImage3Parts:
+    """The image parts of a HunyuanImage-3 folder (the tensors the backbone skips)."""
+    raw: dict[str, Any] = json.loads((Path(path) / "config.json").read_text())
+    parts = HunyuanImage3Parts(HunyuanImage3Config.from_dict(raw))
+    params = parts.state_dict()
+    loaded = set()
+    for name, tensor in iter_checkpoint_tensors(path):
+        if not name.startswith(IMAGE_PART_PREFIXES):
+            continue
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the image parts")
+        with torch.no_grad():
+            params[name].copy_(tensor)
+        loaded.add(name)
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"checkpoint in {path} lacks image-part tensors: {sorted(missing)[:8]}")
+    return parts.to(device=device, dtype=dtype).eval()
