@@ -150,17 +150,20 @@ class PagePool:
 
     # ------------------------------------------------------------ allocation
 
-    def alloc(self, nbytes: int) -> Lease:
+    def alloc(self, nbytes: int, *, tag: int = 0) -> Lease:
         """A block of at least ``nbytes`` (whole contiguous pages), held by this process.
 
-        Raises ``PoolExhausted`` at once when no run of free pages is large enough.
+        ``tag`` (an int64 the caller chooses, read back by ``tag()``) says what the block
+        holds, so that a handle found outside a message (a shared weights manifest) can be
+        checked against it. Raises ``PoolExhausted`` at once when no run of free pages is
+        large enough.
         """
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes: expected an int >= 0, got {nbytes!r}")
         pid = os.getpid()
         with self._seg.lock():
             try:
-                lease, page = self._table.alloc(nbytes, pid)
+                lease, page = self._table.alloc(nbytes, pid, aux=tag)
             except PoolError as e:
                 raise type(e)(f"pool {self.name!r}: {e}") from None
         return Lease(self, lease, self.data_offset + page * self.page_size, nbytes, pid)
@@ -301,6 +304,14 @@ class PagePool:
         """Drop a ref held by ``pid`` (default: this process); True if the block was freed."""
         with self._seg.lock():
             return self._table.release(lease, os.getpid() if pid is None else pid, count)
+
+    def tag(self, lease: int) -> tuple[int, int]:
+        """``(nbytes, tag)`` of a live page block, as ``alloc`` made it; ``StaleLease`` if freed."""
+        with self._seg.lock():
+            _, n, nbytes, tag = self._table.block(self._table.check(lease))
+        if not n:
+            raise InvalidHandle(f"lease {lease} is a ticket, not a page block")
+        return int(nbytes), int(tag)
 
     def refs(self, lease: int) -> int:
         with self._seg.lock():

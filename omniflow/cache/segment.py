@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import glob
 import mmap
 import os
 import re
@@ -36,12 +37,31 @@ def segment_path(name: str) -> str:
 
 
 def unlink_segment(name: str) -> bool:
-    """Remove the segment file ``name``; False if it was not there. Safe to repeat."""
+    """Remove the segment file ``name`` and its side files; False if it was not there."""
+    path = segment_path(name)
+    unlink_side_files(path)
     try:
-        os.unlink(segment_path(name))
+        os.unlink(path)
         return True
     except FileNotFoundError:
         return False
+
+
+def side_file(path: str, suffix: str) -> str:
+    """A file kept next to the segment at ``path`` (shared weights' manifests and locks).
+
+    '@' never appears in a pool name, so one pool's side files never match another's."""
+    return f"{path}@{suffix}"
+
+
+def unlink_side_files(path: str) -> None:
+    """Remove the side files of the segment at ``path``: at ``down``, and when a segment of
+    that name is created (anything left then is from a run that crashed)."""
+    for side in glob.glob(glob.escape(path) + "@*"):
+        try:
+            os.unlink(side)
+        except FileNotFoundError:
+            pass
 
 
 class Segment:
@@ -77,6 +97,7 @@ class Segment:
                 f"pool {name!r}: {path} already exists (a live deployment, or one that "
                 "crashed: unlink it first)"
             ) from None
+        unlink_side_files(path)
         try:
             os.fchmod(fd, 0o600)  # the umask can only narrow the mode; make it exact
             os.ftruncate(fd, size)

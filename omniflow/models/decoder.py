@@ -189,6 +189,11 @@ _FUSED_SHARDS = {
 
 
 class DecoderLM(nn.Module):
+    # Weights in memory other processes map (load_decoder(place=...)): the CPU re-layouts
+    # (use_input_major_weights, use_packed_weights) leave them be, as they would make a
+    # private copy; the loader already laid them out as they run, packing aside.
+    shared_weights = False
+
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = config
@@ -361,7 +366,8 @@ class DecoderLM(nn.Module):
 
     def use_input_major_weights(self) -> None:
         """float32 on CPU: projection weights kept input-major (cpu_layouts)."""
-        cpu_layouts.use_input_major_weights(self)
+        if not self.shared_weights:
+            cpu_layouts.use_input_major_weights(self)
 
     def use_packed_weights(self, rows_hint: int = 32, kernels: CpuKernels | None = None) -> None:
         """Store every projection weight in a blocked layout for bf16 on CPU
@@ -370,7 +376,7 @@ class DecoderLM(nn.Module):
         fast there, and rounds like transformers'. A tied output projection gets a packed copy
         of the embedding table (the lookup keeps the plain one). Weights cannot be loaded
         after this."""
-        if self.packed:
+        if self.packed or self.shared_weights:
             return
         packed = cpu_layouts.use_packed_weights(self, rows_hint, kernels)
         self._packed_output, self._output_kernels = packed

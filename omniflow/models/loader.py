@@ -6,12 +6,14 @@ Reads only the local folder; never touches the network.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
 
+from omniflow.models.cpu_layouts import packed_weights_supported
 from omniflow.models.decoder import DecoderLM
 from omniflow.models.decoder_config import DecoderConfig
 from omniflow.models.hunyuan_image3 import HunyuanImage3LM
@@ -98,9 +100,25 @@ def load_config(path: str | Path) -> DecoderConfig:
 _MLA_MODEL_TYPES = ("deepseek_v2", "longcat_flash")
 
 
+class WeightPlacer(Protocol):
+    def __call__(
+        self, model: torch.nn.Module, fill: Callable[[Callable[[str], bool] | None], None]
+    ) -> None:
+        """Put ``model``'s tensors where they should live (keeping dtype, shape and strides),
+        calling ``fill(select)`` to load the checkpoint tensors passing ``select`` (None: all)
+        that are not there already. omniflow.cache.weights.SharedWeights.place is one."""
+        ...
+
+
 def load_decoder(
-    path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
+    path: str | Path,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    place: WeightPlacer | None = None,
 ) -> DecoderLM:
+    """The model in folder ``path``. ``place``: a placer that puts the weights in memory shared
+    with other processes (a CPU model only); they are then laid out as the engine would run
+    them, except that nothing repacks them later (``DecoderLM.shared_weights``)."""
     config = load_config(path)
     target_device = resolve_device(device)
     target_dtype = resolve_dtype(dtype, config, target_device)
@@ -109,16 +127,38 @@ def load_decoder(
             f"dtype float16 for {config.architecture} in {path}: its MoE activations overflow "
             "float16; use bfloat16 or float32"
         )
+    if place is not None and target_device.type != "cpu":
+        raise ValueError(
+            f"device {target_device} for {path}: shared weights (place=) live in host memory; "
+            "load a CPU model"
+        )
     with torch.device("meta"):
         model = _decoder_for(config)
-    model = model.to(dtype=target_dtype).to_empty(device=target_device)
+    model = model.to(dtype=target_dtype)
+    if place is not None and not packed_weights_supported(target_device, target_dtype):
+        # The engine's layout on this CPU, chosen now (on meta: no memory touched), so that
+        # the shared copy is the one that runs.
+        model.use_input_major_weights()
+    model = model.to_empty(device=target_device)
     model.rotary.inv_freq = compute_inv_freq(config)[0].to(target_device)
     if isinstance(model, MLADecoderLM | HunyuanImage3LM):
         model.materialized()
-    loaded = model.load_weights(iter_checkpoint_tensors(path))
-    missing = model.expected_checkpoint_names() - loaded
-    if missing:
-        raise ValueError(f"checkpoint in {path} lacks tensors: {sorted(missing)[:8]}")
+
+    def fill(select: Callable[[str], bool] | None = None) -> None:
+        tensors = iter_checkpoint_tensors(path)
+        if select is not None:
+            tensors = ((name, t) for name, t in tensors if select(name))
+        loaded = model.load_weights(tensors)
+        expected = model.expected_checkpoint_names()
+        missing = {n for n in expected if select is None or select(n)} - loaded
+        if missing:
+            raise ValueError(f"checkpoint in {path} lacks tensors: {sorted(missing)[:8]}")
+
+    if place is None:
+        fill()
+    else:
+        place(model, fill)
+        model.shared_weights = True
     return model.eval()
 
 

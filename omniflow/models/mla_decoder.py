@@ -114,6 +114,8 @@ class MLADecoderLM(DecoderLM):
         self._experts_input_major()
 
     def _experts_input_major(self) -> None:
+        if self.shared_weights:
+            return
         for module in self.modules():
             if isinstance(module, MoE):
                 module.use_input_major_weights()
