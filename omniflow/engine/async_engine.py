@@ -114,10 +114,14 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         embeddings: list[EmbeddingSpan] | None = None,
         guidance: Any = None,
+        lease: Any = None,
     ) -> None:
-        """Hold a prompt as a kept context for block steps (LLMEngine.keep_context)."""
+        """Hold a prompt as a kept context for block steps (LLMEngine.keep_context; lease:
+        the prompt's K/V lent by another process)."""
         tokens = list(prompt_token_ids)
-        await self.call(lambda: self.backend.keep_context(context_id, tokens, embeddings, guidance))
+        await self.call(
+            lambda: self.backend.keep_context(context_id, tokens, embeddings, guidance, lease)
+        )
 
     def release(self, request_id: str) -> None:
         """Free a kept request's pages (LLMEngine.release)."""

@@ -12,7 +12,9 @@ combined as uncond + scale * (cond - uncond) before the head.
 
 A block step (`BlockRows`) is N input rows that attend bidirectionally among themselves and
 causally to a kept sequence's computed prefix; their K/V never enter the prefix cache, and
-their final hidden states come back (diffusion on the LLM backbone).
+their final hidden states come back (diffusion on the LLM backbone). A kept context may be
+lent (`keep_context(..., lease=)`): its prefix K/V are another process's pages, read in
+place by every block step, never computed here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from omniflow.cache.kv_share import KVLease
     from omniflow.engine.sequence import EmbeddingSpan
 
 
@@ -57,10 +60,16 @@ class Guidance(NamedTuple):
     prompt_token_ids: SequenceOf[int]
     scale: float
     embeddings: list[EmbeddingSpan] | None = None
+    # keep_context only: the unconditional prompt's K/V lent by another process.
+    lease: KVLease | dict | None = None
+    # Block steps: False returns both halves' hidden states, [cond; uncond] (2N rows), for
+    # a caller that combines after its own head (HunyuanImage-3 combines velocities).
+    combine: bool = True
 
 
 class BlockRows(NamedTuple):
-    """A block step's inputs: rows [N, hidden] at rotary positions [N]."""
+    """A block step's inputs: rows [N, hidden] at rotary positions [N], or [N, 2] (y, x)
+    for a model with 2D rotary positions."""
 
     rows: torch.Tensor
     positions: torch.Tensor

@@ -76,14 +76,19 @@ def check_block(
     halves: int,
     context_len: int,
     limits: Limits,
+    positions_2d: bool = False,
 ) -> None:
-    """Block rows [n, hidden] with positions [n], for a context of context_len tokens run by
-    one or two (guided) sequences in a step."""
+    """Block rows [n, hidden] with positions [n] (or [n, 2] where positions_2d: a model with
+    2D rotary positions), for a context of context_len tokens in this engine's pages, run
+    by one or two (guided) sequences in a step."""
     hidden = limits.hidden_size
-    if rows.dim() != 2 or rows.shape[1] != hidden or tuple(positions.shape) != (rows.shape[0],):
+    count = rows.shape[0] if rows.dim() == 2 else -1
+    shapes = [(count,), (count, 2)] if positions_2d else [(count,)]
+    if rows.dim() != 2 or rows.shape[1] != hidden or tuple(positions.shape) not in shapes:
+        expected = "[n] or [n, 2]" if positions_2d else "[n]"
         raise ValueError(
             f"request {request_id}: block rows {list(rows.shape)} / positions "
-            f"{list(positions.shape)}, expected [n, {hidden}] / [n]"
+            f"{list(positions.shape)}, expected [n, {hidden}] / {expected}"
         )
     if halves * rows.shape[0] > limits.max_num_batched_tokens:
         raise ValueError(

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from omniflow.cache.kv import KVTiers
-from omniflow.cache.kv_share import KVLease, LeaseBook
+from omniflow.cache.kv_share import KVLease, KVLeaseView, LeaseBook
 from omniflow.cache.lease import Lease
 from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
@@ -117,6 +117,7 @@ class LLMEngine:
             parameter.device,
         )
         self.leases: LeaseBook | None = None
+        self.kv_pool = kv_pool  # also where lent contexts' pages are read (keep_context)
         self._kv_blocks: list[Lease] = []
         if config.share_kv and kv_pool is None:
             raise ValueError("engine config field share_kv needs a kv_pool to put the K/V in")
@@ -160,6 +161,8 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
+        for sequence in [*self.kept.values(), *self.sequences.values()]:
+            _close_lent(sequence)  # borrowed prefixes: the lenders may free their pages
         for block in self._kv_blocks:
             block.release()  # the engine is done: its K/V pool blocks go back
         self._kv_blocks = []
@@ -208,6 +211,11 @@ class LLMEngine:
                 raise ValueError(
                     f"request {request_id}: continue_from {continue_from!r} is not kept"
                 )
+            if kept.lent is not None or (kept.partner and kept.partner.lent is not None):
+                raise ValueError(
+                    f"request {request_id}: continue_from {continue_from!r} is a lent "
+                    "context, which takes block steps only"
+                )
         # Everything is checked before anything changes: a bad request leaves no trace.
         tokens, spans = self._checked(request_id, kept, prompt_token_ids, embeddings, params)
         unconditional = None
@@ -229,6 +237,7 @@ class LLMEngine:
         sequence.lend_kv_to = lend_kv_to
         sequence.head, sequence.keep = head, keep
         self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
+        sequence.combine_halves = guidance is None or guidance.combine
         self.sequences[request_id] = sequence
         if sequence.status is SequenceStatus.KEPT:
             self.scheduler.requeue(sequence)
@@ -285,38 +294,100 @@ class LLMEngine:
         prompt_token_ids: SequenceOf[int],
         embeddings: list[EmbeddingSpan] | None = None,
         guidance: Guidance | None = None,
+        lease: KVLease | dict | None = None,
     ) -> None:
         """Hold a prompt (and its unconditional half) as a kept context for block steps,
-        without running it: the first block step computes it, the next ones reuse it."""
+        without running it: the first block step computes it, the next ones reuse it.
+
+        lease (and guidance.lease for the unconditional half): the prompt's K/V, lent by
+        another process on this host (a `KVLease` for this pid, from the deployment's
+        kv_pool given to this engine). That half is never computed nor copied here: block
+        steps read the lent pages in place (rows_forwarded counts their rows alone), and
+        `release` or `close` hands the lease back. prompt_token_ids must be the lent
+        tokens (as many as the lease holds); embeddings do not apply to a lent half."""
         self._check_unused(context_id)
         params = SamplingParams(max_tokens=1)
-        tokens, spans = self._checked(context_id, None, prompt_token_ids, embeddings, params)
+        uncond_lease = None if guidance is None else guidance.lease
+        halves = [(context_id, prompt_token_ids, embeddings, lease)]
+        if guidance is not None:
+            halves.append(
+                (
+                    f"{context_id}/uncond",
+                    guidance.prompt_token_ids,
+                    guidance.embeddings,
+                    uncond_lease,
+                )
+            )
+        checked = []
+        for rid, tokens, spans, _ in halves:
+            checked.append(self._checked(rid, None, tokens, spans, params))
+        views: list[KVLeaseView | None] = []
+        try:
+            for (rid, _, spans, half_lease), (tokens, _) in zip(halves, checked, strict=True):
+                views.append(None if half_lease is None else self._open_lease(rid, half_lease))
+                if half_lease is not None and spans:
+                    raise ValueError(f"request {rid}: embeddings do not apply to a lent prompt")
+                view = views[-1]
+                if view is not None and view.lease.num_tokens != len(tokens):
+                    raise ValueError(
+                        f"request {rid}: lease holds {view.lease.num_tokens} tokens, "
+                        f"prompt_token_ids {len(tokens)}"
+                    )
+        except ValueError:
+            for view in views:
+                if view is not None:
+                    view.close()
+            raise
+        tokens, spans = checked[0]
+        sequence = Sequence(context_id, [] if views[0] else tokens, params, spans)
+        sequence.lent = views[0]
         unconditional = None
         if guidance is not None:
-            unconditional = self._checked(
-                f"{context_id}/uncond", None, guidance.prompt_token_ids, guidance.embeddings, params
-            )
-        sequence = Sequence(context_id, tokens, params, spans)
+            uncond_tokens, uncond_spans = checked[1]
+            unconditional = ([] if views[1] else uncond_tokens, uncond_spans)
         self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
+        sequence.combine_halves = guidance is None or guidance.combine
+        if sequence.partner is not None:
+            sequence.partner.lent = views[1]
         for member in (sequence, sequence.partner):
             if member is not None:
                 member.status = SequenceStatus.KEPT
         self.kept[context_id] = sequence
 
+    def _open_lease(self, request_id: str, lease: KVLease | dict) -> KVLeaseView:
+        """A view of lent K/V, checked against this engine's cache layout."""
+        if self.kv_pool is None:
+            raise ValueError(
+                f"request {request_id}: lease needs the engine built with the deployment's kv_pool"
+            )
+        view = KVLeaseView(self.kv_pool, lease)
+        layers, heads, _, _, dim = self.cache.keys.shape
+        got = (view.keys.shape[0], view.keys.shape[1], view.keys.shape[-1], view.keys.dtype)
+        if got != (layers, heads, dim, self.cache.keys.dtype):
+            view.close()
+            raise ValueError(
+                f"request {request_id}: lease K/V (layers, kv heads, head dim, dtype) {got} "
+                f"differ from this engine's {(layers, heads, dim, self.cache.keys.dtype)}"
+            )
+        return view
+
     def block_step(
         self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
     ) -> None:
         """Queue a block step over the kept request context_id: rows [N, hidden] at rotary
-        positions [N] attend bidirectionally among themselves and causally to the context's
-        tokens (computed once, reused by every block step). Its one delta carries the rows'
+        positions [N] ([N, 2] (y, x) for a model with 2D positions, `positions_2d`) attend
+        bidirectionally among themselves and causally to the context's tokens (computed
+        once, or lent, and reused by every block step). Its one delta carries the rows'
         final hidden states (guided: combined with the context's unconditional half, which
-        runs the same rows); the context is kept again under context_id."""
+        runs the same rows, or stacked [cond; uncond] with Guidance.combine False); the
+        context is kept again under context_id."""
         sequence = self.kept.get(context_id)
         if sequence is None:
             raise ValueError(f"request {request_id}: context {context_id!r} is not kept")
         self._check_unused(request_id)
         halves = 2 if sequence.partner is not None else 1
-        check_block(request_id, rows, positions, halves, len(sequence), self.limits)
+        positions_2d = bool(getattr(self.model, "positions_2d", False))
+        check_block(request_id, rows, positions, halves, len(sequence), self.limits, positions_2d)
         del self.kept[context_id]
         block = BlockRows(rows.to(self.cache.keys.dtype), positions.to(torch.long))
         for member in (sequence, sequence.partner):
@@ -331,6 +402,7 @@ class LLMEngine:
         sequence = self.kept.pop(request_id, None)
         if sequence is not None:
             self.scheduler.finish(sequence, "stop")
+            _close_lent(sequence)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (with its unconditional half). An aborted block step leaves its
@@ -441,3 +513,11 @@ class LLMEngine:
         while self.has_unfinished_requests():
             deltas += self.step()
         return deltas
+
+
+def _close_lent(sequence: Sequence) -> None:
+    """Hand back the leases a context (and its unconditional half) borrowed."""
+    for member in (sequence, sequence.partner):
+        if member is not None and member.lent is not None:
+            member.lent.close()
+            member.lent = None

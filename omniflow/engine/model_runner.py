@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from omniflow.cache.kv_share import KVLeaseView
 from omniflow.engine.decode_mirror import DecodeMirror
 from omniflow.engine.latent_attention import LatentPagedAttention
 from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
@@ -92,7 +93,7 @@ class ModelRunner:
             self.mirror.clear()
         ordered = decodes + prefills
         input_ids: list[int] = []
-        positions: list[int] = []
+        positions: list = []  # ints, and [y, x] pairs of 2D block rows
         logits_rows: list[int] = []
         sampling: list[Sequence] = []
         embed_rows: list[int] = []
@@ -128,13 +129,13 @@ class ModelRunner:
                 embed_values.append(block.rows)
                 block_rows += range(row, row + chunk.block)
                 blocks.append(sequence)
-        prefill_attention: list[tuple[list[int], int, int, bool]] = []
+        prefill_attention: list[tuple[list[int], int, int, bool, KVLeaseView | None]] = []
         for c in prefills:
             if c.num_tokens:
-                prefill_attention.append((c.sequence.page_ids, c.start, c.num_tokens, False))
+                prefill_attention.append((c.sequence.page_ids, c.start, c.num_tokens, False, None))
             if c.block:
                 end = c.start + c.num_tokens
-                prefill_attention.append((c.sequence.page_ids, end, c.block, True))
+                prefill_attention.append((c.sequence.page_ids, end, c.block, True, c.sequence.lent))
         batch = build_attention_batch(
             self.cache,
             [(c.sequence.page_ids, c.start + 1) for c in decodes],
@@ -148,6 +149,8 @@ class ModelRunner:
         wants_hidden = bool(blocks) or any(
             s.head is not None or s.partner is not None for s in sampling
         )
+        if any(isinstance(p, list) for p in positions):  # 2D rotary: text at (p, p)
+            positions = [p if isinstance(p, list) else [p, p] for p in positions]
         ids, at, rows = (
             torch.tensor(column, dtype=torch.long, device=device)
             for column in (input_ids, positions, logits_rows + block_rows)

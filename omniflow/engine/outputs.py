@@ -59,14 +59,18 @@ def append_from_hidden(
 
 def block_outputs(output: StepOutput) -> list[tuple[Sequence, torch.Tensor]]:
     """(leader, hidden states [N, hidden]) per block step this step finished; a pair's
-    halves combined."""
+    halves combined, or stacked [cond; uncond] where the guidance says not to combine."""
     by_sequence = {id(sequence): hidden for sequence, hidden in output.blocks}
     done = []
     for sequence, hidden in output.blocks:
         if sequence.follows:
             continue
         if sequence.partner is not None:
-            hidden = guided(hidden, by_sequence[id(sequence.partner)], sequence.guidance_scale)
+            uncond = by_sequence[id(sequence.partner)]
+            if sequence.combine_halves:
+                hidden = guided(hidden, uncond, sequence.guidance_scale)
+            else:
+                hidden = torch.cat((hidden, uncond))
         done.append((sequence, hidden))
     return done
 

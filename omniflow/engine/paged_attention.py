@@ -11,13 +11,14 @@ the pages (gathered per step) or a DecodeMirror's contiguous copy of them (Decod
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from omniflow.cache.kv_share import KVLeaseView
     from omniflow.kernels import CpuKernels
 
 
@@ -86,6 +87,8 @@ class PrefillSegment(NamedTuple):
     num_chunks: int = 1
     # A block step's rows: they see all of the context and each other (causal_mask None).
     bidirectional: bool = False
+    # A lent context's K/V (cache/kv_share.py KVLeaseView): ahead of the pages' tokens.
+    lent: KVLeaseView | None = None
 
 
 class DecodeRows(NamedTuple):
@@ -110,16 +113,16 @@ class AttentionBatch(NamedTuple):
 def build_attention_batch(
     cache: KVCache,
     decodes: list[tuple[list[int], int]],
-    prefills: list[tuple[list[int], int, int]] | list[tuple[list[int], int, int, bool]],
+    prefills: Sequence[tuple],
     device: torch.device,
     dtype: torch.dtype,
     mirrored: DecodeRows | None = None,
     decode_masks: bool = True,
 ) -> AttentionBatch:
     """decodes: (page_ids, context length including the new token) per decode row;
-    prefills: (page_ids, context_start, chunk length[, bidirectional]) per prefill chunk, rows
-    after decodes; a bidirectional chunk (a block step's rows) attends to all its context and
-    all of itself;
+    prefills: (page_ids, context_start, chunk length[, bidirectional[, lent]]) per prefill
+    chunk, rows after decodes; a bidirectional chunk (a block step's rows) attends to all its
+    context and all of itself, after a lent context's K/V (a KVLeaseView) where given;
     mirrored: the decode rows' mirror, if they read one instead of gathering pages;
     decode_masks: False when decode attention reads tables and lengths (the CPU kernel), so
     no mask is built."""
@@ -148,7 +151,8 @@ def build_attention_batch(
         slot_mapping += cache.slots(page_ids, context_start, end)
         if flags and flags[0]:
             block_pages = torch.tensor(page_ids[: -(-end // size)], dtype=torch.long, device=device)
-            segments.append(PrefillSegment(row, row + chunk, block_pages, end, None, 1, True))
+            lent = flags[1] if len(flags) > 1 else None
+            segments.append(PrefillSegment(row, row + chunk, block_pages, end, None, 1, True, lent))
             row += chunk
             continue
         last = segments[-1] if segments else None
@@ -228,7 +232,9 @@ class PagedAttention:
         for segment in batch.prefills:
             rows = slice(segment.row_start, segment.row_end)
             outputs.append(
-                self._prefill(segment, q[rows], k[rows], v[rows], layer_keys, layer_values)
+                self._prefill(
+                    segment, q[rows], k[rows], v[rows], layer_keys, layer_values, layer_index
+                )
             )
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
@@ -295,7 +301,7 @@ class PagedAttention:
         out = _attend(grouped_q, keys, values, rows.bias)
         return out.view(decodes, heads, head_dim)
 
-    def _prefill(self, segment: PrefillSegment, q, k, v, layer_keys, layer_values):
+    def _prefill(self, segment: PrefillSegment, q, k, v, layer_keys, layer_values, layer: int):
         if segment.context_pages is None:
             return self._prefill_fresh(segment, q, k, v)
         kv_heads, _, _, head_dim = layer_keys.shape
@@ -310,6 +316,10 @@ class PagedAttention:
         keys = layer_keys.index_select(1, segment.context_pages).view(shape)
         values = layer_values.index_select(1, segment.context_pages).view(shape)
         keys, values = keys[:, : segment.context_len], values[:, : segment.context_len]
+        if segment.lent is not None:  # the lender's pages, read in place (gathered)
+            lent_keys, lent_values = segment.lent.layer(layer)
+            keys = torch.cat((lent_keys.to(keys.device), keys), dim=1)
+            values = torch.cat((lent_values.to(values.device), values), dim=1)
         if segment.bidirectional:
             # No mask: SDPA's fused kernel, never the [heads, rows, context] scores in memory.
             # 4-d: with 3-d inputs CPU SDPA takes its slower unfused path.

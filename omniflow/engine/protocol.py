@@ -62,8 +62,10 @@ class EngineBackend(Protocol):
         prompt_token_ids: SequenceOf[int],
         embeddings: list[EmbeddingSpan] | None = None,
         guidance: Guidance | None = None,
+        lease: Any = None,
     ) -> None:
-        """Hold a prompt as a kept context for block steps (computed by the first one)."""
+        """Hold a prompt as a kept context for block steps (computed by the first one, or
+        lent by another process: a KVLease, read in place)."""
         ...
 
     def block_step(

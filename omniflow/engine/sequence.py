@@ -68,6 +68,10 @@ class Sequence:
         self.follows = False  # True on the unconditional sequence of a pair
         self.guidance_scale = 1.0
         self.block: BlockRows | None = None  # a pending block step over this prefix
+        self.combine_halves = True  # a guided block step: combine (else stack) the halves
+        # A lent context: its prefix K/V are another process's pages (KVLeaseView), read by
+        # block steps; the sequence itself holds no tokens, only its block rows' slots.
+        self.lent: Any = None
         self.keep = False  # at the end, hold the pages for a continuation (KEPT)
         self.keep_as: str | None = None  # a block step's context id: kept under it again
         self.text_stream: Any = None  # the output's text so far, for stop strings (TextStream)

@@ -1,0 +1,164 @@
+"""The HunyuanImage-3 denoising loop as block steps over a kept context.
+
+`denoise_steps` is the loop itself, engine-free: a generator that yields each step's
+`BlockRequest` (the <timestep> row and the noisy latent's image rows, at their 2D positions)
+and takes back that step's hidden states; it returns the final latent. `denoise` drives it
+on an `LLMEngine`, `denoise_async` on an `AsyncEngine`; a role with its own loop can drive
+it by hand (send each step's hidden states back into it).
+
+The context (kept with `keep_context`, computed here or lent) ends at the <img_ratio> token.
+With CFG it is kept with Guidance(unconditional ids, scale, combine=False): each step then
+runs both halves in one forward and returns both halves' hidden states, and the
+velocities are combined after final_layer, as the reference does. Same seed, same steps,
+same context: the same latent, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import NamedTuple
+
+import torch
+
+from omniflow.engine.async_engine import AsyncEngine
+from omniflow.engine.llm_engine import LLMEngine
+from omniflow.models.flow_matching import (
+    DEFAULT_SHIFT,
+    cfg_combine,
+    euler_step,
+    initial_noise,
+    model_time,
+    shifted_sigmas,
+)
+from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts
+from omniflow.models.hunyuan_image3_tokens import image_block
+
+Progress = Callable[[int, int], None]  # (steps done, steps in all)
+
+
+class BlockRequest(NamedTuple):
+    """One denoising step's block step: engine.block_step(request_id, context_id, rows,
+    positions)."""
+
+    request_id: str
+    context_id: str
+    rows: torch.Tensor  # [1 + h*w, hidden]: <timestep>, then the image tokens
+    positions: torch.Tensor  # [1 + h*w, 2] (y, x)
+    step: int
+
+
+def latent_shape(parts: HunyuanImage3Parts, grid: tuple[int, int]) -> tuple[int, int, int]:
+    """The latent [C, H, W] of an h x w token grid."""
+    patch = parts.config.patch_size
+    return parts.config.latent_channels, grid[0] * patch, grid[1] * patch
+
+
+def denoise_steps(
+    parts: HunyuanImage3Parts,
+    context_id: str,
+    context_len: int,
+    grid: tuple[int, int],
+    steps: int,
+    cfg_scale: float,
+    seed: int,
+    shift: float = DEFAULT_SHIFT,
+    noise: torch.Tensor | None = None,
+) -> Generator[BlockRequest, torch.Tensor, torch.Tensor]:
+    """Yields each step's BlockRequest, takes its hidden states: [1 + h*w, hidden] (one
+    sequence, or halves already combined), or [2 (1 + h*w), hidden] ([cond; uncond], whose
+    velocities combine with cfg_scale). Returns the final latent [C, H, W] float32.
+    noise: the starting latent (default: Gaussian noise from seed)."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, not {steps}")
+    if cfg_scale < 0:
+        raise ValueError(f"cfg_scale must not be negative, not {cfg_scale}")
+    block = image_block(context_len, grid)
+    shape = latent_shape(parts, grid)
+    latent = initial_noise(shape, seed) if noise is None else noise.float().clone()
+    if tuple(latent.shape) != shape:
+        raise ValueError(f"noise: shape {list(latent.shape)}, expected {list(shape)}")
+    sigmas = shifted_sigmas(steps, shift)
+    rows_per_half = block.num_rows
+    for index in range(steps):
+        t = model_time(sigmas[index])
+        rows = torch.cat((parts.timestep_row(t), parts.image_rows(latent, t)))
+        request_id = f"{context_id}/step{index}"
+        hidden = yield BlockRequest(request_id, context_id, rows, block.positions, index)
+        if hidden.shape[0] not in (rows_per_half, 2 * rows_per_half):
+            raise ValueError(
+                f"request {request_id}: hidden states of {hidden.shape[0]} rows, expected "
+                f"{rows_per_half} or {2 * rows_per_half}"
+            )
+        halves = hidden.view(-1, rows_per_half, hidden.shape[-1])[:, 1:]  # image rows
+        velocity = parts.velocity(halves, t, grid)
+        if len(velocity) == 2:
+            combined = cfg_combine(velocity[0], velocity[1], cfg_scale)
+        else:
+            combined = velocity[0]
+        latent = euler_step(latent, combined, float(sigmas[index]), float(sigmas[index + 1]))
+    return latent
+
+
+def _hidden_of(deltas, request_id: str) -> torch.Tensor | None:
+    for delta in deltas:
+        if delta.request_id == request_id and delta.finish_reason is not None:
+            if delta.hidden is None:
+                raise RuntimeError(f"request {request_id} ended ({delta.finish_reason}) bare")
+            return delta.hidden
+    return None
+
+
+def denoise(
+    engine: LLMEngine,
+    parts: HunyuanImage3Parts,
+    context_id: str,
+    context_len: int,
+    grid: tuple[int, int],
+    steps: int,
+    cfg_scale: float,
+    seed: int,
+    progress: Progress | None = None,
+    shift: float = DEFAULT_SHIFT,
+) -> torch.Tensor:
+    """The denoising loop on a sync engine that runs nothing else meanwhile (other
+    requests' deltas would be dropped here): the final latent [C, H, W]."""
+    loop = denoise_steps(parts, context_id, context_len, grid, steps, cfg_scale, seed, shift)
+    request = next(loop)
+    while True:
+        engine.block_step(*request[:4])
+        hidden = None
+        while hidden is None:
+            hidden = _hidden_of(engine.step(), request.request_id)
+        if progress is not None:
+            progress(request.step + 1, steps)
+        try:
+            request = loop.send(hidden)
+        except StopIteration as done:
+            return done.value
+
+
+async def denoise_async(
+    engine: AsyncEngine,
+    parts: HunyuanImage3Parts,
+    context_id: str,
+    context_len: int,
+    grid: tuple[int, int],
+    steps: int,
+    cfg_scale: float,
+    seed: int,
+    progress: Progress | None = None,
+    shift: float = DEFAULT_SHIFT,
+) -> torch.Tensor:
+    """`denoise` on an AsyncEngine (the engine thread runs the steps)."""
+    loop = denoise_steps(parts, context_id, context_len, grid, steps, cfg_scale, seed, shift)
+    request = next(loop)
+    while True:
+        delta = await engine.block_step(*request[:4])
+        if delta.hidden is None:
+            raise RuntimeError(f"request {request.request_id} ended ({delta.finish_reason}) bare")
+        if progress is not None:
+            progress(request.step + 1, steps)
+        try:
+            request = loop.send(delta.hidden)
+        except StopIteration as done:
+            return done.value

@@ -1,0 +1,219 @@
+"""HunyuanImage-3 denoising as block steps: paired CFG, lent contexts, 2D positions,
+seeded determinism, through the real loader, engine and page pool."""
+
+import asyncio
+import os
+import uuid
+
+import pytest
+import torch
+
+from omniflow.cache import PagePool
+from omniflow.engine import LLMEngine, SamplingParams
+from omniflow.engine.async_engine import AsyncEngine
+from omniflow.engine.denoise import denoise, denoise_async
+from omniflow.engine.heads import Guidance
+from omniflow.engine.llm_engine import EngineConfig
+from omniflow.models import load_tokenizer
+from omniflow.models.hunyuan_image3_parts import load_image_parts
+from omniflow.models.hunyuan_image3_tokens import (
+    ImageTokens,
+    context_ids,
+    image_block,
+    unconditional_ids,
+)
+from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+
+PAGE = 4
+GRID = (3, 4)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_tiny_hunyuan_image3(tmp_path_factory.mktemp("hunyuan") / "tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def parts(folder):
+    return load_image_parts(folder)
+
+
+@pytest.fixture(scope="module")
+def prompts(folder):
+    """(conditional context, unconditional context) token ids of one prompt."""
+    tokenizer = load_tokenizer(folder)
+    tokens = ImageTokens.from_tokenizer(tokenizer)
+    prompt = tokenizer.encode("a red cube on a blue floor", add_special_tokens=False)
+    cond = context_ids(tokens, prompt, 256, 16)
+    return cond, context_ids(tokens, unconditional_ids(tokens, prompt), 256, 16)
+
+
+@pytest.fixture
+def pool():
+    pool = PagePool.create(f"omniflow-h23-{uuid.uuid4().hex[:8]}", 256 << 12, 4096)
+    yield pool
+    pool.unlink()
+    pool.close()
+
+
+def engine_for(folder, pool=None, share=False):
+    config = EngineConfig(device="cpu", page_size=PAGE, num_pages=64, share_kv=share)
+    return LLMEngine(folder, config, kv_pool=pool)
+
+
+def block_rows(parts, context_len, grid=GRID, t=700.0, seed=0):
+    latent = torch.randn(4, *grid, generator=torch.Generator().manual_seed(seed))
+    rows = torch.cat((parts.timestep_row(t), parts.image_rows(latent, t)))
+    return rows, image_block(context_len, grid).positions
+
+
+def run_block(engine, request_id, context_id, rows, positions):
+    engine.block_step(request_id, context_id, rows, positions)
+    [delta] = [d for d in engine.run_to_completion() if d.request_id == request_id]
+    assert delta.finish_reason == "stop"
+    return delta.hidden
+
+
+def test_paired_cfg_in_one_forward_equals_two_separate_forwards(folder, parts, prompts):
+    cond, uncond = prompts
+    rows, positions = block_rows(parts, len(cond))
+    paired = engine_for(folder)
+    paired.keep_context("pair", cond, guidance=Guidance(uncond, 5.0, combine=False))
+    run_block(paired, "warm", "pair", rows, positions)  # computes both prompts
+    before = paired.stats["rows_forwarded"]
+    paired.block_step("s", "pair", rows, positions)
+    [delta] = paired.step()  # both halves in one forward
+    assert delta.request_id == "s" and delta.finish_reason == "stop"
+    assert paired.stats["rows_forwarded"] - before == 2 * len(rows)
+    separate = engine_for(folder)
+    separate.keep_context("c", cond)
+    separate.keep_context("u", uncond)
+    alone = [run_block(separate, f"s{k}", k, rows, positions) for k in ("c", "u")]
+    torch.testing.assert_close(delta.hidden, torch.cat(alone), atol=1e-5, rtol=1e-5)
+    # combine=True mixes the hidden states with the scale instead
+    mixed = engine_for(folder)
+    mixed.keep_context("pair", cond, guidance=Guidance(uncond, 5.0))
+    combined = run_block(mixed, "s", "pair", rows, positions)
+    torch.testing.assert_close(
+        combined, alone[1] + 5.0 * (alone[0] - alone[1]), atol=1e-4, rtol=1e-4
+    )
+
+
+def lend_prompt(lender, request_id, prompt):
+    """The lender runs a prompt (one sampled token, never run) and lends its KV to us."""
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    lender.add_request(request_id, prompt, params, lend_kv_to=os.getpid())
+    [last] = [d for d in lender.run_to_completion() if d.finish_reason is not None]
+    assert last.kv_lease.num_tokens == len(prompt)
+    return last.kv_lease
+
+
+def test_block_steps_over_a_lent_context_match_a_computed_one(folder, parts, prompts, pool):
+    start = pool.stats()
+    cond, uncond = prompts
+    lender = engine_for(folder, pool, share=True)
+    leases = [lend_prompt(lender, rid, p) for rid, p in (("c", cond), ("u", uncond))]
+    borrower = engine_for(folder, pool)
+    guidance = Guidance(uncond, 4.0, combine=False, lease=leases[1])
+    borrower.keep_context("ctx", cond, guidance=guidance, lease=leases[0])
+    computed = engine_for(folder)
+    computed.keep_context("ctx", cond, guidance=Guidance(uncond, 4.0, combine=False))
+    for step in range(3):
+        rows, positions = block_rows(parts, len(cond), t=900.0 - 300 * step, seed=step)
+        lent = run_block(borrower, f"s{step}", "ctx", rows, positions)
+        own = run_block(computed, f"s{step}", "ctx", rows, positions)
+        torch.testing.assert_close(lent, own, atol=1e-5, rtol=1e-5)
+    # The borrower forwarded the block rows alone: zero prompt rows, zero prompt tokens.
+    assert borrower.stats["rows_forwarded"] == 3 * 2 * len(rows)
+    assert borrower.stats["prompt_tokens_computed"] == 0
+    assert computed.stats["rows_forwarded"] == len(cond) + len(uncond) + 3 * 2 * len(rows)
+    # Lent pages stay locked in the lender while borrowed; released, they come back.
+    lender.step()
+    assert lender.allocator.usage().free_pages < lender.allocator.usage().total_pages
+    borrower.release("ctx")
+    lender.step()  # reaps both leases
+    usage = lender.allocator.usage()
+    assert usage.free_pages == usage.total_pages
+    borrower.close()
+    lender.close()
+    assert pool.stats() == start
+
+
+def test_closing_the_borrower_hands_back_its_leases(folder, parts, prompts, pool):
+    start = pool.stats()
+    cond, _ = prompts
+    lender = engine_for(folder, pool, share=True)
+    lease = lend_prompt(lender, "c", cond)
+    borrower = engine_for(folder, pool)
+    borrower.keep_context("ctx", cond, lease=lease)
+    run_block(borrower, "s", "ctx", *block_rows(parts, len(cond)))
+    borrower.close()  # without release
+    lender.step()
+    usage = lender.allocator.usage()
+    assert usage.free_pages == usage.total_pages
+    lender.close()
+    assert pool.stats() == start
+
+
+def test_a_lease_that_does_not_fit_is_refused_and_handed_back(folder, prompts, pool):
+    cond, _ = prompts
+    lender = engine_for(folder, pool, share=True)
+    lease = lend_prompt(lender, "c", cond)
+    borrower = engine_for(folder, pool)
+    with pytest.raises(ValueError, match="request ctx: lease holds"):
+        borrower.keep_context("ctx", cond[:-1], lease=lease)
+    assert not borrower.kept
+    lender.step()  # the refused lease was closed: the lender frees its pages
+    assert lender.allocator.usage().free_pages == lender.allocator.usage().total_pages
+    no_pool = engine_for(folder)
+    with pytest.raises(ValueError, match="lease needs the engine built with"):
+        no_pool.keep_context("ctx", cond, lease=lease)
+    lender.close()
+
+
+def test_2d_positions_matter_and_text_positions_are_diagonal(folder, parts, prompts):
+    cond, _ = prompts
+    engine = engine_for(folder)
+    engine.keep_context("ctx", cond)
+    rows, positions = block_rows(parts, len(cond))
+    hidden = run_block(engine, "a", "ctx", rows, positions)
+    swapped = run_block(engine, "b", "ctx", rows, positions.flip(1))
+    assert not torch.allclose(hidden[1:], swapped[1:], atol=1e-3)
+    flat = torch.arange(len(cond), len(cond) + len(rows))
+    diagonal = run_block(engine, "c", "ctx", rows, torch.stack((flat, flat), 1))
+    torch.testing.assert_close(run_block(engine, "d", "ctx", rows, flat), diagonal)
+    with pytest.raises(ValueError, match=r"expected \[n, 64\] / \[n\] or \[n, 2\]"):
+        engine.block_step("e", "ctx", rows, positions[:, :1].T)
+
+
+def test_same_seed_same_latent_bytes_sync_and_async(folder, parts, prompts):
+    cond, uncond = prompts
+
+    class Steps(list):
+        def append_pair(self, done, total):
+            self.append((done, total))
+
+    def run_seed(seed):
+        engine = engine_for(folder)
+        engine.keep_context("ctx", cond, guidance=Guidance(uncond, 5.0, combine=False))
+        seen = Steps()
+        latent = denoise(engine, parts, "ctx", len(cond), GRID, 3, 5.0, seed, seen.append_pair)
+        return latent, seen
+
+    first, seen = run_seed(11)
+    again, _ = run_seed(11)
+    other, _ = run_seed(12)
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    assert first.shape == (4, *GRID)
+    assert first.numpy().tobytes() == again.numpy().tobytes()
+    assert not torch.equal(first, other)
+
+    async def on_async_engine():
+        engine = AsyncEngine(engine_for(folder))
+        guidance = Guidance(uncond, 5.0, combine=False)
+        await engine.keep_context("ctx", cond, guidance=guidance)
+        latent = await denoise_async(engine, parts, "ctx", len(cond), GRID, 3, 5.0, 11)
+        await engine.close()
+        return latent
+
+    assert asyncio.run(on_async_engine()).numpy().tobytes() == first.numpy().tobytes()
