@@ -38,6 +38,9 @@ ROLES = [
     ("audio_encoder", "omniflow.roles.audio_encoder:AudioEncoderRole"),
     ("image_decoder", "omniflow.roles.image_decoder:ImageDecoderRole"),
     ("audio_decoder", "omniflow.roles.audio_decoder:AudioDecoderRole"),
+    ("ar", "omniflow.roles.hunyuan_ar:ARRole"),
+    ("diffusion", "omniflow.roles.hunyuan_diffusion:DiffusionRole"),
+    ("vae_decoder", "omniflow.roles.vae_decoder:VAEDecoderRole"),
     ("echo", "omniflow.roles.echo:Upper"),
 ]
 

@@ -172,6 +172,7 @@ OPTIONS: dict[str, type[msgspec.Struct]] = {
     "omniflow.roles.image_decoder:ImageDecoderRole": ImageDecoderOptions,
     "omniflow.roles.audio_decoder:AudioDecoderRole": AudioDecoderOptions,
     "omniflow.roles.hunyuan_ar:ARRole": HunyuanAROptions,
+    "omniflow.roles.hunyuan_diffusion:DiffusionRole": HunyuanDiffusionOptions,
     "omniflow.roles.vae_decoder:VAEDecoderRole": VAEDecoderOptions,
     "omniflow.roles.echo:Upper": EchoOptions,
     "omniflow.roles.echo:Reverse": EchoOptions,
