@@ -87,7 +87,8 @@ def reference() -> str:
         table(
             "Every model role's `options`",
             options.WeightsOptions,
-            note="llm, vision_encoder, audio_encoder, image_decoder and audio_decoder.\n\n",
+            note="llm, vision_encoder, audio_encoder, image_decoder, audio_decoder, ar, diffusion\n"
+            "and vae_decoder.\n\n",
         ),
     ]
     for role, actor in ROLES:

@@ -89,6 +89,7 @@ class ARRole(ModelActor):
         self.backbone = await self._run(Backbone.load, opts, self.pool)
         self.config = self.backbone.config
         self.tokens = ImageTokens.from_tokenizer(self.backbone.tokenizer)
+        self.weights = self.backbone.where()
         self._ids = itertools.count()
         self.engine = self._engine(opts.kv_cache_mb << 20)
         # A lease ends when diffusion lets go; the engine unlocks its pages at its next
@@ -127,8 +128,8 @@ class ARRole(ModelActor):
         self.backbone.close()  # after the engine: nothing reads the weights any more
 
     def meta(self) -> dict[str, Any]:
-        backbone = getattr(self, "backbone", None)
-        return {} if backbone is None else {"weights": backbone.where()}
+        weights = getattr(self, "weights", None)
+        return {} if weights is None else {"weights": weights}
 
     async def handle(self, request: Request, ctx: Context):
         opts = self.options
@@ -160,7 +161,7 @@ class ARRole(ModelActor):
             width, height = params.size
             forced = ratio_of_size(self.config, height, width)
         rid = f"{request.request_id}-{next(self._ids)}"
-        borrower = ctx.peer_pid("diffusion")
+        borrower = ctx.peer_pid(opts.lend_to)  # the replica this request goes to next
         try:
             text_ids = list(prompt)
             if opts.recaption_tokens:

@@ -52,6 +52,7 @@ class DiffusionRole(ModelActor):
         self.start_model_thread()
         self.backbone = await self._run(Backbone.load, self.options, self.pool)
         self.config = self.backbone.config
+        self.weights = self.backbone.where()
         self.engine = await self._run(self._engine, self.options.kv_cache_mb << 20)
         self._ids = itertools.count()
         self.stats = {"rows_forwarded": 0, "prompt_rows_forwarded": 0, "requests": 0}
@@ -70,10 +71,8 @@ class DiffusionRole(ModelActor):
         self.backbone.close()
 
     def meta(self) -> dict[str, Any]:
-        backbone = getattr(self, "backbone", None)
-        if backbone is None:
-            return {}
-        return {"weights": backbone.where(), "stats": dict(self.stats)}
+        weights = getattr(self, "weights", None)
+        return {} if weights is None else {"weights": weights, "stats": dict(self.stats)}
 
     async def handle(self, request: Request, ctx: Context):
         try:
@@ -93,6 +92,7 @@ class DiffusionRole(ModelActor):
             self._run(self._denoise, rid, inputs, tuple(grid), params, progress, stop)
         )
         job.add_done_callback(lambda _: loop.call_soon(steps.put_nowait, None))
+        job.add_done_callback(_retrieved)  # a cancelled request's stop error is expected
         try:
             while (item := await steps.get()) is not None:
                 yield {"progress": {"step": item[0], "steps": item[1]}}
@@ -180,3 +180,8 @@ class DiffusionRole(ModelActor):
         rows = engine.stats["rows_forwarded"] - before["rows_forwarded"]
         prompt_rows = engine.stats["prompt_tokens_computed"] - before["prompt_tokens_computed"]
         return latent.float().contiguous(), rows, prompt_rows
+
+
+def _retrieved(job: asyncio.Future) -> None:
+    if not job.cancelled():
+        job.exception()

@@ -138,6 +138,9 @@ class HunyuanAROptions(WeightsOptions, kw_only=True):
     max_image_tokens: Annotated[
         int, Meta(ge=1, description="largest image (latent tokens) accepted")
     ] = 1024
+    lend_to: Annotated[
+        str, Meta(min_length=1, description="the role the context KV is lent to")
+    ] = "diffusion"
 
 
 class HunyuanDiffusionOptions(WeightsOptions, kw_only=True):
@@ -154,6 +157,7 @@ class HunyuanDiffusionOptions(WeightsOptions, kw_only=True):
 
 
 class VAEDecoderOptions(WeightsOptions, kw_only=True):
+    threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
     max_image_tokens: Annotated[int, Meta(ge=1, description="largest latent (tokens) accepted")] = (
         1024
     )

@@ -113,6 +113,12 @@ def test_diffusion_forwards_no_prompt_row(hunyuan):
     steps = [o.data["progress"] for o in outputs if "progress" in o.data]
     assert steps == [{"step": k, "steps": 3} for k in (1, 2, 3)]
     assert Image.open(io.BytesIO(png_of(outputs))).size == (64, 64)
+    # The role's own running count says the same (published with its heartbeat).
+    until = time.monotonic() + 15
+    while (stats := records(state)["diffusion"].meta["stats"])["requests"] == 0:
+        assert time.monotonic() < until, stats
+        time.sleep(0.2)
+    assert stats["rows_forwarded"] > 0 and stats["prompt_rows_forwarded"] == 0
 
 
 def test_same_seed_same_png_bytes(hunyuan):
