@@ -1,7 +1,9 @@
 """LLM engines: the protocol, the torch backend, the offline and asyncio-facing APIs."""
 
 from omniflow.engine.async_engine import AsyncEngine, EngineDeadError
+from omniflow.engine.denoise import BlockRequest, denoise, denoise_async, denoise_steps
 from omniflow.engine.heads import BlockRows, CodesHead, Guidance
+from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.engine.llm import LLM, GenerationOutput
 from omniflow.engine.llm_engine import EngineConfig, LLMEngine
 from omniflow.engine.page_allocator import OutOfPages, PageAllocator, PageUsage, PrefixMatch
@@ -12,6 +14,7 @@ from omniflow.engine.sequence import EmbeddingSpan
 __all__ = [
     "LLM",
     "AsyncEngine",
+    "BlockRequest",
     "BlockRows",
     "CodesHead",
     "EngineDeadError",
@@ -27,4 +30,8 @@ __all__ = [
     "PrefixMatch",
     "SamplingParams",
     "TokenDelta",
+    "condition_image_prompt",
+    "denoise",
+    "denoise_async",
+    "denoise_steps",
 ]

@@ -17,6 +17,7 @@ class Limits(NamedTuple):
     max_model_len: int
     capacity_tokens: int  # tokens the KV cache holds
     max_num_batched_tokens: int
+    positions_2d: bool = False  # the model takes 2D (y, x) rotary positions
 
 
 def checked_tokens(
@@ -66,6 +67,14 @@ def checked_spans(
                 f"request {request_id}: embeddings[{index}] covers positions "
                 f"{span.start}..{span.start + shape[0] - 1}, outside the prompt"
             )
+        if span.positions is not None and (
+            not limits.positions_2d or tuple(span.positions.shape) != (shape[0], 2)
+        ):
+            expected = f"[{shape[0]}, 2]" if limits.positions_2d else "None (1D rotary model)"
+            raise ValueError(
+                f"request {request_id}: embeddings[{index}].positions has shape "
+                f"{list(span.positions.shape)}, expected {expected}"
+            )
     return list(spans)
 
 
@@ -76,16 +85,15 @@ def check_block(
     halves: int,
     context_len: int,
     limits: Limits,
-    positions_2d: bool = False,
 ) -> None:
-    """Block rows [n, hidden] with positions [n] (or [n, 2] where positions_2d: a model with
-    2D rotary positions), for a context of context_len tokens in this engine's pages, run
+    """Block rows [n, hidden] with positions [n] (or [n, 2] for a model with 2D rotary
+    positions, limits.positions_2d), for a context of context_len tokens in this engine's pages, run
     by one or two (guided) sequences in a step."""
     hidden = limits.hidden_size
     count = rows.shape[0] if rows.dim() == 2 else -1
-    shapes = [(count,), (count, 2)] if positions_2d else [(count,)]
+    shapes = [(count,), (count, 2)] if limits.positions_2d else [(count,)]
     if rows.dim() != 2 or rows.shape[1] != hidden or tuple(positions.shape) not in shapes:
-        expected = "[n] or [n, 2]" if positions_2d else "[n]"
+        expected = "[n] or [n, 2]" if limits.positions_2d else "[n]"
         raise ValueError(
             f"request {request_id}: block rows {list(rows.shape)} / positions "
             f"{list(positions.shape)}, expected [n, {hidden}] / {expected}"

@@ -146,6 +146,7 @@ class LLMEngine:
             self.max_model_len,
             self.capacity_tokens,
             config.max_num_batched_tokens,
+            bool(getattr(model, "positions_2d", False)),
         )
         self.sampler = Sampler(config.seed)
         self.sequences: dict[str, Sequence] = {}
@@ -196,6 +197,10 @@ class LLMEngine:
             raise NotImplementedError(
                 f"request {request_id}: lend_kv_to needs the engine's KV in a host page pool "
                 "(share_kv=True with a kv_pool, on CPU); leasing device KV by CUDA IPC is not built"
+            )
+        if guidance is not None and guidance.lease is not None:
+            raise ValueError(
+                f"request {request_id}: guidance.lease applies to keep_context, not add_request"
             )
         params = params or SamplingParams()
         if isinstance(params, dict):
@@ -378,7 +383,8 @@ class LLMEngine:
         positions [N] ([N, 2] (y, x) for a model with 2D positions, `positions_2d`) attend
         bidirectionally among themselves and causally to the context's tokens (computed
         once, or lent, and reused by every block step). Its one delta carries the rows'
-        final hidden states (guided: combined with the context's unconditional half, which
+        final hidden states (before the final norm on a model with `block_rows_unnormed`;
+        guided: combined with the context's unconditional half, which
         runs the same rows, or stacked [cond; uncond] with Guidance.combine False); the
         context is kept again under context_id."""
         sequence = self.kept.get(context_id)
@@ -386,8 +392,7 @@ class LLMEngine:
             raise ValueError(f"request {request_id}: context {context_id!r} is not kept")
         self._check_unused(request_id)
         halves = 2 if sequence.partner is not None else 1
-        positions_2d = bool(getattr(self.model, "positions_2d", False))
-        check_block(request_id, rows, positions, halves, len(sequence), self.limits, positions_2d)
+        check_block(request_id, rows, positions, halves, len(sequence), self.limits)
         del self.kept[context_id]
         block = BlockRows(rows.to(self.cache.keys.dtype), positions.to(torch.long))
         for member in (sequence, sequence.partner):

@@ -79,6 +79,7 @@ class ModelRunner:
         )
         # A step of decodes alone runs every layer in one call on the kernels (AMX).
         self.fused_decode = self.kernel_decode and model.decodes_on_pages()
+        self.unnormed_blocks = bool(getattr(model, "block_rows_unnormed", False))
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
@@ -110,6 +111,9 @@ class ModelRunner:
                 if lo < hi:
                     embed_rows += range(row + lo - start, row + hi - start)
                     embed_values.append(span.embeddings[lo - span.start : hi - span.start])
+                    if span.positions is not None:  # 2D rows
+                        pairs = span.positions[lo - span.start : hi - span.start].tolist()
+                        positions[row + lo - start : row + hi - start] = pairs
             if sequence.input_rows:
                 for position in range(start, end):
                     generated = sequence.input_rows.get(position)
@@ -151,10 +155,9 @@ class ModelRunner:
         )
         if any(isinstance(p, list) for p in positions):  # 2D rotary: text at (p, p)
             positions = [p if isinstance(p, list) else [p, p] for p in positions]
-        ids, at, rows = (
-            torch.tensor(column, dtype=torch.long, device=device)
-            for column in (input_ids, positions, logits_rows + block_rows)
-        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        at = torch.tensor(positions, dtype=torch.long, device=device)
+        rows = torch.tensor(logits_rows + block_rows, dtype=torch.long, device=device)
         if self.fused_decode and not prefills and not embed_rows and not wants_hidden:
             assert batch.decode_pages is not None and batch.decode_lengths is not None
             logits = self.model.decode_on_pages(
@@ -169,6 +172,8 @@ class ModelRunner:
                 rows,
             )
             return StepOutput(sampling, logits.float())
+        # A model whose block rows skip the final norm (HunyuanImage-3's final_layer).
+        unnormed = {"unnormed_from": len(sampling)} if blocks and self.unnormed_blocks else {}
         attention = (
             LatentPagedAttention(self.cache, batch, self.scale)
             if self.latent
@@ -184,6 +189,7 @@ class ModelRunner:
             else None,
             embed_values=torch.cat([v.to(device) for v in embed_values]) if embed_values else None,
             hidden=wants_hidden,
+            **unnormed,
         )
         if mirrored is not None:
             self.mirror.commit()

@@ -1,5 +1,5 @@
-"""Turns a step's logits into one token per sequence: penalties, temperature, top-k,
-top-p, min-p, then greedy argmax or a seeded draw; reports log-probabilities."""
+"""Turns a step's logits into one token per sequence: penalties, allowed ids, temperature,
+top-k, top-p, min-p, then greedy argmax or a seeded draw; reports log-probabilities."""
 
 from __future__ import annotations
 
@@ -68,7 +68,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, sequences: list[Sequence]) -> SampleResult:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if all(s.params.is_greedy and not s.params.has_penalties for s in sequences):
+        if all(
+            s.params.is_greedy and not s.params.has_penalties and s.params.allowed_token_ids is None
+            for s in sequences
+        ):
             # The common batch: no copy of the logits, no per-row masks.
             chosen = greedy_tokens(logits)
             chosen_logprobs = raw_logprobs.gather(1, chosen[:, None])[:, 0]
@@ -80,6 +83,11 @@ class Sampler:
         for row, sequence in enumerate(sequences):
             if sequence.params.has_penalties:
                 apply_penalties(logits[row], sequence)
+            allowed = sequence.params.allowed_token_ids
+            if allowed is not None:
+                keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                keep[torch.tensor(allowed, device=logits.device)] = True
+                logits[row].masked_fill_(~keep, float("-inf"))
         if greedy.any():
             chosen[greedy] = greedy_tokens(logits[greedy.to(logits.device)]).cpu()
         for row, sequence in enumerate(sequences):

@@ -34,6 +34,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    # Sample only among these ids (None: the whole vocabulary), e.g. HunyuanImage-3's
+    # aspect-ratio tokens when the AR step picks an image's size.
+    allowed_token_ids: list[int] | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], request_id: str = "?") -> SamplingParams:
@@ -90,3 +93,10 @@ class SamplingParams:
         for token in self.stop_token_ids:
             if not isinstance(token, int) or token < 0 or (vocab_size and token >= vocab_size):
                 fail("stop_token_ids", f"must hold token ids in [0, {vocab_size})")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids:
+                fail("allowed_token_ids", "must be None or a non-empty list of token ids")
+            for token in ids:
+                if not isinstance(token, int) or token < 0 or (vocab_size and token >= vocab_size):
+                    fail("allowed_token_ids", f"must hold token ids in [0, {vocab_size})")

@@ -16,11 +16,14 @@ class EmbeddingSpan(NamedTuple):
     """Precomputed input embeddings [n, hidden] that replace the token embeddings at prompt
     positions start..start+n-1 (multimodal placeholders). content_hash keys the span in the
     prefix cache so equal placeholder ids of different media never share pages; a list keys
-    each row on its own (media tokens a codes head generated: one key per token)."""
+    each row on its own (media tokens a codes head generated: one key per token).
+    positions: the rows' 2D rotary positions [n, 2] (y, x), for a model with 2D positions
+    (HunyuanImage-3's condition image); None: their token indices."""
 
     start: int
     embeddings: torch.Tensor
     content_hash: Hashable | list[Hashable] | None = None
+    positions: torch.Tensor | None = None
 
 
 class SequenceStatus(enum.Enum):

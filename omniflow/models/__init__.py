@@ -2,11 +2,15 @@
 
 from omniflow.models.decoder import AttentionFn, DecoderLM
 from omniflow.models.decoder_config import DecoderConfig
+from omniflow.models.hunyuan_image3 import HunyuanImage3LM
+from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
+from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts, load_image_parts
 from omniflow.models.loader import checkpoint_files, load_config, load_decoder, load_tokenizer
 from omniflow.models.mla_config import MLA_ARCHITECTURES, MLAConfig
 from omniflow.models.mla_decoder import MLADecoderLM
 from omniflow.models.text_tokenizer import TextTokenizer
 from omniflow.models.tiny import PRESETS, TinySpec, build_tiny_model
+from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
 
 __all__ = [
     "MLA_ARCHITECTURES",
@@ -14,13 +18,18 @@ __all__ = [
     "AttentionFn",
     "DecoderConfig",
     "DecoderLM",
+    "HunyuanImage3Config",
+    "HunyuanImage3LM",
+    "HunyuanImage3Parts",
     "MLAConfig",
     "MLADecoderLM",
     "TextTokenizer",
     "TinySpec",
+    "build_tiny_hunyuan_image3",
     "build_tiny_model",
     "checkpoint_files",
     "load_config",
     "load_decoder",
+    "load_image_parts",
     "load_tokenizer",
 ]

@@ -142,6 +142,8 @@ class HunyuanImage3LM(DecoderLM):
     config: HunyuanImage3Config
     # Block steps may give image rows (y, x) positions (engine/llm_engine.py).
     positions_2d = True
+    # Block steps' hidden states come back before the final norm (forward's unnormed_from).
+    block_rows_unnormed = True
 
     def __init__(self, config: HunyuanImage3Config):
         nn.Module.__init__(self)
@@ -157,6 +159,35 @@ class HunyuanImage3LM(DecoderLM):
         self._output_kernels = None
         self._kernels = None
         self._decode_table = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionFn,
+        logits_rows: torch.Tensor | None = None,
+        embed_rows: torch.Tensor | None = None,
+        embed_values: torch.Tensor | None = None,
+        hidden: bool = False,
+        unnormed_from: int | None = None,
+    ) -> torch.Tensor:
+        """`DecoderLM.forward`; with ``unnormed_from`` (and ``hidden``), the rows from that
+        index on come back before the final norm: the reference's final_layer reads the
+        last layer's output, ln_f serves text alone (`block_rows_unnormed`)."""
+        x = self.embed(input_ids)
+        if embed_rows is not None and embed_rows.numel():
+            if embed_values is None:
+                raise ValueError("embed_rows needs embed_values")
+            x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attention)
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows)
+        if unnormed_from is None or not hidden:
+            x = self.model.norm(x)
+            return x if hidden else self.logits(x)
+        return torch.cat((self.model.norm(x[:unnormed_from]), x[unnormed_from:]))
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         """The CPU kernels' fused layers know Llama's layers only: PyTorch ops here (the

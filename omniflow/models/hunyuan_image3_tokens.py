@@ -8,6 +8,12 @@ The context (what the AR role computes, and lends) runs to the ratio token; each
 step's block is the `<timestep>` row and the h*w image rows, at the positions below. The
 unconditional sequence replaces the prompt's tokens by as many `<cfg>` tokens.
 
+A condition image (ti2i) sits in the prompt as its clean latent (time 0) and its ViT rows:
+
+    <boi> <img_size_B> <img_ratio_i> <timestep> <img> x (h*w) <joint_img_sep> <img> x n <eoi>
+
+its latent tokens at 2D positions like a generated image's, the rest at their indices.
+
 Positions (the reference's build_2d_rope): text token p at (p, p); with L the index of the
 first image token, image token (i, j) of an h x w grid at
 (L + (w*h - h)/2 + i, L + (w*h - w)/2 + j), rounded down; tokens after it continue at L + h*w.
@@ -32,6 +38,7 @@ SPECIAL_TOKENS = (
     "<cfg>",
     *(f"<img_ratio_{i}>" for i in range(NUM_RATIOS)),
     *(f"<img_size_{size}>" for size in BASE_SIZES),
+    "<joint_img_sep>",
 )
 
 
@@ -47,6 +54,7 @@ class ImageTokens:
     cfg: int
     ratios: tuple[int, ...]  # <img_ratio_0> .. <img_ratio_32>
     sizes: dict[int, int]  # base size in pixels -> <img_size_*>
+    joint_sep: int  # between a condition image's VAE and ViT tokens
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, bos_token: str = "<s>") -> ImageTokens:
@@ -68,6 +76,7 @@ class ImageTokens:
             of("<cfg>"),
             tuple(of(f"<img_ratio_{i}>") for i in range(NUM_RATIOS)),
             {size: of(f"<img_size_{size}>") for size in BASE_SIZES},
+            of("<joint_img_sep>"),
         )
 
     def ratio_of(self, token_id: int) -> int | None:
@@ -170,3 +179,27 @@ def image_block(context_len: int, grid: tuple[int, int]) -> ImageBlock:
         raise ValueError(f"image grid {h}x{w}: both sides must be positive")
     timestep = torch.tensor([[context_len, context_len]])
     return ImageBlock(grid, torch.cat((timestep, image_positions(context_len + 1, grid))))
+
+
+class ConditionLayout(NamedTuple):
+    """A condition image's ids, and where its rows sit (offsets from its <boi>)."""
+
+    ids: list[int]
+    timestep: int  # the <timestep> row (time 0), followed by the h*w latent rows
+    vit: int  # the first of the ViT rows
+
+
+def condition_image_ids(
+    tokens: ImageTokens,
+    base_size: int,
+    ratio_index: int,
+    grid: tuple[int, int],
+    vit_rows: int,
+) -> ConditionLayout:
+    """A condition image's ids: its latent tokens (a grid) and vit_rows ViT tokens."""
+    if base_size not in tokens.sizes:
+        raise ValueError(f"base size {base_size}: the tokenizer has {sorted(tokens.sizes)}")
+    count = grid[0] * grid[1]
+    head = [tokens.boi, tokens.sizes[base_size], tokens.ratios[ratio_index], tokens.timestep]
+    ids = [*head, *[tokens.img] * count, tokens.joint_sep, *[tokens.img] * vit_rows, tokens.eoi]
+    return ConditionLayout(ids, 3, 3 + 1 + count + 1)

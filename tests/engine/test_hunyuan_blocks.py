@@ -13,6 +13,7 @@ from omniflow.engine import LLMEngine, SamplingParams
 from omniflow.engine.async_engine import AsyncEngine
 from omniflow.engine.denoise import denoise, denoise_async
 from omniflow.engine.heads import Guidance
+from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.models import load_tokenizer
 from omniflow.models.hunyuan_image3_parts import load_image_parts
@@ -168,6 +169,8 @@ def test_a_lease_that_does_not_fit_is_refused_and_handed_back(folder, prompts, p
     no_pool = engine_for(folder)
     with pytest.raises(ValueError, match="lease needs the engine built with"):
         no_pool.keep_context("ctx", cond, lease=lease)
+    with pytest.raises(ValueError, match="guidance.lease applies to keep_context"):
+        borrower.add_request("r", cond, guidance=Guidance(cond, 2.0, lease=lease))
     lender.close()
 
 
@@ -217,3 +220,103 @@ def test_same_seed_same_latent_bytes_sync_and_async(folder, parts, prompts):
         return latent
 
     assert asyncio.run(on_async_engine()).numpy().tobytes() == first.numpy().tobytes()
+
+
+def masked_reference(model, ids, spans, rows, block_positions):
+    """A plain forward over prompt + block: the prompt causal, the block's rows seeing all
+    of it and each other; span rows and positions as given. The block's rows before ln_f."""
+    x = model.embed(torch.tensor(ids))
+    positions = torch.arange(len(ids))[:, None].repeat(1, 2)
+    for span in spans:
+        x[span.start : span.start + len(span.embeddings)] = span.embeddings
+        if span.positions is not None:
+            positions[span.start : span.start + len(span.embeddings)] = span.positions
+    x = torch.cat((x, rows))
+    positions = torch.cat((positions, block_positions))
+    count, total = len(ids), len(x)
+    mask = torch.ones(total, total).tril().bool()
+    mask[count:, :] = True
+    cos, sin = model.rotary.cos_sin(positions, x.dtype)
+
+    def attention(layer_index, q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+        )
+        return out.transpose(0, 1)
+
+    for layer in model.model.layers:
+        x = layer(x, cos, sin, attention)
+    return x[count:]
+
+
+def test_a_condition_image_enters_with_2d_positions_and_conditions_the_block(
+    folder, parts, prompts
+):
+    cond, _ = prompts
+    tokens = ImageTokens.from_tokenizer(load_tokenizer(folder))
+    image = torch.randint(0, 256, (32, 48, 3), generator=torch.Generator().manual_seed(2))
+    image = image.to(torch.uint8)
+    ids, spans = condition_image_prompt(parts, tokens, image, start=1)
+    assert spans[0].positions is not None and len(spans[0].embeddings) == 1 + 2 * 3
+    context = [cond[0], *ids, *cond[1:]]  # <bos> image prompt <boi> <size> <ratio>
+    engine = engine_for(folder)
+    engine.keep_context("ti2i", context, embeddings=spans)
+    rows, positions = block_rows(parts, len(context))
+    hidden = run_block(engine, "s", "ti2i", rows, positions)
+    with torch.inference_mode():
+        expected = masked_reference(engine.model, context, spans, rows, positions)
+    torch.testing.assert_close(hidden, expected, atol=1e-4, rtol=1e-4)
+    flat = [span._replace(positions=None, content_hash=("1d", i)) for i, span in enumerate(spans)]
+    engine.keep_context("flat", context, embeddings=flat)
+    assert not torch.allclose(run_block(engine, "f", "flat", rows, positions), hidden, atol=1e-3)
+    other = torch.zeros_like(image)
+    _, other_spans = condition_image_prompt(parts, tokens, other, start=1)
+    engine.keep_context("other", context, embeddings=other_spans)
+    assert not torch.allclose(run_block(engine, "o", "other", rows, positions), hidden, atol=1e-3)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        condition_image_prompt(parts, tokens, image[:20], start=1)
+
+
+def test_the_ar_step_picks_a_ratio_and_lends_the_prefix_through_it(folder, parts, pool):
+    """The AR side of the handoff: one step restricted to the ratio tokens picks the size,
+    a continuation runs that token and lends the whole prefix; diffusion borrows it."""
+    start = pool.stats()
+    tokenizer = load_tokenizer(folder)
+    tokens = ImageTokens.from_tokenizer(tokenizer)
+    prompt = tokenizer.encode("a tall tower", add_special_tokens=False)
+    head = [tokens.bos, *prompt, tokens.boi, tokens.sizes[256]]
+    lender = engine_for(folder, pool, share=True)
+    ratios = list(tokens.ratios)
+    pick = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=ratios)
+    lender.add_request("ar", head, pick, keep=True)
+    [picked] = [d for d in lender.run_to_completion() if d.finish_reason is not None]
+    [ratio] = picked.token_ids
+    assert ratio in ratios
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=1, allowed_token_ids=ratios)
+    lender.add_request("ar-seeded", head, seeded)
+    assert [d for d in lender.run_to_completion() if d.token_ids][0].token_ids[0] in ratios
+    # The picked token is the kept sequence's last: continuing with nothing new runs it.
+    lender.add_request(
+        "ar2", [], SamplingParams(max_tokens=1), continue_from="ar", lend_kv_to=os.getpid()
+    )
+    [last] = [d for d in lender.run_to_completion() if d.finish_reason is not None]
+    context = head + [ratio]
+    assert last.kv_lease.num_tokens == len(context)
+    assert context == context_ids(tokens, prompt, 256, tokens.ratio_of(ratio))
+    borrower = engine_for(folder, pool)
+    borrower.keep_context("ctx", context, lease=last.kv_lease)
+    computed = engine_for(folder)
+    computed.keep_context("ctx", context)
+    rows, positions = block_rows(parts, len(context))
+    torch.testing.assert_close(
+        run_block(borrower, "s", "ctx", rows, positions),
+        run_block(computed, "s", "ctx", rows, positions),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        lender.add_request("bad", head, SamplingParams(allowed_token_ids=[10**6]))
+    borrower.close()
+    lender.step()
+    lender.close()
+    assert pool.stats() == start

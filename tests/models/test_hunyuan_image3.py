@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from omniflow.models import load_decoder, load_tokenizer
+from omniflow.models.decoder import causal_attention
 from omniflow.models.flow_matching import euler_step, shifted_sigmas
 from omniflow.models.hunyuan_image3 import HunyuanImage3LM
 from omniflow.models.hunyuan_image3_parts import load_image_parts
@@ -105,7 +106,7 @@ def reference_forward(t, config, ids, positions):
             for w, e in zip(weight[row], chosen[row], strict=True):
                 out[row] += w * mlp(f"{p}mlp.experts.{int(e)}", h[row : row + 1])[0]
         x = x + out
-    return rms(x, t["model.ln_f.weight"], eps)
+    return x  # before ln_f
 
 
 def test_backbone_matches_the_reference_layer_over_the_raw_tensors(folder):
@@ -116,10 +117,16 @@ def test_backbone_matches_the_reference_layer_over_the_raw_tensors(folder):
     ids = torch.tensor([1, 40, 77, 5, 300, 9, 12, 8])
     block = image_block(3, (2, 2))  # text, then a timestep and a 2x2 image: 2D positions
     positions = torch.cat((torch.arange(3)[:, None].expand(3, 2), block.positions))
+    tensors = raw_tensors(folder)
     with torch.inference_mode():
         ours = model.hidden_states(model.embed(ids), positions)
-        expected = reference_forward(raw_tensors(folder), config, ids, positions)
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+        expected = reference_forward(tensors, config, ids, positions)
+        # Block rows (the image's) come back before ln_f, as the reference's final_layer reads.
+        raw = model(ids, positions, causal_attention, hidden=True, unnormed_from=3)
+    normed = rms(expected, tensors["model.ln_f.weight"], config.rms_norm_eps)
+    torch.testing.assert_close(ours, normed, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(raw[:3], normed[:3], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(raw[3:], expected[3:], atol=1e-4, rtol=1e-4)
 
 
 def test_2d_rotary_reduces_to_1d_for_text_and_its_axes_differ(folder):
