@@ -17,6 +17,7 @@ _WHERE = {
     "ExtraKeys": "omniflow.cache.pages",
     "InvalidHandle": "omniflow.cache.errors",
     "Lease": "omniflow.cache.pool",
+    "Mapping": "omniflow.cache.mappings",
     "OutOfPages": "omniflow.cache.pages",
     "PagePool": "omniflow.cache.pool",
     "PageUsage": "omniflow.cache.pages",
@@ -29,6 +30,7 @@ _WHERE = {
     "RadixPrefixCache": "omniflow.cache.prefix",
     "Reclaimed": "omniflow.cache.pool",
     "Residency": "omniflow.cache.prefix",
+    "SharedWeights": "omniflow.cache.weights",
     "SsdBlock": "omniflow.cache.ssd",
     "SsdCorruption": "omniflow.cache.errors",
     "SsdError": "omniflow.cache.errors",
@@ -36,8 +38,11 @@ _WHERE = {
     "StaleLease": "omniflow.cache.errors",
     "TieredCache": "omniflow.cache.tiers",
     "format_size": "omniflow.cache.config",
+    "mapping_at": "omniflow.cache.mappings",
+    "mapping_of": "omniflow.cache.mappings",
     "parse_size": "omniflow.cache.config",
     "pid_alive": "omniflow.cache.liveness",
+    "share_checkpoint": "omniflow.cache.weights",
     "unlink_pool": "omniflow.cache.segment",
 }
 
@@ -46,6 +51,7 @@ __all__ = [
     "ExtraKeys",
     "InvalidHandle",
     "Lease",
+    "Mapping",
     "OutOfPages",
     "PagePool",
     "PageUsage",
@@ -58,6 +64,7 @@ __all__ = [
     "RadixPrefixCache",
     "Reclaimed",
     "Residency",
+    "SharedWeights",
     "SsdBlock",
     "SsdCorruption",
     "SsdError",
@@ -65,8 +72,11 @@ __all__ = [
     "StaleLease",
     "TieredCache",
     "format_size",
+    "mapping_at",
+    "mapping_of",
     "parse_size",
     "pid_alive",
+    "share_checkpoint",
     "unlink_pool",
 ]
 
@@ -81,11 +91,13 @@ if TYPE_CHECKING:
         StaleLease,
     )
     from omniflow.cache.liveness import pid_alive
+    from omniflow.cache.mappings import Mapping, mapping_at, mapping_of
     from omniflow.cache.pages import ExtraKeys, OutOfPages, PageUsage, PrefixMatch
     from omniflow.cache.pool import Lease, PagePool, PoolStats, PoolTensor, Reclaimed
     from omniflow.cache.prefix import RadixNode, RadixPrefixCache, Residency
     from omniflow.cache.segment import unlink_pool
     from omniflow.cache.ssd import SsdBlock, SsdStore
     from omniflow.cache.tiers import TieredCache
+    from omniflow.cache.weights import SharedWeights, share_checkpoint
 
 __getattr__ = exports(__name__, _WHERE)

@@ -147,7 +147,11 @@ class SharedWeights:
         if not self.created:
             _bind(owners, views)
             if len(views) < len(owners):
-                fill(lambda name: not self.shares(name))
+                try:
+                    fill(lambda name: not self.shares(name))
+                except BaseException:
+                    self.close()
+                    raise
 
     def load(
         self, specs: Iterable[TensorSpec], fill: Callable[[dict[str, torch.Tensor]], None]

@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from omniflow.cache import PagePool
 from omniflow.cache.mappings import mapping_at, mapping_of
 from omniflow.cache.weights import SharedWeights, TensorSpec, share_checkpoint
+from omniflow.engine.llm_engine import EngineConfig, LLMEngine
+from omniflow.engine.sampling_params import SamplingParams
 from omniflow.models.loader import load_decoder
 from omniflow.models.tiny import build_tiny_model
 from tests.cache.pool_workers import SPAWN
@@ -138,6 +140,44 @@ def test_prefix_shares_the_backbone_and_loads_the_rest_privately(
     assert all(torch.equal(logits_of(m), expected) for m in models)
     first.close()
     second.close()
+
+
+@pytest.mark.parametrize(
+    "preset", ["qwen2-tied-odd-heads", "deepseek-v2-tiny", "longcat-flash-tiny"]
+)
+def test_every_architecture_maps_one_copy_with_private_logits(
+    pool: PagePool, tmp_path: Path, preset: str
+) -> None:
+    path = build_tiny_model(tmp_path / preset, preset)
+    first, second = SharedWeights(pool, path), SharedWeights(pool, path)
+    models = [load_decoder(path, dtype="float32", place=w.place) for w in (first, second)]
+    assert (first.created, second.created) == (True, False)
+    tensors = [m.state_dict(keep_vars=True) for m in models]
+    for name, tensor in tensors[0].items():
+        assert mapping_of(tensor) == mapping_of(tensors[1][name])
+        assert mapping_of(tensor).path == pool.path
+    expected = private_logits(path)
+    assert all(torch.equal(logits_of(m), expected) for m in models)
+    first.close()
+    second.close()
+    assert pool.stats().used_pages == 0
+
+
+def test_engine_on_shared_weights_keeps_them_and_generates_as_a_private_one(
+    pool: PagePool, tiny: Path
+) -> None:
+    def generate(model: torch.nn.Module | Path) -> list[int]:
+        config = EngineConfig(device="cpu", dtype="float32", num_pages=16, max_num_seqs=2)
+        engine = LLMEngine(model, config)
+        engine.add_request("r", [1, 7, 42, 9], SamplingParams(temperature=0, max_tokens=6))
+        tokens = [t for delta in engine.run_to_completion() for t in delta.token_ids]
+        engine.close()
+        return tokens
+
+    with SharedWeights(pool, tiny) as weights:
+        model = load_decoder(tiny, dtype="float32", place=weights.place)
+        assert generate(model) == generate(tiny)
+        assert {mapping_of(p).path for p in model.parameters()} == {pool.path}
 
 
 def test_engine_relayouts_leave_shared_weights_in_the_pool(pool: PagePool, tiny: Path) -> None:
