@@ -6,8 +6,8 @@ Input (from the client):
     params: seed, steps, cfg_scale, size ("WxH" in pixels or "auto")  checked here first
 Output (to diffusion):
     kv_lease, kv_lease_uncond: dict         read-only leases on the cond and uncond context KV
+    context_ids, uncond_ids: list[int]      the tokens each lease holds
     grid: [h, w]                            image tokens to make
-    context_len: int                        tokens in each context
     size: [width, height]                   pixels
 
 Everything runs in the engine over the backbone weights this role maps from the host pool
@@ -16,8 +16,8 @@ Everything runs in the engine over the backbone weights this role maps from the 
     <bos> [condition image: <timestep> + clean latent rows, ViT rows] prompt [recaption]
     <boi> <img_size> <img_ratio>
 
-With size "auto" the ratio token is the one AR step's pick among the 33 ratio tokens (a
-codes head restricted to them); a given size fixes it. The unconditional context replaces
+With size "auto" the ratio token is the one AR step's pick among the 33 ratio tokens
+(sampling restricted to them); a given size fixes it. The unconditional context replaces
 the text by as many ``<cfg>`` tokens. Both are computed once and lent (``lend_kv_to``) to
 the diffusion replica this request goes to: diffusion never recomputes them.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import io
 import itertools
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 from PIL import Image
 
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
+from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.models.hunyuan_image3_tokens import (
     ImageTokens,
     context_ids,
@@ -52,31 +52,6 @@ from omniflow.roles.image_params import image_params
 from omniflow.roles.options import HunyuanAROptions
 from omniflow.runtime.actor import BadRequest, Context, MemoryBudget, Request
 from omniflow.runtime.priority import lower_thread_priority
-
-
-class RatioHead:
-    """The engine's codes head for the ratio step: the ratio token with the highest logit
-    (or a fixed one), and that token's embedding as the next input row."""
-
-    key = "img_ratio"
-
-    def __init__(self, model: Any, ratio_ids: tuple[int, ...], forced: int | None) -> None:
-        self.model, self.forced = model, forced
-        self.ratio_ids = torch.tensor(ratio_ids)
-        self.placeholder_id = int(ratio_ids[0])
-        self.picked: list[int] = []
-
-    def codes(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.forced is not None:
-            index = torch.full((hidden.shape[0],), self.forced, dtype=torch.long)
-        else:
-            logits = self.model.logits(hidden)[:, self.ratio_ids]
-            index = logits.argmax(-1)
-        self.picked += index.tolist()
-        return index[:, None]
-
-    def embed(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(self.ratio_ids[codes[:, 0]])
 
 
 class ARRole(ModelActor):
@@ -155,31 +130,35 @@ class ARRole(ModelActor):
         spans: list[EmbeddingSpan] = []
         if image is not None:
             pixels = self._image(image, params.size)
-            condition, spans = await self._run(self._condition, pixels, image)
-        forced = None
-        if params.size is not None:
+            condition, spans = await self._run(self._condition, pixels)
+        ratios = list(self.tokens.ratios)
+        if params.size is not None:  # the ratio token is the size's, not the model's pick
             width, height = params.size
-            forced = ratio_of_size(self.config, height, width)
+            ratios = [ratios[ratio_of_size(self.config, height, width)]]
         rid = f"{request.request_id}-{next(self._ids)}"
         borrower = ctx.peer_pid(opts.lend_to)  # the replica this request goes to next
+        lease = None
         try:
             text_ids = list(prompt)
             if opts.recaption_tokens:
                 text_ids += await self._recaption(rid, condition + text_ids, spans)
             base = self.config.image_base_size
             cond = context_ids(self.tokens, condition + text_ids, base, 0)[:-1]
-            head = RatioHead(self.backbone.model, self.tokens.ratios, forced)
-            lease = await self._lend(f"{rid}-c", cond, spans, borrower, head)
-            ratio = head.picked[0]
+            lease, ratio_id = await self._lend_context(rid, cond, spans, borrower, ratios)
+            ratio = self.tokens.ratios.index(ratio_id)
             uncond_text = unconditional_ids(self.tokens, text_ids)
             uncond = context_ids(self.tokens, condition + uncond_text, base, ratio)
-            uncond_lease = await self._lend(f"{rid}-u", uncond, spans, borrower, None)
-        except ValueError as e:  # the engine refused the request (length, ...)
-            raise BadRequest("text", str(e)) from None
-        grid = grid_of_ratio(self.config, ratio) if params.size is None else None
-        if params.size is not None:
+            uncond_lease = await self._lend(f"{rid}-u", uncond, spans, borrower)
+        except BaseException as e:
+            if lease is not None:  # lent, never to be delivered: the borrower's refs go
+                self._revoke(lease, borrower)
+            if isinstance(e, ValueError):  # the engine refused the request (length, ...)
+                raise BadRequest("text", str(e)) from None
+            raise
+        if params.size is None:
+            grid = grid_of_ratio(self.config, ratio)
+        else:
             grid = (params.size[1] // per, params.size[0] // per)
-        assert grid is not None
         ctx.add_usage(prompt_tokens=len(cond) + 1, ar_rows_forwarded=len(cond) + 1 + len(uncond))
         yield {
             "kv_lease": msgspec.to_builtins(lease),
@@ -191,22 +170,50 @@ class ARRole(ModelActor):
             "ratio": ratio,
         }
 
+    async def _lend_context(
+        self,
+        rid: str,
+        prompt: list[int],
+        spans: list[EmbeddingSpan],
+        borrower: int,
+        ratios: list[int],
+    ) -> tuple[Any, int]:
+        """The cond context: the prompt up to <img_size>, one AR step that picks the ratio
+        token among ``ratios``, then that token run and the whole context's KV leased to
+        ``borrower``. Returns the lease and the ratio token's id."""
+        pick = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=ratios)
+        ratio = None
+        try:
+            async for delta in self.engine.generate(
+                f"{rid}-c", prompt, pick, spans or None, keep=True
+            ):
+                ratio = delta.token_ids[-1] if delta.token_ids else ratio
+            if ratio is None:
+                raise RuntimeError(f"request {rid}: the ratio step made no token")
+            # Its one sampled token never runs: the lease covers the context with the ratio.
+            lease = await self._lend(f"{rid}-l", [], [], borrower, continue_from=f"{rid}-c")
+        finally:
+            self.engine.release(f"{rid}-c")  # a no-op once the continuation took it
+        return lease, ratio
+
+    def _revoke(self, lease: Any, borrower: int) -> None:
+        assert self.pool is not None
+        for ref in (lease.keys, lease.values, lease.tail):
+            self.pool.release(ref.lease, borrower)
+
     async def _lend(
         self,
         rid: str,
         prompt: list[int],
         spans: list[EmbeddingSpan],
         borrower: int,
-        head: RatioHead | None,
+        continue_from: str | None = None,
     ) -> Any:
-        """Compute a context (with the ratio step when ``head`` is given) and lease its KV
-        to ``borrower``."""
-        # With the head: step 1 picks the ratio, step 2 computes its KV (its own output is
-        # dropped); the lease covers every computed token.
-        params = SamplingParams(max_tokens=2 if head is not None else 1, temperature=0.0)
+        """Compute a context (or the rest of a kept one) and lease its KV to ``borrower``."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
         lease = None
         async for delta in self.engine.generate(
-            rid, prompt, params, spans or None, lend_kv_to=borrower, head=head
+            rid, prompt, params, spans or None, lend_kv_to=borrower, continue_from=continue_from
         ):
             if delta.kv_lease is not None:
                 lease = delta.kv_lease
@@ -255,20 +262,8 @@ class ARRole(ModelActor):
             rgb.height, rgb.width, 3
         )
 
-    def _condition(
-        self, pixels: torch.Tensor, data: bytes
-    ) -> tuple[list[int], list[EmbeddingSpan]]:
-        """A condition image's tokens and rows: <timestep> (t = 0) and the clean latent's
-        rows, then the ViT rows; keyed in the prefix cache by the image's content."""
-        parts = self.backbone.parts
-        digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+    def _condition(self, pixels: torch.Tensor) -> tuple[list[int], list[EmbeddingSpan]]:
+        """A condition image's ids and rows right after <bos>: its clean latent (time 0, 2D
+        positions) and its ViT rows, keyed by content in the prefix cache."""
         with torch.inference_mode():
-            latent = parts.encode_image(pixels)
-            rows = torch.cat([parts.timestep_row(0.0), parts.image_rows(latent, 0.0)])
-            vit = parts.vit_rows(pixels)
-        start = 1  # after <bos>
-        ids = [self.tokens.timestep] + [self.tokens.img] * (rows.shape[0] - 1)
-        spans = [EmbeddingSpan(start, rows.float(), ("hunyuan-latent", digest))]
-        spans.append(EmbeddingSpan(start + len(ids), vit.float(), ("hunyuan-vit", digest)))
-        ids += [self.tokens.img] * vit.shape[0]
-        return ids, spans
+            return condition_image_prompt(self.backbone.parts, self.tokens, pixels, start=1)
