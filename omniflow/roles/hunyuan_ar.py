@@ -115,7 +115,7 @@ class ARRole(ModelActor):
         params = image_params(
             request.params,
             steps=1,
-            max_steps=10**9,  # diffusion owns the steps' range; the type is checked here
+            max_steps=None,  # diffusion owns the steps' range; the type is checked here
             cfg_scale=0.0,
             pixels_per_token=per,
             max_tokens=opts.max_image_tokens,

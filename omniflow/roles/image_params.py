@@ -22,12 +22,14 @@ class ImageParams(NamedTuple):
     size: tuple[int, int] | None  # (width, height) in pixels; None: "auto" (AR picks a ratio)
 
 
-def _integer(params: dict[str, Any], field: str, default: int, low: int, high: int) -> int:
+def _integer(params: dict[str, Any], field: str, default: int, low: int, high: int | None) -> int:
     value = params.get(field, default)
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise BadRequest(field, f"expected an integer in [{low}, {high}], got {value!r}")
+    top = high if high is not None else value
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= top:
+        wanted = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise BadRequest(field, f"expected an integer {wanted}, got {value!r}")
     return value
 
 
@@ -35,12 +37,13 @@ def image_params(
     params: dict[str, Any],
     *,
     steps: int,
-    max_steps: int,
+    max_steps: int | None,
     cfg_scale: float,
     pixels_per_token: int,
     max_tokens: int,
 ) -> ImageParams:
-    """The request's values (or the defaults given), each checked against its range."""
+    """The request's values (or the defaults given), each checked against its range
+    (``max_steps`` None: no upper bound checked here; the diffusion role has one)."""
     seed = _integer(params, "seed", 0, 0, MAX_SEED)
     steps = _integer(params, "steps", steps, 1, max_steps)
     scale = params.get("cfg_scale", cfg_scale)
