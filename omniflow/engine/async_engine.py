@@ -44,6 +44,7 @@ class _BlockStep(NamedTuple):
     context_id: str
     rows: torch.Tensor
     positions: torch.Tensor
+    causal_rows: int = 0
 
 
 class _Release(NamedTuple):
@@ -98,12 +99,17 @@ class AsyncEngine:
             yield delta
 
     async def block_step(
-        self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
+        self,
+        request_id: str,
+        context_id: str,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        causal_rows: int = 0,
     ) -> TokenDelta:
         """One block step over the kept request context_id (LLMEngine.block_step): its delta,
         whose ``hidden`` holds the rows' final hidden states."""
         async for delta in self._stream(
-            request_id, _BlockStep(request_id, context_id, rows, positions)
+            request_id, _BlockStep(request_id, context_id, rows, positions, causal_rows)
         ):
             last = delta
         return last

@@ -37,13 +37,15 @@ Progress = Callable[[int, int], None]  # (steps done, steps in all)
 
 
 class BlockRequest(NamedTuple):
-    """One denoising step's block step: engine.block_step(request_id, context_id, rows,
-    positions)."""
+    """One denoising step's block step: engine.block_step(*request[:5])."""
 
     request_id: str
     context_id: str
     rows: torch.Tensor  # [1 + h*w, hidden]: <timestep>, then the image tokens
     positions: torch.Tensor  # [1 + h*w, 2] (y, x)
+    # The <timestep> row attends causally (the reference's full attention spans the image
+    # tokens alone); the image rows see it and each other.
+    causal_rows: int
     step: int
 
 
@@ -83,7 +85,7 @@ def denoise_steps(
         t = model_time(sigmas[index])
         rows = torch.cat((parts.timestep_row(t), parts.image_rows(latent, t)))
         request_id = f"{context_id}/step{index}"
-        hidden = yield BlockRequest(request_id, context_id, rows, block.positions, index)
+        hidden = yield BlockRequest(request_id, context_id, rows, block.positions, 1, index)
         if hidden.shape[0] not in (rows_per_half, 2 * rows_per_half):
             raise ValueError(
                 f"request {request_id}: hidden states of {hidden.shape[0]} rows, expected "
@@ -125,7 +127,7 @@ def denoise(
     loop = denoise_steps(parts, context_id, context_len, grid, steps, cfg_scale, seed, shift)
     request = next(loop)
     while True:
-        engine.block_step(*request[:4])
+        engine.block_step(*request[:5])
         hidden = None
         while hidden is None:
             hidden = _hidden_of(engine.step(), request.request_id)
@@ -153,7 +155,7 @@ async def denoise_async(
     loop = denoise_steps(parts, context_id, context_len, grid, steps, cfg_scale, seed, shift)
     request = next(loop)
     while True:
-        delta = await engine.block_step(*request[:4])
+        delta = await engine.block_step(*request[:5])
         if delta.hidden is None:
             raise RuntimeError(f"request {request.request_id} ended ({delta.finish_reason}) bare")
         if progress is not None:

@@ -69,10 +69,13 @@ class Guidance(NamedTuple):
 
 class BlockRows(NamedTuple):
     """A block step's inputs: rows [N, hidden] at rotary positions [N], or [N, 2] (y, x)
-    for a model with 2D rotary positions."""
+    for a model with 2D rotary positions. The first causal_rows rows attend causally (the
+    context, themselves and the rows before them: HunyuanImage-3's <timestep>), the rest
+    to everything."""
 
     rows: torch.Tensor
     positions: torch.Tensor
+    causal_rows: int = 0
 
 
 def guided(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:

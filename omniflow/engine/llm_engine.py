@@ -377,7 +377,12 @@ class LLMEngine:
         return view
 
     def block_step(
-        self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
+        self,
+        request_id: str,
+        context_id: str,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        causal_rows: int = 0,
     ) -> None:
         """Queue a block step over the kept request context_id: rows [N, hidden] at rotary
         positions [N] ([N, 2] (y, x) for a model with 2D positions, `positions_2d`) attend
@@ -386,15 +391,20 @@ class LLMEngine:
         final hidden states (before the final norm on a model with `block_rows_unnormed`;
         guided: combined with the context's unconditional half, which
         runs the same rows, or stacked [cond; uncond] with Guidance.combine False); the
-        context is kept again under context_id."""
+        context is kept again under context_id. The first causal_rows rows attend causally
+        (the context, themselves and the rows before them), not to the later rows."""
         sequence = self.kept.get(context_id)
         if sequence is None:
             raise ValueError(f"request {request_id}: context {context_id!r} is not kept")
         self._check_unused(request_id)
         halves = 2 if sequence.partner is not None else 1
         check_block(request_id, rows, positions, halves, len(sequence), self.limits)
+        if not 0 <= causal_rows <= rows.shape[0]:
+            raise ValueError(
+                f"request {request_id}: causal_rows={causal_rows} outside [0, {rows.shape[0]}]"
+            )
         del self.kept[context_id]
-        block = BlockRows(rows.to(self.cache.keys.dtype), positions.to(torch.long))
+        block = BlockRows(rows.to(self.cache.keys.dtype), positions.to(torch.long), causal_rows)
         for member in (sequence, sequence.partner):
             if member is not None:
                 member.block = block

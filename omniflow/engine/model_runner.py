@@ -133,13 +133,18 @@ class ModelRunner:
                 embed_values.append(block.rows)
                 block_rows += range(row, row + chunk.block)
                 blocks.append(sequence)
-        prefill_attention: list[tuple[list[int], int, int, bool, KVLeaseView | None]] = []
+        prefill_attention: list[tuple[list[int], int, int, bool, KVLeaseView | None, int]] = []
         for c in prefills:
             if c.num_tokens:
-                prefill_attention.append((c.sequence.page_ids, c.start, c.num_tokens, False, None))
+                prefill_attention.append(
+                    (c.sequence.page_ids, c.start, c.num_tokens, False, None, 0)
+                )
             if c.block:
-                end = c.start + c.num_tokens
-                prefill_attention.append((c.sequence.page_ids, end, c.block, True, c.sequence.lent))
+                end, block = c.start + c.num_tokens, c.sequence.block
+                assert block is not None, "a chunk with block rows has a block step"
+                prefill_attention.append(
+                    (c.sequence.page_ids, end, c.block, True, c.sequence.lent, block.causal_rows)
+                )
         batch = build_attention_batch(
             self.cache,
             [(c.sequence.page_ids, c.start + 1) for c in decodes],

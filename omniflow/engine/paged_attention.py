@@ -89,6 +89,8 @@ class PrefillSegment(NamedTuple):
     bidirectional: bool = False
     # A lent context's K/V (cache/kv_share.py KVLeaseView): ahead of the pages' tokens.
     lent: KVLeaseView | None = None
+    # Of a block: its first rows, which attend causally among the block's rows.
+    causal_rows: int = 0
 
 
 class DecodeRows(NamedTuple):
@@ -120,9 +122,10 @@ def build_attention_batch(
     decode_masks: bool = True,
 ) -> AttentionBatch:
     """decodes: (page_ids, context length including the new token) per decode row;
-    prefills: (page_ids, context_start, chunk length[, bidirectional[, lent]]) per prefill
-    chunk, rows after decodes; a bidirectional chunk (a block step's rows) attends to all its
-    context and all of itself, after a lent context's K/V (a KVLeaseView) where given;
+    prefills: (page_ids, context_start, chunk length[, bidirectional[, lent[, causal rows]]])
+    per prefill chunk, rows after decodes; a bidirectional chunk (a block step's rows) attends
+    to all its context and all of itself (its first causal rows: causally), after a lent
+    context's K/V (a KVLeaseView) where given;
     mirrored: the decode rows' mirror, if they read one instead of gathering pages;
     decode_masks: False when decode attention reads tables and lengths (the CPU kernel), so
     no mask is built."""
@@ -152,7 +155,10 @@ def build_attention_batch(
         if flags and flags[0]:
             block_pages = torch.tensor(page_ids[: -(-end // size)], dtype=torch.long, device=device)
             lent = flags[1] if len(flags) > 1 else None
-            segments.append(PrefillSegment(row, row + chunk, block_pages, end, None, 1, True, lent))
+            causal = flags[2] if len(flags) > 2 else 0
+            segments.append(
+                PrefillSegment(row, row + chunk, block_pages, end, None, 1, True, lent, causal)
+            )
             row += chunk
             continue
         last = segments[-1] if segments else None
@@ -321,10 +327,16 @@ class PagedAttention:
             keys = torch.cat((lent_keys.to(keys.device), keys), dim=1)
             values = torch.cat((lent_values.to(values.device), values), dim=1)
         if segment.bidirectional:
-            # No mask: SDPA's fused kernel, never the [heads, rows, context] scores in memory.
-            # 4-d: with 3-d inputs CPU SDPA takes its slower unfused path.
+            # No mask (unless causal rows lead): SDPA's fused kernel, never the [heads, rows,
+            # context] scores in memory. 4-d: with 3-d inputs CPU SDPA takes its slower path.
+            mask = _causal_head_mask(q.shape[0], keys.shape[1], segment.causal_rows, q.device)
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[None], values[None], scale=self.scale, enable_gqa=True
+                q.transpose(0, 1)[None],
+                keys[None],
+                values[None],
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=True,
             )
             return out[0].transpose(0, 1)
         tokens, heads, _ = q.shape
@@ -352,6 +364,19 @@ class PagedAttention:
             enable_gqa=True,
         )
         return out.transpose(1, 2).reshape(q.shape)
+
+
+def _causal_head_mask(
+    rows: int, total: int, causal: int, device: torch.device
+) -> torch.Tensor | None:
+    """A block's mask [rows, total] (True: may attend) where its first `causal` rows see
+    the context and the block's rows up to themselves; None when every row sees all."""
+    if not causal:
+        return None
+    mask = torch.ones(rows, total, dtype=torch.bool, device=device)
+    block = torch.arange(rows, device=device)
+    mask[:causal, total - rows :] = block[None, :] <= block[:causal, None]
+    return mask
 
 
 def _sdpa_decode(q, keys, values, bias, scale: float) -> torch.Tensor:

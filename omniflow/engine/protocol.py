@@ -69,7 +69,12 @@ class EngineBackend(Protocol):
         ...
 
     def block_step(
-        self, request_id: str, context_id: str, rows: torch.Tensor, positions: torch.Tensor
+        self,
+        request_id: str,
+        context_id: str,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        causal_rows: int = 0,
     ) -> None:
         """Queue N rows that attend bidirectionally among themselves and causally to the kept
         context's tokens (computed once for all block steps); their K/V are scratch, never

@@ -68,8 +68,8 @@ def block_rows(parts, context_len, grid=GRID, t=700.0, seed=0):
     return rows, image_block(context_len, grid).positions
 
 
-def run_block(engine, request_id, context_id, rows, positions):
-    engine.block_step(request_id, context_id, rows, positions)
+def run_block(engine, request_id, context_id, rows, positions, causal_rows=0):
+    engine.block_step(request_id, context_id, rows, positions, causal_rows)
     [delta] = [d for d in engine.run_to_completion() if d.request_id == request_id]
     assert delta.finish_reason == "stop"
     return delta.hidden
@@ -187,6 +187,9 @@ def test_2d_positions_matter_and_text_positions_are_diagonal(folder, parts, prom
     torch.testing.assert_close(run_block(engine, "d", "ctx", rows, flat), diagonal)
     with pytest.raises(ValueError, match=r"expected \[n, 64\] / \[n\] or \[n, 2\]"):
         engine.block_step("e", "ctx", rows, positions[:, :1].T)
+    with pytest.raises(ValueError, match=r"request e: causal_rows=99 outside \[0, 13\]"):
+        engine.block_step("e", "ctx", rows, positions, causal_rows=99)
+    assert "ctx" in engine.kept  # a refused step leaves the context as it was
 
 
 def test_same_seed_same_latent_bytes_sync_and_async(folder, parts, prompts):
@@ -222,9 +225,10 @@ def test_same_seed_same_latent_bytes_sync_and_async(folder, parts, prompts):
     assert asyncio.run(on_async_engine()).numpy().tobytes() == first.numpy().tobytes()
 
 
-def masked_reference(model, ids, spans, rows, block_positions):
+def masked_reference(model, ids, spans, rows, block_positions, causal_rows=0):
     """A plain forward over prompt + block: the prompt causal, the block's rows seeing all
-    of it and each other; span rows and positions as given. The block's rows before ln_f."""
+    of it and each other (its first causal_rows causally); span rows and positions as
+    given. The block's rows before ln_f."""
     x = model.embed(torch.tensor(ids))
     positions = torch.arange(len(ids))[:, None].repeat(1, 2)
     for span in spans:
@@ -235,7 +239,7 @@ def masked_reference(model, ids, spans, rows, block_positions):
     positions = torch.cat((positions, block_positions))
     count, total = len(ids), len(x)
     mask = torch.ones(total, total).tril().bool()
-    mask[count:, :] = True
+    mask[count + causal_rows :, :] = True
     cos, sin = model.rotary.cos_sin(positions, x.dtype)
 
     def attention(layer_index, q, k, v):
@@ -262,17 +266,24 @@ def test_a_condition_image_enters_with_2d_positions_and_conditions_the_block(
     engine = engine_for(folder)
     engine.keep_context("ti2i", context, embeddings=spans)
     rows, positions = block_rows(parts, len(context))
-    hidden = run_block(engine, "s", "ti2i", rows, positions)
+    hidden = run_block(engine, "s", "ti2i", rows, positions, causal_rows=1)
     with torch.inference_mode():
-        expected = masked_reference(engine.model, context, spans, rows, positions)
+        expected = masked_reference(engine.model, context, spans, rows, positions, 1)
     torch.testing.assert_close(hidden, expected, atol=1e-4, rtol=1e-4)
+    # The causal <timestep> row sees the context alone: as if it ran without the image.
+    alone = run_block(engine, "t", "ti2i", rows[:1], positions[:1])
+    torch.testing.assert_close(hidden[:1], alone, atol=1e-5, rtol=1e-5)
+    both_ways = run_block(engine, "b", "ti2i", rows, positions)
+    assert not torch.allclose(both_ways[:1], alone, atol=1e-3)
     flat = [span._replace(positions=None, content_hash=("1d", i)) for i, span in enumerate(spans)]
     engine.keep_context("flat", context, embeddings=flat)
-    assert not torch.allclose(run_block(engine, "f", "flat", rows, positions), hidden, atol=1e-3)
+    flat_hidden = run_block(engine, "f", "flat", rows, positions, causal_rows=1)
+    assert not torch.allclose(flat_hidden, hidden, atol=1e-3)
     other = torch.zeros_like(image)
     _, other_spans = condition_image_prompt(parts, tokens, other, start=1)
     engine.keep_context("other", context, embeddings=other_spans)
-    assert not torch.allclose(run_block(engine, "o", "other", rows, positions), hidden, atol=1e-3)
+    other_hidden = run_block(engine, "o", "other", rows, positions, causal_rows=1)
+    assert not torch.allclose(other_hidden, hidden, atol=1e-3)
     with pytest.raises(ValueError, match="multiples of 16"):
         condition_image_prompt(parts, tokens, image[:20], start=1)
 
