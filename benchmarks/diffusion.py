@@ -135,7 +135,7 @@ def step_figures(folder: Path, prompt: list[int], rounds: int) -> dict[str, floa
     counter = iter(range(1 << 30))
 
     def step(engine: LLMEngine, context: str) -> None:
-        engine.block_step(f"s{next(counter)}", context, rows, positions)
+        engine.block_step(f"s{next(counter)}", context, rows, positions, 1)  # as denoise
         engine.run_to_completion()
 
     def recompute() -> None:
