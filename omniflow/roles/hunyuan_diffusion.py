@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -131,9 +131,14 @@ class DiffusionRole(ModelActor):
             raise BadRequest("kv_lease", "expected the cond and uncond KV leases and their ids")
         return params, grid, inputs
 
-    def _give_back(self, data: dict[str, Any]) -> None:
+    def discard(self, data: Mapping[str, Any]) -> None:
+        """A request that never reached handle (expired or cancelled in the queue)."""
+        self._give_back(data)
+
+    def _give_back(self, data: Mapping[str, Any]) -> None:
         """A refused request's leases, dropped at once: the lender unlocks its pages."""
-        assert self.pool is not None
+        if self.pool is None:
+            return
         for key in ("kv_lease", "kv_lease_uncond"):
             with contextlib.suppress(Exception):  # not a lease: nothing to give back
                 KVLeaseView(self.pool, data[key]).close()

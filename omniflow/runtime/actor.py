@@ -163,6 +163,11 @@ class Actor:
     async def handle(self, request: Request, ctx: Context) -> Any:
         raise NotImplementedError(f"{type(self).__name__}.handle is not written")
 
+    def discard(self, data: Mapping[str, Any]) -> None:
+        """A request that will never reach ``handle`` (refused, expired or cancelled while
+        queued): give back what its ``data`` holds for this process (a KV lease lent to it).
+        Runs on the event loop; must not block."""
+
     async def close(self) -> None:
         """Release what ``setup`` took; called after in-flight requests drained."""
 

@@ -37,6 +37,7 @@ class Stream:
         "refs",
         "expired",
         "finishing",
+        "handled",
     )
 
     def __init__(self, call: Call, fanout: Fanout, ctx: Context) -> None:
@@ -54,6 +55,7 @@ class Stream:
         self.refs: list[Any] = []  # pool handles of its inputs, released when it ends
         self.expired = False  # cancelled by the deadline sweep
         self.finishing = False
+        self.handled = False  # a chunk reached the handler (else: discard its input)
 
 
 class Slots:

@@ -42,6 +42,8 @@ def hunyuan(tmp_path_factory):
     toml = (ROOT / "configs" / "hunyuan_image3.toml").read_text()
     # No HTTP gateway here: the port may be taken by another deployment on this host.
     toml = toml[: toml.index("[gateway]")]
+    # One denoising loop at a time: a second request waits in diffusion's queue.
+    toml = toml.replace("[roles.diffusion]\n", "[roles.diffusion]\nmax_concurrency = 1\n")
     (work / "configs" / "hunyuan_image3.toml").write_text(toml)
     (work / "cube.png").write_bytes(image_bytes(80, 48, seed=4))
     cli("up", "configs/hunyuan_image3.toml", "--detach", cwd=work)
@@ -211,6 +213,32 @@ def test_a_killed_ar_leaves_no_lent_page_behind(hunyuan):
         time.sleep(0.2)
     call(state, {"text": "after"}, params=SMALL)
     assert settled(state) == before  # the dead lender's K/V blocks and tails all went back
+
+
+def test_a_request_that_expires_in_diffusions_queue_gives_its_leases_back(hunyuan):
+    state, _ = hunyuan
+    call(state, {"text": "warm"}, params=SMALL)
+    before = settled(state)
+
+    async def run():
+        conn = await omniflow.connect(run_dir=state["run_dir"])
+        try:
+            params = {**SMALL, "steps": 200, "size": "256x256"}
+            stream = conn.stream({"text": "a long one"}, params=params, timeout=120)
+            first = await anext(stream)  # diffusion's one slot is taken now
+            with pytest.raises(omniflow.RequestFailed) as info:
+                await conn.call({"text": "a short one"}, params=SMALL, timeout=1.0)
+            rest = [event async for event in stream]
+            return first, rest, info.value
+        finally:
+            await conn.close()
+
+    first, rest, failure = asyncio.run(run())
+    assert first.data["progress"]["step"] == 1
+    assert png_of(rest[:-1]).startswith(b"\x89PNG")
+    # The short one's leases reached diffusion, which never ran it: it gave them back.
+    assert failure.code == "deadline"
+    assert settled(state) == before
 
 
 def settled(state, timeout: float = 20.0):
