@@ -59,6 +59,10 @@ class EngineConfig:
     # bf16 on CPU: run norms, rotary, silu, K/V writes and decode attention on omniflow's
     # C kernels (omniflow.kernels, built on first use); PyTorch ops where they are unavailable.
     cpu_kernels: bool = True
+    # On CPU the runner re-lays projection weights (input-major copies in float32, packed
+    # in bf16). False: leave every weight where it is, e.g. in shared pages another process
+    # maps too (one copy of the backbone for two roles).
+    relayout_weights: bool = True
 
 
 PREFIX_CACHES = ("radix",)
@@ -139,7 +143,9 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.enable_prefix_caching,
         )
-        self.runner = ModelRunner(model, self.cache, kernels=config.cpu_kernels)
+        self.runner = ModelRunner(
+            model, self.cache, kernels=config.cpu_kernels, relayout=config.relayout_weights
+        )
         self.limits = Limits(
             self.vocab_size,
             model_config.hidden_size,
@@ -324,8 +330,11 @@ class LLMEngine:
                 )
             )
         checked = []
-        for rid, tokens, spans, _ in halves:
-            checked.append(self._checked(rid, None, tokens, spans, params))
+        for rid, tokens, spans, half_lease in halves:
+            if half_lease is None:
+                checked.append(self._checked(rid, None, tokens, spans, params))
+            else:  # lent: the tokens take none of this engine's pages
+                checked.append((checked_tokens(rid, tokens, self.limits), []))
         views: list[KVLeaseView | None] = []
         try:
             for (rid, _, spans, half_lease), (tokens, _) in zip(halves, checked, strict=True):

@@ -43,9 +43,12 @@ class ModelRunner:
         cache: KVCache,
         mirror_bytes: int | None = None,
         kernels: CpuKernels | None | bool = True,
+        relayout: bool = True,
     ):
         """kernels: omniflow's CPU kernels for a bf16 model on CPU (True: build or load them
-        here, falling back to PyTorch ops where they are unavailable; False: PyTorch ops)."""
+        here, falling back to PyTorch ops where they are unavailable; False: PyTorch ops).
+        relayout: on CPU, re-lay the projection weights (packed or input-major copies);
+        False leaves every parameter's storage as it is (weights shared with others)."""
         self.model = model
         self.cache = cache
         parameter = next(model.parameters())
@@ -67,12 +70,12 @@ class ModelRunner:
             config.num_attention_heads, config.num_key_value_heads, config.head_dim
         )
         self.mirror = DecodeMirror(cache, 0 if self.kernel_decode else mirror_bytes)
-        if packed_weights_supported(self.device, parameter.dtype):
+        if relayout and packed_weights_supported(self.device, parameter.dtype):
             model.use_packed_weights(kernels=self.kernels)
             model.set_row_block(
                 CPU_KERNELS_ROW_BLOCK if self.kernels is not None else CPU_BF16_ROW_BLOCK
             )
-        elif self.device.type == "cpu":
+        elif relayout and self.device.type == "cpu":
             model.use_input_major_weights()
         self.scale = (
             config.softmax_scale if isinstance(config, MLAConfig) else config.head_dim**-0.5

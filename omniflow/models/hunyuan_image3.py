@@ -91,7 +91,7 @@ class QKNormAttention(nn.Module):
         k = apply_rotary(k.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         if self.query_layernorm is not None and self.key_layernorm is not None:
             q, k = self.query_layernorm(q), self.key_layernorm(k)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim).contiguous()  # like k (kv_write)
         out = attention(self.layer_index, q.contiguous(), k.contiguous(), v)
         return self.o_proj(out.reshape(tokens, self.q_size))
 

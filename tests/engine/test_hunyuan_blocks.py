@@ -4,6 +4,7 @@ seeded determinism, through the real loader, engine and page pool."""
 import asyncio
 import os
 import uuid
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from omniflow.engine.denoise import denoise, denoise_async
 from omniflow.engine.heads import Guidance
 from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.engine.llm_engine import EngineConfig
-from omniflow.models import load_tokenizer
+from omniflow.models import load_decoder, load_tokenizer
 from omniflow.models.hunyuan_image3_parts import load_image_parts
 from omniflow.models.hunyuan_image3_tokens import (
     ImageTokens,
@@ -57,8 +58,8 @@ def pool():
     pool.close()
 
 
-def engine_for(folder, pool=None, share=False):
-    config = EngineConfig(device="cpu", page_size=PAGE, num_pages=64, share_kv=share)
+def engine_for(folder, pool=None, share=False, num_pages=64):
+    config = EngineConfig(device="cpu", page_size=PAGE, num_pages=num_pages, share_kv=share)
     return LLMEngine(folder, config, kv_pool=pool)
 
 
@@ -145,7 +146,10 @@ def test_closing_the_borrower_hands_back_its_leases(folder, parts, prompts, pool
     cond, _ = prompts
     lender = engine_for(folder, pool, share=True)
     lease = lend_prompt(lender, "c", cond)
-    borrower = engine_for(folder, pool)
+    # Pages for the block's rows alone: the lent prompt takes none of the borrower's.
+    rows = 1 + GRID[0] * GRID[1]
+    borrower = engine_for(folder, pool, num_pages=-(-rows // PAGE))
+    assert borrower.capacity_tokens < len(cond)
     borrower.keep_context("ctx", cond, lease=lease)
     run_block(borrower, "s", "ctx", *block_rows(parts, len(cond)))
     borrower.close()  # without release
@@ -331,3 +335,35 @@ def test_the_ar_step_picks_a_ratio_and_lends_the_prefix_through_it(folder, parts
     lender.step()
     lender.close()
     assert pool.stats() == start
+
+
+def test_bf16_on_cpu_runs_the_same_steps(folder, parts, prompts):
+    """bf16 on CPU: packed weights, the kernels' K/V writes and attention, PyTorch layers."""
+    cond, uncond = prompts
+    rows, positions = block_rows(parts, len(cond))
+    hidden = {}
+    for dtype in ("float32", "bfloat16"):
+        config = EngineConfig(device="cpu", dtype=dtype, page_size=PAGE, num_pages=64)
+        engine = LLMEngine(folder, config)
+        engine.keep_context("ctx", cond, guidance=Guidance(uncond, 5.0, combine=False))
+        hidden[dtype] = run_block(engine, "s", "ctx", rows, positions, causal_rows=1).float()
+    torch.testing.assert_close(hidden["bfloat16"], hidden["float32"], atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_relayout_off_leaves_every_weight_in_place(folder, parts, prompts, dtype):
+    """Weights in shared pages must stay there: relayout_weights=False makes no copies."""
+    cond, _ = prompts
+    model = load_decoder(folder, "cpu", dtype)
+    before = {name: p.data_ptr() for name, p in model.named_parameters()}
+    config = EngineConfig(
+        device="cpu", dtype=dtype, page_size=PAGE, num_pages=64, relayout_weights=False
+    )
+    engine = LLMEngine(model, config)
+    engine.keep_context("ctx", cond)
+    hidden = run_block(engine, "s", "ctx", *block_rows(parts, len(cond)))
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == before
+    relaid = LLMEngine(load_decoder(folder, "cpu", dtype), replace(config, relayout_weights=True))
+    relaid.keep_context("ctx", cond)
+    expected = run_block(relaid, "s", "ctx", *block_rows(parts, len(cond)))
+    torch.testing.assert_close(hidden.float(), expected.float(), atol=0.05, rtol=0.02)
