@@ -64,16 +64,20 @@ class ARRole(ModelActor):
         self.backbone = await self._run(Backbone.load, opts, self.pool)
         self.config = self.backbone.config
         self.tokens = ImageTokens.from_tokenizer(self.backbone.tokenizer)
-        self.weights = self.backbone.where()
         self._ids = itertools.count()
         self.engine = self._engine(opts.kv_cache_mb << 20)
+        self.weights = self.backbone.where()  # as the engine runs them
         # A lease ends when diffusion lets go; the engine unlocks its pages at its next
         # step, so an idle engine is nudged while leases are open.
         self._reaper = asyncio.create_task(self._reap_leases())
 
     def _engine(self, kv_bytes: int) -> AsyncEngine:
         config = EngineConfig(
-            device=self.options.device, kv_cache_bytes=kv_bytes, share_kv=self.pool is not None
+            device=self.options.device,
+            kv_cache_bytes=kv_bytes,
+            share_kv=self.pool is not None,
+            # Shared weights stay in the pages diffusion maps too (no private re-layout).
+            relayout_weights=self.backbone.weights is None,
         )
         engine = LLMEngine(self.backbone.model, config, self.backbone.tokenizer, self.pool)
         return AsyncEngine(

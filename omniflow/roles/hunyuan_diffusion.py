@@ -52,13 +52,18 @@ class DiffusionRole(ModelActor):
         self.start_model_thread()
         self.backbone = await self._run(Backbone.load, self.options, self.pool)
         self.config = self.backbone.config
-        self.weights = self.backbone.where()
         self.engine = await self._run(self._engine, self.options.kv_cache_mb << 20)
+        self.weights = self.backbone.where()  # as the engine runs them
         self._ids = itertools.count()
         self.stats = {"rows_forwarded": 0, "prompt_rows_forwarded": 0, "requests": 0}
 
     def _engine(self, kv_bytes: int) -> LLMEngine:
-        config = EngineConfig(device=self.options.device, kv_cache_bytes=kv_bytes)
+        config = EngineConfig(
+            device=self.options.device,
+            kv_cache_bytes=kv_bytes,
+            # Shared weights stay in the pages ar maps too (no private re-layout).
+            relayout_weights=self.backbone.weights is None,
+        )
         return LLMEngine(self.backbone.model, config, self.backbone.tokenizer, self.pool)
 
     async def reserve(self, budget: MemoryBudget) -> None:
