@@ -2,7 +2,8 @@
 
 Input (from ar):
     kv_lease, kv_lease_uncond: dict     read-only leases on the cond and uncond context KV
-    grid: [h, w]; context_len: int; size: [width, height]
+    context_ids, uncond_ids: list[int]  the tokens they hold
+    grid: [h, w]; size: [width, height]
     params: seed, steps, cfg_scale (checked again here)
 Output:
     {"progress": {"step": k, "steps": n}}        one per step, to the client
@@ -11,35 +12,33 @@ Output:
 The context KV is borrowed, never recomputed: the engine keeps a context over the two
 leases, and each denoising step is one block step (the <timestep> row and the image rows,
 bidirectional among themselves, causal to the context) with the unconditional half paired
-in the same forward. Flow matching: shifted sigmas, Euler steps, noise from the seed (same
+in the same forward; concurrent requests' steps batch in the engine's steps. Flow matching: shifted sigmas, Euler steps, noise from the seed (same
 seed, same latent, same PNG). ``stats`` (published in the registry record, and per request
-in the usage) counts the rows this role's engine forwarded and how many were prompt rows:
-zero. The weights are the ones ``ar`` mapped: one copy in the host pool.
+in the usage: what the engine forwarded while the request ran) counts the rows forwarded
+and how many were prompt rows: zero. The weights are the ones ``ar`` mapped: one copy in the host pool.
 
 Options: ``HunyuanDiffusionOptions`` in roles/options.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import itertools
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Generator, Mapping
 from typing import Any
 
 import torch
 
 from omniflow.cache.kv_share import KVLeaseView
-from omniflow.engine import EngineConfig, Guidance, LLMEngine
-from omniflow.engine.denoise import denoise
+from omniflow.engine import AsyncEngine, EngineConfig, Guidance, LLMEngine
+from omniflow.engine.denoise import denoise_steps
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone
 from omniflow.roles.image_params import ImageParams, image_params
 from omniflow.roles.options import HunyuanDiffusionOptions
 from omniflow.runtime.actor import BadRequest, Context, MemoryBudget, Request
-
-Progress = Callable[[int, int], None]
+from omniflow.runtime.priority import lower_thread_priority
 
 
 class DiffusionRole(ModelActor):
@@ -52,26 +51,31 @@ class DiffusionRole(ModelActor):
         self.start_model_thread()
         self.backbone = await self._run(Backbone.load, self.options, self.pool)
         self.config = self.backbone.config
-        self.engine = await self._run(self._engine, self.options.kv_cache_mb << 20)
+        self.engine = self._engine(self.options.kv_cache_mb << 20)
         self.weights = self.backbone.where()  # as the engine runs them
         self._ids = itertools.count()
         self.stats = {"rows_forwarded": 0, "prompt_rows_forwarded": 0, "requests": 0}
 
-    def _engine(self, kv_bytes: int) -> LLMEngine:
+    def _engine(self, kv_bytes: int) -> AsyncEngine:
         config = EngineConfig(
             device=self.options.device,
             kv_cache_bytes=kv_bytes,
             # Shared weights stay in the pages ar maps too (no private re-layout).
             relayout_weights=self.backbone.weights is None,
         )
-        return LLMEngine(self.backbone.model, config, self.backbone.tokenizer, self.pool)
+        engine = LLMEngine(self.backbone.model, config, self.backbone.tokenizer, self.pool)
+        return AsyncEngine(
+            engine, thread_setup=functools.partial(lower_thread_priority, self.model_nice)
+        )
 
     async def reserve(self, budget: MemoryBudget) -> None:
         """Co-located with ar: the KV of the image rows takes at most this role's share."""
         if budget.bytes < self.options.kv_cache_mb << 20:
-            self.engine = await self._run(self._engine, max(budget.bytes, 1 << 20))
+            await self.engine.close()
+            self.engine = self._engine(max(budget.bytes, 1 << 20))
 
     async def close(self) -> None:
+        await self.engine.close()  # hands back the leases of contexts still kept
         await super().close()
         self.backbone.close()
 
@@ -85,25 +89,22 @@ class DiffusionRole(ModelActor):
         except BadRequest:
             self._give_back(request.data)
             raise
-        loop = asyncio.get_running_loop()
-        steps: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
-
-        def progress(step: int, total: int) -> None:
-            loop.call_soon_threadsafe(steps.put_nowait, (step, total))
-
         rid = f"{request.request_id}-{next(self._ids)}"
-        job = asyncio.ensure_future(
-            self._run(self._denoise, rid, inputs, tuple(grid), params, progress, stop)
-        )
-        job.add_done_callback(lambda _: loop.call_soon(steps.put_nowait, None))
-        job.add_done_callback(_retrieved)  # a cancelled request's stop error is expected
-        try:
-            while (item := await steps.get()) is not None:
-                yield {"progress": {"step": item[0], "steps": item[1]}}
-            latent, rows, prompt_rows = await job
-        finally:
-            stop.set()  # cancelled: the loop stops at the next step and lets the leases go
+        latent, before = None, (0, 0)
+        # aclosing: a cancelled request's loop ends at once, handing the leases back.
+        async with contextlib.aclosing(
+            self._denoise(rid, inputs, (grid[0], grid[1]), params)
+        ) as run:
+            async for step in run:
+                if isinstance(step, torch.Tensor):
+                    latent = step
+                elif step == 0:  # the context is kept: the counts start here
+                    before = await self.engine.call(self._counts)
+                else:
+                    yield {"progress": {"step": step, "steps": params.steps}}
+        assert latent is not None
+        after = await self.engine.call(self._counts)
+        rows, prompt_rows = (b - a for a, b in zip(before, after, strict=True))
         self.stats["rows_forwarded"] += rows
         self.stats["prompt_rows_forwarded"] += prompt_rows
         self.stats["requests"] += 1
@@ -148,33 +149,29 @@ class DiffusionRole(ModelActor):
             with contextlib.suppress(Exception):  # not a lease: nothing to give back
                 KVLeaseView(self.pool, data[key]).close()
 
-    def _denoise(
-        self,
-        rid: str,
-        inputs: tuple[Any, ...],
-        grid: tuple[int, int],
-        params: ImageParams,
-        progress: Progress,
-        stop: threading.Event,
-    ) -> tuple[torch.Tensor, int, int]:
-        """On the model thread: the whole loop over the borrowed context. Returns the latent,
-        the rows forwarded and how many of those were the context's (prompt) rows."""
-        engine = self.engine
+    def _counts(self) -> tuple[int, int]:
+        """On the engine thread: rows forwarded, and how many of them were prompt rows."""
+        stats = self.engine.backend.stats  # type: ignore[attr-defined]
+        return stats["rows_forwarded"], stats["prompt_tokens_computed"]
+
+    async def _denoise(
+        self, rid: str, inputs: tuple[Any, ...], grid: tuple[int, int], params: ImageParams
+    ) -> AsyncGenerator[int | torch.Tensor, None]:
+        """The loop over the borrowed context: yields 0 once it is kept, each step done, then
+        the latent.
+
+        The engine thread runs the block steps (those of concurrent requests batch in one
+        forward); the model thread the image parts around them (patch_embed, final_layer,
+        Euler), so the event loop computes nothing."""
         lease, uncond_lease, ids, uncond_ids = inputs
-        before = dict(engine.stats)
         context = f"{rid}-ctx"
         # The engine reads the lent pages in place; release() hands the leases back.
         guidance = Guidance(uncond_ids, params.cfg_scale, lease=uncond_lease, combine=False)
-        engine.keep_context(context, ids, guidance=guidance, lease=lease)
-
-        def report(step: int, steps: int) -> None:
-            if stop.is_set():  # the request was cancelled: stop here, let the leases go
-                raise RuntimeError(f"request {rid}: cancelled after step {step}")
-            progress(step, steps)
-
         try:
-            latent = denoise(
-                engine,
+            # Cancelled while this waits, the keep still runs first, then the release.
+            await self.engine.keep_context(context, ids, guidance=guidance, lease=lease)
+            yield 0
+            loop = denoise_steps(
                 self.backbone.parts,
                 context,
                 len(ids),
@@ -182,16 +179,23 @@ class DiffusionRole(ModelActor):
                 params.steps,
                 params.cfg_scale,
                 params.seed,
-                report,
                 self.options.shift,
             )
+            done, value = await self._run(_advance, loop, None)
+            while not done:
+                delta = await self.engine.block_step(*value[:5])
+                if delta.hidden is None:
+                    raise RuntimeError(f"request {rid}: step {value.step} ended bare")
+                yield value.step + 1
+                done, value = await self._run(_advance, loop, delta.hidden)
+            yield value.float().contiguous()
         finally:
-            engine.release(context)
-        rows = engine.stats["rows_forwarded"] - before["rows_forwarded"]
-        prompt_rows = engine.stats["prompt_tokens_computed"] - before["prompt_tokens_computed"]
-        return latent.float().contiguous(), rows, prompt_rows
+            self.engine.release(context)  # also when cancelled: the leases go back
 
 
-def _retrieved(job: asyncio.Future) -> None:
-    if not job.cancelled():
-        job.exception()
+def _advance(loop: Generator[Any, Any, Any], hidden: torch.Tensor | None) -> tuple[bool, Any]:
+    """The denoising loop's next block request (False, request), or its end (True, latent)."""
+    try:
+        return False, (next(loop) if hidden is None else loop.send(hidden))
+    except StopIteration as end:
+        return True, end.value

@@ -241,6 +241,31 @@ def test_a_request_that_expires_in_diffusions_queue_gives_its_leases_back(hunyua
     assert settled(state) == before
 
 
+def test_a_request_past_its_deadline_mid_loop_gives_its_leases_back(hunyuan):
+    state, _ = hunyuan
+    call(state, {"text": "warm"}, params=SMALL)
+    before = settled(state)
+    params = {**SMALL, "steps": 200, "size": "256x256"}
+
+    async def run():
+        conn = await omniflow.connect(run_dir=state["run_dir"])
+        try:
+            seen = []
+            with pytest.raises(omniflow.RequestFailed) as info:
+                async for event in conn.stream({"text": "too slow"}, params=params, timeout=2.0):
+                    seen.append(event)
+            return seen, info.value
+        finally:
+            await conn.close()
+
+    seen, failure = asyncio.run(run())
+    assert seen and all("progress" in event.data for event in seen)  # it was denoising
+    assert failure.code == "deadline"
+    assert settled(state) == before
+    outputs, _ = call(state, {"text": "a red cube"}, params=SMALL)  # and it serves on
+    assert png_of(outputs).startswith(b"\x89PNG")
+
+
 def settled(state, timeout: float = 20.0):
     """Pool usage once no lease is in flight (ar unlocks returned pages within a beat)."""
     until = time.monotonic() + timeout
