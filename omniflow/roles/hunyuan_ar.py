@@ -133,7 +133,7 @@ class ARRole(ModelActor):
         condition: list[int] = []
         spans: list[EmbeddingSpan] = []
         if image is not None:
-            pixels = self._image(image, params.size)
+            pixels = await self._run(self._image, image, params.size)  # decoding is compute
             condition, spans = await self._run(self._condition, pixels)
         ratios = list(self.tokens.ratios)
         if params.size is not None:  # the ratio token is the size's, not the model's pick
