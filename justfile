@@ -32,6 +32,7 @@ bench:
     {{python}} benchmarks/engine.py
     {{python}} benchmarks/pipeline.py
     {{python}} benchmarks/gateway.py
+    {{python}} benchmarks/diffusion.py
 
 # Lint, format check, types, and the import contracts in .importlinter.
 lint:

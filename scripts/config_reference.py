@@ -39,6 +39,9 @@ ROLES = [
     ("audio_encoder", "omniflow.roles.audio_encoder:AudioEncoderRole"),
     ("image_decoder", "omniflow.roles.image_decoder:ImageDecoderRole"),
     ("audio_decoder", "omniflow.roles.audio_decoder:AudioDecoderRole"),
+    ("ar", "omniflow.roles.hunyuan_ar:ARRole"),
+    ("diffusion", "omniflow.roles.hunyuan_diffusion:DiffusionRole"),
+    ("vae_decoder", "omniflow.roles.vae_decoder:VAEDecoderRole"),
     ("echo", "omniflow.roles.echo:Upper"),
 ]
 
@@ -86,7 +89,8 @@ def reference() -> str:
         table(
             "Every model role's `options`",
             options.WeightsOptions,
-            note="llm, vision_encoder, audio_encoder, image_decoder and audio_decoder.\n\n",
+            note="llm, vision_encoder, audio_encoder, image_decoder, audio_decoder, ar, diffusion\n"
+            "and vae_decoder.\n\n",
         ),
     ]
     for role, actor in ROLES:

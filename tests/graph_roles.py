@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from omniflow.runtime.actor import Actor
@@ -103,3 +105,15 @@ class CheckTensor(Actor):
         ptr = x.data_ptr()
         in_pool = pool is not None and pool.base <= ptr < pool.base + pool.size
         return {"sum": float(x.double().sum()), "in_pool": in_pool, "n": int(x.numel())}
+
+
+class AsksPeer(Actor):
+    """Names the pid its output will reach, before sending it (as a KV lender does)."""
+
+    async def handle(self, request, ctx):
+        return {"peer_pid": ctx.peer_pid(self.options["to"])}
+
+
+class SaysPid(Actor):
+    async def handle(self, request, ctx):
+        return {"peer_pid": request.data["peer_pid"], "pid": os.getpid()}

@@ -23,6 +23,7 @@ class OutputWriter:
         self._audio: list[bytes] = []
         self._rate = 0
         self._images = 0
+        self._steps: Any = None  # a StepCounter, once some output reports progress
 
     def add(self, event: Any) -> None:
         data = event.data
@@ -34,6 +35,12 @@ class OutputWriter:
                 "tensors": {k: list(v.shape) for k, v in event.tensors.items()},
             }
         )
+        if "progress" in data and self.echo:
+            if self._steps is None:
+                from omniflow.cli.progress import StepCounter
+
+                self._steps = StepCounter()
+            self._steps.update(data["progress"])
         if isinstance(data.get("text"), str):
             self.text += data["text"]
             if self.echo:
@@ -47,6 +54,8 @@ class OutputWriter:
             self._rate = int(data.get("sample_rate", 24000))
 
     def finish(self) -> None:
+        if self._steps is not None:
+            self._steps.done()
         if not self._audio:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -39,3 +39,29 @@ class StartProgress:
 
     def __exit__(self, *exc: object) -> None:
         self._progress.stop()
+
+
+class StepCounter:
+    """``denoising step k/n`` on one stderr line while a request runs, from the outputs whose
+    ``progress`` is ``{"step": k, "steps": n}`` (a diffusion role sends one per step)."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.shown = False
+
+    def update(self, progress: object) -> None:
+        if not isinstance(progress, dict):
+            return
+        step, steps = progress.get("step"), progress.get("steps")
+        if not isinstance(step, int) or not isinstance(steps, int):
+            return
+        what = str(progress.get("stage", "denoising"))
+        self.console.file.write(f"\r{what} step {step}/{steps}")
+        self.console.file.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        if self.shown:
+            self.console.file.write("\n")
+            self.console.file.flush()
+            self.shown = False

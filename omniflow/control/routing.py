@@ -163,6 +163,17 @@ class Fanout:
                 _merge(branch.data, data)
                 branch.tensors.update(tensors)
 
+    def peer(self, role: str) -> ActorRecord:
+        """The replica this request's outputs to ``role`` will reach, picked now (the branch
+        opens early): a role lending it something by pid (a KV lease) asks before sending."""
+        branch = self.branches.get(role)
+        if branch is None:
+            edges = [e for e in self.router.plan.out_edges.get(self.src, []) if e.dst == role]
+            if not edges:
+                raise RouteError(Code.ERROR, f"no edge from {self.src!r} to {role!r}")
+            branch = self._open(edges[0], None, {})
+        return branch.record
+
     def _branches_for(self, routes: list, data: Mapping[str, Any]) -> list[_Branch]:
         """The branch each route goes down, opened (replica picked) on first use."""
         joins = self._joins_for(routes, data)

@@ -140,6 +140,47 @@ class AudioDecoderOptions(WeightsOptions, kw_only=True):
     ] = 512
 
 
+class HunyuanAROptions(WeightsOptions, kw_only=True):
+    threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
+    kv_cache_mb: Annotated[
+        int, Meta(ge=1, description="KV MiB in the host pool (lent to diffusion)")
+    ] = 32
+    max_prompt_tokens: Annotated[int, Meta(ge=1, description="longest prompt accepted")] = 1024
+    recaption_tokens: Annotated[
+        int, Meta(ge=0, description="tokens of the AR recaption stage (0: none)")
+    ] = 0
+    max_image_bytes: Annotated[int, Meta(ge=1, description="largest condition image")] = 32 << 20
+    max_image_pixels: Annotated[
+        int, Meta(ge=1, description="larger condition images are refused before decoding")
+    ] = 64_000_000
+    max_image_tokens: Annotated[
+        int, Meta(ge=1, description="largest image (latent tokens) accepted")
+    ] = 1024
+    lend_to: Annotated[
+        str, Meta(min_length=1, description="the role the context KV is lent to")
+    ] = "diffusion"
+
+
+class HunyuanDiffusionOptions(WeightsOptions, kw_only=True):
+    threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
+    steps: Annotated[
+        int, Meta(ge=1, le=1000, description="denoising steps (a request's steps wins)")
+    ] = 8
+    max_steps: Annotated[int, Meta(ge=1, description="most steps a request may ask")] = 200
+    cfg_scale: Annotated[
+        float, Meta(ge=0, le=30, description="guidance scale (a request's cfg_scale wins)")
+    ] = 2.5
+    shift: Annotated[float, Meta(gt=0, description="flow-matching sigma shift")] = 3.0
+    kv_cache_mb: Annotated[int, Meta(ge=1, description="KV MiB for the image rows")] = 32
+
+
+class VAEDecoderOptions(WeightsOptions, kw_only=True):
+    threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
+    max_image_tokens: Annotated[int, Meta(ge=1, description="largest latent (tokens) accepted")] = (
+        1024
+    )
+
+
 class EchoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     fail_on: Annotated[str, Meta(description="raise for this text (tests)")] = ""
     crash_on: Annotated[str, Meta(description="exit the process for this text (tests)")] = ""
@@ -152,6 +193,9 @@ OPTIONS: dict[str, type[msgspec.Struct]] = {
     "omniflow.roles.llm:LLMRole": LLMOptions,
     "omniflow.roles.image_decoder:ImageDecoderRole": ImageDecoderOptions,
     "omniflow.roles.audio_decoder:AudioDecoderRole": AudioDecoderOptions,
+    "omniflow.roles.hunyuan_ar:ARRole": HunyuanAROptions,
+    "omniflow.roles.hunyuan_diffusion:DiffusionRole": HunyuanDiffusionOptions,
+    "omniflow.roles.vae_decoder:VAEDecoderRole": VAEDecoderOptions,
     "omniflow.roles.echo:Upper": EchoOptions,
     "omniflow.roles.echo:Reverse": EchoOptions,
 }
@@ -201,6 +245,23 @@ class ImageDecoderParams(
     steps: Annotated[int, Meta(ge=1, le=200, description="Euler steps (default: the option)")] = 4
 
 
+class TextToImageParams(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """HunyuanImage-3's `ar` and `diffusion` (ranges checked by roles/image_params.py)."""
+
+    want: Annotated[str | list[str], Meta(description="image (the only output made)")] = "image"
+    seed: Annotated[int, Meta(ge=0, description="noise seed: same seed, same PNG bytes")] = 0
+    steps: Annotated[
+        int, Meta(ge=1, description="denoising steps, up to diffusion's max_steps option")
+    ] = 8
+    cfg_scale: Annotated[float, Meta(ge=0, le=30, description="guidance scale")] = 2.5
+    size: Annotated[
+        str | list[int],
+        Meta(description='"WxH" in pixels (multiples of 16) or "auto" (the AR step picks)'),
+    ] = "auto"
+
+
 class EchoParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     delay_ms: Annotated[float, Meta(ge=0, description="sleep this long in each role")] = 0.0
 
@@ -218,6 +279,9 @@ PARAMS: dict[str, type[msgspec.Struct]] = {
     "omniflow.roles.echo:Upper": EchoParams,
     "omniflow.roles.echo:Reverse": EchoParams,
     "omniflow.roles.gateway:Gateway": NoParams,
+    "omniflow.roles.hunyuan_ar:ARRole": TextToImageParams,
+    "omniflow.roles.hunyuan_diffusion:DiffusionRole": TextToImageParams,
+    "omniflow.roles.vae_decoder:VAEDecoderRole": NoParams,
 }
 
 

@@ -90,6 +90,7 @@ class Context:
         self._cancelled: asyncio.Event | None = None
         self.usage: dict[str, int] = {}
         self.held: list[Any] = []
+        self._peer: Any = None  # role -> the ActorRecord its outputs go to (the host's Fanout)
 
     @property
     def cancelled(self) -> asyncio.Event:
@@ -105,6 +106,13 @@ class Context:
     async def emit(self, output: Mapping[str, Any]) -> None:
         """Send one output onward now, as a yield from an async-generator handler would."""
         await self._sink(output)
+
+    def peer_pid(self, role: str) -> int:
+        """The pid of the ``role`` replica this request's outputs will go to, chosen now:
+        what a lease for that process (``lend_kv_to``) names as its borrower."""
+        if self._peer is None:
+            raise RuntimeError(f"request {self.request_id}: no route to {role!r} from here")
+        return int(self._peer(role).pid)
 
     def hold(self, lease: Any) -> None:
         """Keep a page-pool lease (from ``pool.empty``) until this request's outputs are sent.
@@ -157,6 +165,11 @@ class Actor:
 
     async def handle(self, request: Request, ctx: Context) -> Any:
         raise NotImplementedError(f"{type(self).__name__}.handle is not written")
+
+    def discard(self, data: Mapping[str, Any]) -> None:
+        """A request that will never reach ``handle`` (refused, expired or cancelled while
+        queued): give back what its ``data`` holds for this process (a KV lease lent to it).
+        Runs on the event loop; must not block."""
 
     async def close(self) -> None:
         """Release what ``setup`` took; called after in-flight requests drained."""

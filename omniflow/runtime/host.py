@@ -145,6 +145,7 @@ class ActorHost:
                     message = f"request id {call.request_id!r} already ended at {self.role}"
                     return self._reject(call, Code.BAD_REQUEST, message)
                 release_tensors(call.tensors.values())
+                self._discard(call)
                 return  # a late chunk of a request that already ended here
             if not self.accepting:
                 return self._reject(call, Code.SHUTTING_DOWN, f"{self.role} is shutting down")
@@ -180,7 +181,7 @@ class ActorHost:
         if ctx is None:
             fanout = Fanout(self.router, self.role, call)
             ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, None)
-            ctx._sink = fanout.output
+            ctx._sink, ctx._peer = fanout.output, fanout.peer
         assert fanout is not None
         stream = Stream(call, fanout, ctx)
         self._streams[key] = stream
@@ -235,6 +236,7 @@ class ActorHost:
         dropped = self._joins.drop(rid)
         for call in dropped:
             release_tensors(call.tensors.values())
+            self._discard(call)
         if dropped:
             self._unhold(rid)
         for key, stream in list(self._streams.items()):
@@ -261,6 +263,7 @@ class ActorHost:
         arrived = time.time()
         fanout = Fanout(self.router, self.role, call)
         ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, fanout.output)
+        ctx._peer = fanout.peer
         started = time.perf_counter()
         try:
             tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
@@ -305,6 +308,7 @@ class ActorHost:
         a ``Stream`` and run ``then(stream, *args)`` (a Task only if that suspends)."""
         stream = self._open(call, key, fanout, ctx)
         stream.arrived = arrived
+        stream.handled = True  # it started inline
         self._account(stream, call)
         self._start(stream, then(stream, *args))
 
@@ -442,6 +446,7 @@ class ActorHost:
 
     async def _handle_chunk(self, stream: Stream, call: Call, parts: list[Any]) -> None:
         self._account(stream, call)
+        stream.handled = True
         tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
         request = Request(
             call.request_id, call.data, tensors, call.params, call.session, call.seq, call.last
@@ -498,6 +503,7 @@ class ActorHost:
 
     def _reject(self, call: Call, code: Code, message: str) -> None:
         release_tensors(call.tensors.values())
+        self._discard(call)
         fail = Fail(code.value, message, self.role, call.request_id)
         try:
             self.router.outbox.post(call.reply_to, [encode(fail)])
@@ -515,9 +521,17 @@ class ActorHost:
         except Exception:
             pass
 
+    def _discard(self, call: Call) -> None:
+        try:
+            self.actor.discard(call.data)
+        except Exception:
+            log.exception("%s: discarding request %s failed", self.role, call.request_id)
+
     def _close(self, stream: Stream) -> None:
         # Outputs that reuse an input's block were shared onward before this release.
         _release_inputs(stream.refs, stream.ctx)
+        if not stream.handled:  # expired or cancelled while it waited for a slot
+            self._discard(stream.call)
         stream.refs = []
         while stream.queue is not None and not stream.queue.empty():  # chunks never handled
             call, _ = stream.queue.get_nowait()
@@ -567,6 +581,7 @@ class ActorHost:
         for call in self._joins.expire(now):
             if call.request_id in failed:
                 release_tensors(call.tensors.values())
+                self._discard(call)
                 continue
             failed.add(call.request_id)
             self._unhold(call.request_id)

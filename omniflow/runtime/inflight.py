@@ -38,6 +38,7 @@ class Stream:
         "expired",
         "finishing",
         "overflowed",
+        "handled",
     )
 
     def __init__(self, call: Call, fanout: Fanout, ctx: Context) -> None:
@@ -56,6 +57,7 @@ class Stream:
         self.expired = False  # cancelled by the deadline sweep
         self.finishing = False
         self.overflowed = False  # cancelled: more chunks waited than the bound
+        self.handled = False  # a chunk reached the handler (else: discard its input)
 
 
 class Slots:

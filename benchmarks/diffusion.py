@@ -1,0 +1,251 @@
+"""The HunyuanImage-3 pipeline on the tiny model: denoising steps over a reused prefix, CFG
+batched, one weight copy across ar and diffusion, end-to-end t2i against separate stages.
+
+A 256-token prompt and 256 image tokens (16 x 16 at the tiny model's base size), random
+weights (the images are noise). Prints the CPU it ran on, then a JSON object last:
+  step_ms_reuse            one guided denoising step (block step of 257 rows, cond + uncond)
+                           over the prompt's KV computed once and kept
+  step_ms_recompute        the same step computing the prompt's KV with it (no reuse)
+  cfg_batched_ms           that step with cond and uncond paired in one forward
+  cfg_sequential_ms        the same two halves as two forwards, one after the other
+  weights_mb_two_roles     backbone bytes resident in ar + diffusion of a real deployment:
+                           tensors that resolve (/proc/<pid>/maps) to the same shared file and
+                           offset count once, the rest per process
+  weights_mb_one_role      the backbone bytes one role holds alone
+  t2i_s                    one t2i request (8 steps) through the deployment, warm
+  t2i_separate_stages_s    the same work as separate stages in one process, each with its own
+                           weights and cache: AR picks the ratio over the prompt; the DiT stage
+                           computes the prompt again, then the same 8 steps; the VAE decodes
+Subject and baseline run interleaved (A B A B ...); each figure is a median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import platform
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import emit, median, scratch_dir, short_run_root  # noqa: E402
+
+import omniflow  # noqa: E402
+from omniflow.cache.mappings import mapping_at  # noqa: E402
+from omniflow.control.discovery import list_actors  # noqa: E402
+from omniflow.engine import Guidance, LLMEngine, SamplingParams  # noqa: E402
+from omniflow.engine.denoise import denoise  # noqa: E402
+from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
+from omniflow.models.flow_matching import initial_noise  # noqa: E402
+from omniflow.models.hunyuan_image3_parts import load_image_parts  # noqa: E402
+from omniflow.models.hunyuan_image3_tokens import (  # noqa: E402
+    ImageTokens,
+    context_ids,
+    image_block,
+    unconditional_ids,
+)
+from omniflow.models.loader import load_decoder, load_tokenizer  # noqa: E402
+from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3  # noqa: E402
+from omniflow.runtime.config import parse  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_TOKENS = 256
+GRID = (16, 16)  # 256 image tokens
+STEPS = 8
+CFG = 2.5
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+class Stages:
+    """The model as a separate-stage pipeline runs it: each stage its own weights and
+    engine (cache), nothing shared between them."""
+
+    def __init__(self, folder: Path) -> None:
+        self.ar = LLMEngine(load_decoder(folder, "cpu"), EngineConfig(device="cpu"))
+        self.dit = LLMEngine(load_decoder(folder, "cpu"), EngineConfig(device="cpu"))
+        self.parts = load_image_parts(folder)
+        self.tokens = ImageTokens.from_tokenizer(load_tokenizer(folder))
+        self.base = self.dit.model.config.image_base_size
+        self.runs = 0
+
+    @torch.inference_mode()
+    def t2i(self, prompt: list[int], seed: int) -> bytes:
+        self.runs += 1
+        rid = f"r{self.runs}"
+        cond = context_ids(self.tokens, prompt, self.base, 0)
+        # AR stage: the prompt through its own engine, one step for the ratio token.
+        self.ar.add_request(rid, cond[:-1], SamplingParams(max_tokens=1, temperature=0.0))
+        self.ar.run_to_completion()
+        uncond = context_ids(self.tokens, unconditional_ids(self.tokens, prompt), self.base, 0)
+        # DiT stage: its own engine computes the contexts again, then denoises.
+        self.dit.keep_context(rid, cond, guidance=Guidance(uncond, CFG, combine=False))
+        latent = denoise(self.dit, self.parts, rid, len(cond), GRID, STEPS, CFG, seed)
+        self.dit.release(rid)
+        rgb = self.parts.decode_image(latent)
+        buffer = io.BytesIO()  # the PNG, as vae_decoder writes it
+        Image.fromarray(rgb.numpy()).save(buffer, format="PNG", compress_level=1)
+        return buffer.getvalue()
+
+
+def rows_of(parts, latent: torch.Tensor, t: float) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.cat([parts.timestep_row(t), parts.image_rows(latent, t)])
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1000
+
+
+def step_figures(folder: Path, prompt: list[int], rounds: int) -> dict[str, float]:
+    """A guided step over a kept prefix, over a recomputed one; CFG paired, sequential."""
+    parts = load_image_parts(folder)
+    tokens = ImageTokens.from_tokenizer(load_tokenizer(folder))
+    base = parts.config.image_base_size
+    cond = context_ids(tokens, prompt, base, 0)
+    uncond = context_ids(tokens, unconditional_ids(tokens, prompt), base, 0)
+    model = load_decoder(folder, "cpu")
+    engine = LLMEngine(model, EngineConfig(device="cpu"))
+    fresh = LLMEngine(model, EngineConfig(device="cpu", enable_prefix_caching=False))
+    rows = rows_of(parts, initial_noise((parts.config.latent_channels, *GRID), 0), 500.0)
+    positions = image_block(len(cond), GRID).positions
+    engine.keep_context("pair", cond, guidance=Guidance(uncond, CFG, combine=False))
+    engine.keep_context("cond", cond)
+    engine.keep_context("uncond", uncond)
+    counter = iter(range(1 << 30))
+
+    def step(engine: LLMEngine, context: str) -> None:
+        engine.block_step(f"s{next(counter)}", context, rows, positions, 1)  # as denoise
+        engine.run_to_completion()
+
+    def recompute() -> None:
+        name = f"c{next(counter)}"
+        fresh.keep_context(name, cond, guidance=Guidance(uncond, CFG, combine=False))
+        step(fresh, name)
+        fresh.release(name)
+
+    def sequential() -> None:
+        step(engine, "cond")
+        step(engine, "uncond")
+
+    for context in ("pair", "cond", "uncond"):
+        step(engine, context)  # computes each kept prefix once
+    recompute()  # warm-up
+    reuse, again, paired, apart = [], [], [], []
+    for _ in range(rounds):
+        reuse.append(timed(lambda: step(engine, "pair")))
+        again.append(timed(recompute))
+        paired.append(timed(lambda: step(engine, "pair")))
+        apart.append(timed(sequential))
+    return {
+        "step_ms_reuse": median(reuse),
+        "step_ms_recompute": median(again),
+        "cfg_batched_ms": median(paired),
+        "cfg_sequential_ms": median(apart),
+    }
+
+
+def weight_figures(records: dict) -> tuple[float, float]:
+    """Backbone MB resident in ar + diffusion (a shared page counted once), and in one role."""
+    seen, total = set(), 0
+    for role in ("ar", "diffusion"):
+        record = records[role]
+        for address, nbytes in record.meta["weights"]["tensors"]:
+            where = mapping_at(address, record.pid)
+            key = (where.path, where.offset) if where.path.startswith("/dev/shm/") else None
+            if key is None or key not in seen:
+                total += nbytes
+            if key is not None:
+                seen.add(key)
+    one = records["ar"].meta["weights"]["bytes"]
+    return total / 2**20, one / 2**20
+
+
+async def deployment_figures(work: Path, stages: Stages, prompt_text: str, rounds: int) -> dict:
+    raw = tomllib.loads((ROOT / "configs" / "hunyuan_image3.toml").read_text())
+    raw.pop("gateway", None)
+    for role in raw["roles"].values():
+        role["options"]["model_path"] = str(work / "model")
+        # The separate stages run at normal priority in this process: so do the roles'
+        # model threads here (a deployment lowers them below its event loops by default).
+        role["options"]["model_nice"] = 0
+    raw["roles"]["diffusion"]["options"]["steps"] = STEPS
+    config = parse(raw)
+    params = {"size": f"{GRID[1] * 16}x{GRID[0] * 16}", "seed": 3, "cfg_scale": CFG}
+    async with omniflow.Runtime(config) as rt:
+        assert rt.client is not None
+        records = {r.role: r for r in await list_actors(rt.client.registry, config.name)}
+        two, one = weight_figures(records)
+        prompt = load_tokenizer(work / "model").encode(prompt_text, add_special_tokens=False)
+        await rt.call({"text": prompt_text}, params=params, timeout=300)  # warm-up
+        stages.t2i(prompt, 3)
+        served, separate = [], []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            await rt.call({"text": prompt_text}, params=params, timeout=300)
+            served.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await asyncio.to_thread(stages.t2i, prompt, 3)
+            separate.append(time.perf_counter() - start)
+    return {
+        "weights_mb_two_roles": two,
+        "weights_mb_one_role": one,
+        "t2i_s": median(served),
+        "t2i_separate_stages_s": median(separate),
+    }
+
+
+def prompt_text(folder: Path) -> str:
+    """A text of exactly PROMPT_TOKENS tokens for the tiny tokenizer."""
+    tokenizer = load_tokenizer(folder)
+    words = "a red cube on a wooden table under soft light".split()
+    text, n = "", 0
+    while n < PROMPT_TOKENS:
+        text = " ".join(words[i % len(words)] for i in range(n + 1))
+        n = len(tokenizer.encode(text, add_special_tokens=False))
+    ids = tokenizer.encode(text, add_special_tokens=False)[:PROMPT_TOKENS]
+    return tokenizer.decode(ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"cpu: {cpu_name()}; torch threads {torch.get_num_threads()}", flush=True)
+    short_run_root()
+    work = scratch_dir("ofb-hy-")
+    build_tiny_hunyuan_image3(work / "model", 0)
+    text = prompt_text(work / "model")
+    prompt = load_tokenizer(work / "model").encode(text, add_special_tokens=False)
+    print(f"prompt: {len(prompt)} tokens, image: {GRID[0] * GRID[1]} tokens", flush=True)
+    result = step_figures(work / "model", prompt, 3 * args.rounds)  # cheap: more rounds
+    stages = Stages(work / "model")
+    result |= asyncio.run(deployment_figures(work, stages, text, args.rounds))
+    result = {k: round(v, 3) for k, v in result.items()}
+    result["cpu"] = cpu_name()
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()

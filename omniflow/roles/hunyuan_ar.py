@@ -1,0 +1,276 @@
+"""``ar`` role of the HunyuanImage-3 pipeline: prompt → context KV, lent to ``diffusion``.
+
+Input (from the client):
+    data["text"]: str                       the prompt
+    data["image"]: bytes (optional)         a condition image (ti2i): PNG, JPEG, ...
+    params: seed, steps, cfg_scale, size ("WxH" in pixels or "auto")  checked here first
+Output (to diffusion):
+    kv_lease, kv_lease_uncond: dict         read-only leases on the cond and uncond context KV
+    context_ids, uncond_ids: list[int]      the tokens each lease holds
+    grid: [h, w]                            image tokens to make
+    size: [width, height]                   pixels
+
+Everything runs in the engine over the backbone weights this role maps from the host pool
+(the diffusion role maps the same pages). The context is
+
+    <bos> [condition image: <timestep> + clean latent rows, ViT rows] prompt [recaption]
+    <boi> <img_size> <img_ratio>
+
+With size "auto" the ratio token is the one AR step's pick among the 33 ratio tokens
+(sampling restricted to them); a given size fixes it. The unconditional context replaces
+the text by as many ``<cfg>`` tokens. Both are computed once and lent (``lend_kv_to``) to
+the diffusion replica this request goes to: diffusion never recomputes them.
+
+Options: ``HunyuanAROptions`` in roles/options.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import io
+import itertools
+from typing import Any
+
+import msgspec
+import torch
+from PIL import Image
+
+from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
+from omniflow.engine.hunyuan_prompt import condition_image_prompt
+from omniflow.models.hunyuan_image3_tokens import (
+    ImageTokens,
+    context_ids,
+    grid_of_ratio,
+    ratio_of_size,
+    unconditional_ids,
+)
+from omniflow.roles.base import ModelActor
+from omniflow.roles.hunyuan_backbone import Backbone
+from omniflow.roles.image_params import image_params
+from omniflow.roles.options import HunyuanAROptions
+from omniflow.runtime.actor import BadRequest, Context, MemoryBudget, Request
+from omniflow.runtime.priority import lower_thread_priority
+
+
+class ARRole(ModelActor):
+    Options = HunyuanAROptions
+    options: HunyuanAROptions
+
+    async def setup(self) -> None:
+        opts = self.options
+        self.start_model_thread()
+        self.backbone = await self._run(Backbone.load, opts, self.pool)
+        self.config = self.backbone.config
+        self.tokens = ImageTokens.from_tokenizer(self.backbone.tokenizer)
+        self._ids = itertools.count()
+        self.engine = self._engine(opts.kv_cache_mb << 20)
+        self.weights = self.backbone.where()  # as the engine runs them
+        # A lease ends when diffusion lets go; the engine unlocks its pages at its next
+        # step, so an idle engine is nudged while leases are open.
+        self._reaper = asyncio.create_task(self._reap_leases())
+
+    def _engine(self, kv_bytes: int) -> AsyncEngine:
+        config = EngineConfig(
+            device=self.options.device,
+            kv_cache_bytes=kv_bytes,
+            share_kv=self.pool is not None,
+            # Shared weights stay in the pages diffusion maps too (no private re-layout).
+            relayout_weights=self.backbone.weights is None,
+        )
+        engine = LLMEngine(self.backbone.model, config, self.backbone.tokenizer, self.pool)
+        return AsyncEngine(
+            engine, thread_setup=functools.partial(lower_thread_priority, self.model_nice)
+        )
+
+    async def reserve(self, budget: MemoryBudget) -> None:
+        """Co-located with diffusion: the KV takes at most this role's share of memory."""
+        wanted = self.options.kv_cache_mb << 20
+        if budget.bytes < wanted:
+            await self.engine.close()
+            self.engine = self._engine(max(budget.bytes, 1 << 20))
+
+    async def _reap_leases(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            book = self.engine.backend.leases  # type: ignore[attr-defined]
+            if book is not None and book.open:
+                await self.engine.call(lambda: None)  # a step follows, which reaps
+
+    async def close(self) -> None:
+        self._reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reaper
+        await self.engine.close()
+        await super().close()
+        self.backbone.close()  # after the engine: nothing reads the weights any more
+
+    def meta(self) -> dict[str, Any]:
+        weights = getattr(self, "weights", None)
+        return {} if weights is None else {"weights": weights}
+
+    async def handle(self, request: Request, ctx: Context):
+        opts = self.options
+        text = request.data.get("text", "")
+        if not isinstance(text, str) or not text:
+            raise BadRequest("text", f"expected a non-empty string, got {text!r}")
+        want = request.params.get("want", "image")
+        if want not in ("image", ["image"]):
+            raise BadRequest("want", f"this pipeline makes images only, got {want!r}")
+        per = self.config.pixels_per_token
+        params = image_params(
+            request.params,
+            steps=1,
+            max_steps=None,  # diffusion owns the steps' range; the type is checked here
+            cfg_scale=0.0,
+            pixels_per_token=per,
+            max_tokens=opts.max_image_tokens,
+        )
+        prompt = self.backbone.tokenizer.encode(text, add_special_tokens=False)
+        if len(prompt) > opts.max_prompt_tokens:
+            raise BadRequest(
+                "text", f"{len(prompt)} tokens exceeds the limit of {opts.max_prompt_tokens}"
+            )
+        image = request.data.get("image")
+        condition: list[int] = []
+        spans: list[EmbeddingSpan] = []
+        if image is not None:
+            pixels = await self._run(self._image, image, params.size)  # decoding is compute
+            condition, spans = await self._run(self._condition, pixels)
+        ratios = list(self.tokens.ratios)
+        if params.size is not None:  # the ratio token is the size's, not the model's pick
+            width, height = params.size
+            ratios = [ratios[ratio_of_size(self.config, height, width)]]
+        rid = f"{request.request_id}-{next(self._ids)}"
+        borrower = ctx.peer_pid(opts.lend_to)  # the replica this request goes to next
+        lease = None
+        try:
+            text_ids = list(prompt)
+            if opts.recaption_tokens:
+                text_ids += await self._recaption(rid, condition + text_ids, spans)
+            base = self.config.image_base_size
+            cond = context_ids(self.tokens, condition + text_ids, base, 0)[:-1]
+            lease, ratio_id = await self._lend_context(rid, cond, spans, borrower, ratios)
+            ratio = self.tokens.ratios.index(ratio_id)
+            uncond_text = unconditional_ids(self.tokens, text_ids)
+            uncond = context_ids(self.tokens, condition + uncond_text, base, ratio)
+            uncond_lease = await self._lend(f"{rid}-u", uncond, spans, borrower)
+        except BaseException as e:
+            if lease is not None:  # lent, never to be delivered: the borrower's refs go
+                self._revoke(lease, borrower)
+            if isinstance(e, ValueError):  # the engine refused the request (length, ...)
+                raise BadRequest("text", str(e)) from None
+            raise
+        if params.size is None:
+            grid = grid_of_ratio(self.config, ratio)
+        else:
+            grid = (params.size[1] // per, params.size[0] // per)
+        ctx.add_usage(prompt_tokens=len(cond) + 1, ar_rows_forwarded=len(cond) + 1 + len(uncond))
+        yield {
+            "kv_lease": msgspec.to_builtins(lease),
+            "kv_lease_uncond": msgspec.to_builtins(uncond_lease),
+            "grid": list(grid),
+            "context_ids": [*cond, self.tokens.ratios[ratio]],
+            "uncond_ids": uncond,
+            "size": [grid[1] * per, grid[0] * per],
+            "ratio": ratio,
+        }
+
+    async def _lend_context(
+        self,
+        rid: str,
+        prompt: list[int],
+        spans: list[EmbeddingSpan],
+        borrower: int,
+        ratios: list[int],
+    ) -> tuple[Any, int]:
+        """The cond context: the prompt up to <img_size>, one AR step that picks the ratio
+        token among ``ratios``, then that token run and the whole context's KV leased to
+        ``borrower``. Returns the lease and the ratio token's id."""
+        pick = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=ratios)
+        ratio = None
+        try:
+            async for delta in self.engine.generate(
+                f"{rid}-c", prompt, pick, spans or None, keep=True
+            ):
+                ratio = delta.token_ids[-1] if delta.token_ids else ratio
+            if ratio is None:
+                raise RuntimeError(f"request {rid}: the ratio step made no token")
+            # Its one sampled token never runs: the lease covers the context with the ratio.
+            lease = await self._lend(f"{rid}-l", [], [], borrower, continue_from=f"{rid}-c")
+        finally:
+            self.engine.release(f"{rid}-c")  # a no-op once the continuation took it
+        return lease, ratio
+
+    def _revoke(self, lease: Any, borrower: int) -> None:
+        assert self.pool is not None
+        for ref in (lease.keys, lease.values, lease.tail):
+            self.pool.release(ref.lease, borrower)
+
+    async def _lend(
+        self,
+        rid: str,
+        prompt: list[int],
+        spans: list[EmbeddingSpan],
+        borrower: int,
+        continue_from: str | None = None,
+    ) -> Any:
+        """Compute a context (or the rest of a kept one) and lease its KV to ``borrower``."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        lease = None
+        async for delta in self.engine.generate(
+            rid, prompt, params, spans or None, lend_kv_to=borrower, continue_from=continue_from
+        ):
+            if delta.kv_lease is not None:
+                lease = delta.kv_lease
+        if lease is None:
+            raise RuntimeError(f"request {rid}: the engine finished without a KV lease")
+        return lease
+
+    async def _recaption(
+        self, rid: str, prompt: list[int], spans: list[EmbeddingSpan]
+    ) -> list[int]:
+        """The optional AR stage before the image: greedy text that extends the prompt."""
+        params = SamplingParams(
+            max_tokens=self.options.recaption_tokens, temperature=0.0, ignore_eos=True
+        )
+        ids: list[int] = []
+        context = [self.tokens.bos, *prompt]
+        async for delta in self.engine.generate(f"{rid}-r", context, params, spans or None):
+            ids += delta.token_ids
+        special = set(self.tokens.ratios) | set(self.tokens.sizes.values())
+        special |= {self.tokens.boi, self.tokens.eoi, self.tokens.img, self.tokens.cfg}
+        return [t for t in ids if t not in special and t != self.tokens.timestep]
+
+    def _image(self, data: Any, size: tuple[int, int] | None) -> torch.Tensor:
+        """The condition image, decoded and resized: RGB uint8 [H, W, 3]."""
+        if not isinstance(data, bytes) or not data:
+            raise BadRequest("image", "expected the bytes of an image file")
+        if len(data) > self.options.max_image_bytes:
+            raise BadRequest("image", f"{len(data)} bytes exceeds the limit (max_image_bytes)")
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                if img.width * img.height > self.options.max_image_pixels:
+                    raise BadRequest(
+                        "image", f"{img.width}x{img.height} exceeds the limit (max_image_pixels)"
+                    )
+                per = self.config.pixels_per_token
+                if size is None:  # the ratio grid nearest the image's own shape
+                    ratio = ratio_of_size(self.config, img.height, img.width)
+                    h, w = grid_of_ratio(self.config, ratio)
+                    size = (w * per, h * per)
+                rgb = img.convert("RGB").resize(size, Image.Resampling.BICUBIC)
+        except BadRequest:
+            raise
+        except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for a bad file
+            raise BadRequest("image", f"cannot decode the image: {type(e).__name__}: {e}") from None
+        return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(
+            rgb.height, rgb.width, 3
+        )
+
+    def _condition(self, pixels: torch.Tensor) -> tuple[list[int], list[EmbeddingSpan]]:
+        """A condition image's ids and rows right after <bos>: its clean latent (time 0, 2D
+        positions) and its ViT rows, keyed by content in the prefix cache."""
+        with torch.inference_mode():
+            return condition_image_prompt(self.backbone.parts, self.tokens, pixels, start=1)

@@ -1,0 +1,84 @@
+"""The HunyuanImage-3 backbone as the ``ar`` and ``diffusion`` roles hold it: one copy.
+
+The first of the two processes to load copies the backbone's tensors into the deployment's
+host page pool; the other maps the same pages (cache/weights.py). ``where()`` says which
+shared file and offset they lie in, read from /proc/self/maps (published in the replica's
+registry record, so a test or an operator can compare the two processes' mappings).
+
+``build_tiny``: the three roles of a deployment start at once and build one folder; a lock
+file next to it lets one build while the others wait.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from omniflow.cache import PagePool
+from omniflow.cache.mappings import address_of, mapping_of
+from omniflow.cache.weights import SharedWeights
+from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts, load_image_parts
+from omniflow.models.loader import load_decoder, load_tokenizer
+from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.roles.options import WeightsOptions
+
+_WEIGHTS = ("model.safetensors.index.json", "model.safetensors")
+
+
+def ensure_tiny(path: str | Path, seed: int) -> None:
+    """Build the tiny model in ``path`` unless it is there (one builder at a time)."""
+    folder = Path(path)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the kernel drops it if the builder dies
+        if not any((folder / name).is_file() for name in _WEIGHTS):  # written last
+            build_tiny_hunyuan_image3(folder, seed)
+
+
+def image_parts(opts: WeightsOptions) -> HunyuanImage3Parts:
+    if opts.build_tiny:
+        ensure_tiny(opts.model_path, opts.seed)
+    return load_image_parts(opts.model_path, opts.device)
+
+
+@dataclass
+class Backbone:
+    model: Any  # HunyuanImage3LM, its tensors views of the pool (or private without one)
+    tokenizer: Any
+    parts: HunyuanImage3Parts
+    weights: SharedWeights | None
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @classmethod
+    def load(cls, opts: WeightsOptions, pool: PagePool | None) -> Backbone:
+        parts = image_parts(opts)
+        path = Path(opts.model_path)
+        shared = pool is not None and opts.device == "cpu"
+        weights = SharedWeights(pool, path) if shared and pool is not None else None
+        place = None if weights is None else cast(Any, weights.place)  # a WeightPlacer
+        model = load_decoder(path, opts.device, place=place)
+        return cls(model, load_tokenizer(path), parts, weights)
+
+    def where(self) -> dict[str, Any]:
+        """Where the backbone's tensors lie in this process: each one's [address, bytes] (a
+        test or an operator resolves them in /proc/<pid>/maps), the first one's mapping as
+        this process sees it, the total bytes, and whether this process loaded the copy."""
+        tensors = [t for t in self.model.parameters() if t.numel()]
+        found = mapping_of(tensors[0])
+        return {
+            "tensors": [[address_of(t), t.numel() * t.element_size()] for t in tensors],
+            "path": found.path,
+            "offset": found.offset,
+            "bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "loaded": self.weights is None or self.weights.created,
+        }
+
+    def close(self) -> None:
+        if self.weights is not None:
+            self.weights.close()
+            self.weights = None

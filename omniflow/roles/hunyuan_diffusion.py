@@ -1,0 +1,201 @@
+"""``diffusion`` role of the HunyuanImage-3 pipeline: the denoising loop on the backbone.
+
+Input (from ar):
+    kv_lease, kv_lease_uncond: dict     read-only leases on the cond and uncond context KV
+    context_ids, uncond_ids: list[int]  the tokens they hold
+    grid: [h, w]; size: [width, height]
+    params: seed, steps, cfg_scale (checked again here)
+Output:
+    {"progress": {"step": k, "steps": n}}        one per step, to the client
+    {"latent": float32 [C, h*p, w*p], "size": [width, height]}     to vae_decoder
+
+The context KV is borrowed, never recomputed: the engine keeps a context over the two
+leases, and each denoising step is one block step (the <timestep> row and the image rows,
+bidirectional among themselves, causal to the context) with the unconditional half paired
+in the same forward; concurrent requests' steps batch in the engine's steps. Flow matching: shifted sigmas, Euler steps, noise from the seed (same
+seed, same latent, same PNG). ``stats`` (published in the registry record, and per request
+in the usage: what the engine forwarded while the request ran) counts the rows forwarded
+and how many were prompt rows: zero. The weights are the ones ``ar`` mapped: one copy in the host pool.
+
+Options: ``HunyuanDiffusionOptions`` in roles/options.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import AsyncGenerator, Generator, Mapping
+from typing import Any
+
+import torch
+
+from omniflow.cache.kv_share import KVLeaseView
+from omniflow.engine import AsyncEngine, EngineConfig, Guidance, LLMEngine
+from omniflow.engine.denoise import denoise_steps
+from omniflow.roles.base import ModelActor
+from omniflow.roles.hunyuan_backbone import Backbone
+from omniflow.roles.image_params import ImageParams, image_params
+from omniflow.roles.options import HunyuanDiffusionOptions
+from omniflow.runtime.actor import BadRequest, Context, MemoryBudget, Request
+from omniflow.runtime.priority import lower_thread_priority
+
+
+class DiffusionRole(ModelActor):
+    Options = HunyuanDiffusionOptions
+    options: HunyuanDiffusionOptions
+
+    async def setup(self) -> None:
+        if self.pool is None:
+            raise RuntimeError("the diffusion role borrows KV from the host page pool: none given")
+        self.start_model_thread()
+        self.backbone = await self._run(Backbone.load, self.options, self.pool)
+        self.config = self.backbone.config
+        self.engine = self._engine(self.options.kv_cache_mb << 20)
+        self.weights = self.backbone.where()  # as the engine runs them
+        self._ids = itertools.count()
+        self.stats = {"rows_forwarded": 0, "prompt_rows_forwarded": 0, "requests": 0}
+
+    def _engine(self, kv_bytes: int) -> AsyncEngine:
+        config = EngineConfig(
+            device=self.options.device,
+            kv_cache_bytes=kv_bytes,
+            # Shared weights stay in the pages ar maps too (no private re-layout).
+            relayout_weights=self.backbone.weights is None,
+        )
+        engine = LLMEngine(self.backbone.model, config, self.backbone.tokenizer, self.pool)
+        return AsyncEngine(
+            engine, thread_setup=functools.partial(lower_thread_priority, self.model_nice)
+        )
+
+    async def reserve(self, budget: MemoryBudget) -> None:
+        """Co-located with ar: the KV of the image rows takes at most this role's share."""
+        if budget.bytes < self.options.kv_cache_mb << 20:
+            await self.engine.close()
+            self.engine = self._engine(max(budget.bytes, 1 << 20))
+
+    async def close(self) -> None:
+        await self.engine.close()  # hands back the leases of contexts still kept
+        await super().close()
+        self.backbone.close()
+
+    def meta(self) -> dict[str, Any]:
+        weights = getattr(self, "weights", None)
+        return {} if weights is None else {"weights": weights, "stats": dict(self.stats)}
+
+    async def handle(self, request: Request, ctx: Context):
+        try:
+            params, grid, inputs = self._checked(request)
+        except BadRequest:
+            self._give_back(request.data)
+            raise
+        rid = f"{request.request_id}-{next(self._ids)}"
+        latent, before = None, (0, 0)
+        # aclosing: a cancelled request's loop ends at once, handing the leases back.
+        async with contextlib.aclosing(
+            self._denoise(rid, inputs, (grid[0], grid[1]), params)
+        ) as run:
+            async for step in run:
+                if isinstance(step, torch.Tensor):
+                    latent = step
+                elif step == 0:  # the context is kept: the counts start here
+                    before = await self.engine.call(self._counts)
+                else:
+                    yield {"progress": {"step": step, "steps": params.steps}}
+        assert latent is not None
+        after = await self.engine.call(self._counts)
+        rows, prompt_rows = (b - a for a, b in zip(before, after, strict=True))
+        self.stats["rows_forwarded"] += rows
+        self.stats["prompt_rows_forwarded"] += prompt_rows
+        self.stats["requests"] += 1
+        ctx.add_usage(diffusion_rows_forwarded=rows, diffusion_prompt_rows_forwarded=prompt_rows)
+        per = self.config.pixels_per_token
+        yield {"latent": latent, "size": [grid[1] * per, grid[0] * per]}
+
+    def _checked(self, request: Request) -> tuple[ImageParams, list[int], tuple[Any, ...]]:
+        opts = self.options
+        params = image_params(
+            request.params,
+            steps=opts.steps,
+            max_steps=opts.max_steps,
+            cfg_scale=opts.cfg_scale,
+            pixels_per_token=self.config.pixels_per_token,
+            max_tokens=1 << 30,  # ar checked the size; the grid is checked below
+        )
+        grid = request.data.get("grid")
+        if not (
+            isinstance(grid, list)
+            and len(grid) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in grid)
+        ):
+            raise BadRequest("grid", f"expected [h, w] of positive integers, got {grid!r}")
+        inputs = tuple(request.data.get(k) for k in ("kv_lease", "kv_lease_uncond"))
+        inputs += tuple(request.data.get(k) for k in ("context_ids", "uncond_ids"))
+        if not all(isinstance(lease, dict) for lease in inputs[:2]) or not all(
+            isinstance(ids, list) for ids in inputs[2:]
+        ):
+            raise BadRequest("kv_lease", "expected the cond and uncond KV leases and their ids")
+        return params, grid, inputs
+
+    def discard(self, data: Mapping[str, Any]) -> None:
+        """A request that never reached handle (expired or cancelled in the queue)."""
+        self._give_back(data)
+
+    def _give_back(self, data: Mapping[str, Any]) -> None:
+        """A refused request's leases, dropped at once: the lender unlocks its pages."""
+        if self.pool is None:
+            return
+        for key in ("kv_lease", "kv_lease_uncond"):
+            with contextlib.suppress(Exception):  # not a lease: nothing to give back
+                KVLeaseView(self.pool, data[key]).close()
+
+    def _counts(self) -> tuple[int, int]:
+        """On the engine thread: rows forwarded, and how many of them were prompt rows."""
+        stats = self.engine.backend.stats  # type: ignore[attr-defined]
+        return stats["rows_forwarded"], stats["prompt_tokens_computed"]
+
+    async def _denoise(
+        self, rid: str, inputs: tuple[Any, ...], grid: tuple[int, int], params: ImageParams
+    ) -> AsyncGenerator[int | torch.Tensor, None]:
+        """The loop over the borrowed context: yields 0 once it is kept, each step done, then
+        the latent.
+
+        The engine thread runs the block steps (those of concurrent requests batch in one
+        forward); the model thread the image parts around them (patch_embed, final_layer,
+        Euler), so the event loop computes nothing."""
+        lease, uncond_lease, ids, uncond_ids = inputs
+        context = f"{rid}-ctx"
+        # The engine reads the lent pages in place; release() hands the leases back.
+        guidance = Guidance(uncond_ids, params.cfg_scale, lease=uncond_lease, combine=False)
+        try:
+            # Cancelled while this waits, the keep still runs first, then the release.
+            await self.engine.keep_context(context, ids, guidance=guidance, lease=lease)
+            yield 0
+            loop = denoise_steps(
+                self.backbone.parts,
+                context,
+                len(ids),
+                grid,
+                params.steps,
+                params.cfg_scale,
+                params.seed,
+                self.options.shift,
+            )
+            done, value = await self._run(_advance, loop, None)
+            while not done:
+                delta = await self.engine.block_step(*value[:5])
+                if delta.hidden is None:
+                    raise RuntimeError(f"request {rid}: step {value.step} ended bare")
+                yield value.step + 1
+                done, value = await self._run(_advance, loop, delta.hidden)
+            yield value.float().contiguous()
+        finally:
+            self.engine.release(context)  # also when cancelled: the leases go back
+
+
+def _advance(loop: Generator[Any, Any, Any], hidden: torch.Tensor | None) -> tuple[bool, Any]:
+    """The denoising loop's next block request (False, request), or its end (True, latent)."""
+    try:
+        return False, (next(loop) if hidden is None else loop.send(hidden))
+    except StopIteration as end:
+        return True, end.value
