@@ -124,7 +124,9 @@ case "${OMNIFLOW_SGLANG:-}" in
       die "the SGLang CPU install replaced torch with a CUDA build"
     echo "setup: sglang (CPU, no kernels) installed in $((SECONDS - SGLANG_START))s"
     ;;
-  gpu) "$VPY" -m pip install -q --disable-pip-version-check -e ".[sglang]" ;;
+  gpu)
+    "$VPY" -m pip install -q --disable-pip-version-check -e ".[sglang]"
+    ;;
   *) die "OMNIFLOW_SGLANG must be cpu or gpu, not ${OMNIFLOW_SGLANG}" ;;
 esac
 # Build the CPU kernels now rather than in the first engine that wants them.

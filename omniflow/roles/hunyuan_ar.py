@@ -49,13 +49,14 @@ from omniflow.models.hunyuan_image3_tokens import (
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone
 from omniflow.roles.image_params import image_params
-from omniflow.roles.options import HunyuanAROptions
+from omniflow.roles.options import HunyuanAROptions, TextToImageParams
 from omniflow.runtime.actor import BadRequest, Context, MemoryBudget, Request
 from omniflow.runtime.priority import lower_thread_priority
 
 
 class ARRole(ModelActor):
     Options = HunyuanAROptions
+    Params = TextToImageParams
     options: HunyuanAROptions
 
     async def setup(self) -> None:

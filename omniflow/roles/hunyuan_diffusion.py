@@ -36,13 +36,14 @@ from omniflow.engine.denoise import denoise_steps
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone
 from omniflow.roles.image_params import ImageParams, image_params
-from omniflow.roles.options import HunyuanDiffusionOptions
+from omniflow.roles.options import HunyuanDiffusionOptions, TextToImageParams
 from omniflow.runtime.actor import BadRequest, Context, MemoryBudget, Request
 from omniflow.runtime.priority import lower_thread_priority
 
 
 class DiffusionRole(ModelActor):
     Options = HunyuanDiffusionOptions
+    Params = TextToImageParams
     options: HunyuanDiffusionOptions
 
     async def setup(self) -> None:

@@ -22,12 +22,13 @@ from PIL import Image
 
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import image_parts
-from omniflow.roles.options import VAEDecoderOptions
+from omniflow.roles.options import NoParams, VAEDecoderOptions
 from omniflow.runtime.actor import BadRequest, Context, Request
 
 
 class VAEDecoderRole(ModelActor):
     Options = VAEDecoderOptions
+    Params = NoParams
     options: VAEDecoderOptions
 
     async def setup(self) -> None:

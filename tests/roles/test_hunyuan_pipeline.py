@@ -246,13 +246,20 @@ def test_a_request_past_its_deadline_mid_loop_gives_its_leases_back(hunyuan):
     call(state, {"text": "warm"}, params=SMALL)
     before = settled(state)
     params = {**SMALL, "steps": 200, "size": "256x256"}
+    # A deadline a quarter of the way through the 200 steps, from 10 of them timed here:
+    # the request is denoising when it passes, however fast this machine is today.
+    started = time.monotonic()
+    call(state, {"text": "timing"}, params={**params, "steps": 10})
+    deadline_s = max(0.5, (time.monotonic() - started) * 5)
 
     async def run():
         conn = await omniflow.connect(run_dir=state["run_dir"])
         try:
             seen = []
             with pytest.raises(omniflow.RequestFailed) as info:
-                async for event in conn.stream({"text": "too slow"}, params=params, timeout=2.0):
+                async for event in conn.stream(
+                    {"text": "too slow"}, params=params, timeout=deadline_s
+                ):
                     seen.append(event)
             return seen, info.value
         finally:
