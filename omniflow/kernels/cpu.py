@@ -30,7 +30,20 @@ log = logging.getLogger(__name__)
 
 # The kernels' shared header; the library is built from every .c file beside it.
 SOURCE = Path(__file__).with_name("cpu_kernels.h")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC"]
+# -ffast-math's parts, not the flag: with -ffast-math (or -funsafe-math-optimizations) GCC
+# links crtfastmath.o, whose constructor turns on flush-to-zero and denormals-are-zero for
+# the whole process that loads the library (torch and every Python float included).
+FAST_MATH = [
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-freciprocal-math",
+    "-ffinite-math-only",
+    "-fno-rounding-math",
+    "-fcx-limited-range",
+]
+FLAGS = ["-O3", "-march=native", "-fopenmp", *FAST_MATH, "-shared", "-fPIC"]
 ENV_SWITCH = "OMNIFLOW_CPU_KERNELS"
 MAX_HEAD_DIM = 512  # the rotary kernel's per-head buffer
 # What CpuKernels.decode_layers reads of each layer, in order (decode_layers.c: L_NORM ...).

@@ -37,7 +37,7 @@
 
 typedef uint16_t bf16;
 
-/* A large finite stand-in for -inf (the library is built with -ffast-math). */
+/* A large finite stand-in for -inf (the library is built with -ffinite-math-only). */
 #define MASKED (-1e30f)
 
 static inline float bf2f(bf16 h)

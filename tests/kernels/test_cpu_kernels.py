@@ -29,6 +29,17 @@ def bf16_randn(*shape, seed=0, scale=1.0):
 
 
 @needs_kernels
+def test_loading_the_kernels_leaves_subnormal_floats_alone():
+    """The library must not switch the process to flush-to-zero / denormals-are-zero (as
+    GCC's crtfastmath.o does when it links with -ffast-math): torch and Python floats in
+    the same process would lose their subnormals."""
+    tiny = 5e-324  # the smallest subnormal double
+    assert tiny * 1.0 > 0.0 and tiny / 2.0 == 0.0
+    subnormal = torch.tensor([1e-40], dtype=torch.float32)
+    assert (subnormal * 1.0).item() > 0.0
+
+
+@needs_kernels
 def test_add_rms_norm_adds_in_place_and_rounds_as_transformers():
     # 300 rows of 512: above the size where the rows are split across threads.
     x, delta = bf16_randn(300, 512, seed=1), bf16_randn(300, 512, seed=2)
