@@ -92,9 +92,10 @@ class DiffusionRole(ModelActor):
             raise
         rid = f"{request.request_id}-{next(self._ids)}"
         latent, before = None, (0, 0)
+        mine = [0]  # rows this request's block steps forwarded (cond and uncond halves)
         # aclosing: a cancelled request's loop ends at once, handing the leases back.
         async with contextlib.aclosing(
-            self._denoise(rid, inputs, (grid[0], grid[1]), params)
+            self._denoise(rid, inputs, (grid[0], grid[1]), params, mine)
         ) as run:
             async for step in run:
                 if isinstance(step, torch.Tensor):
@@ -105,11 +106,13 @@ class DiffusionRole(ModelActor):
                     yield {"progress": {"step": step, "steps": params.steps}}
         assert latent is not None
         after = await self.engine.call(self._counts)
+        # The engine's counts over this request's life (concurrent requests' rows too): any
+        # prompt row forwarded by anyone meanwhile shows, so 0 proves none was.
         rows, prompt_rows = (b - a for a, b in zip(before, after, strict=True))
-        self.stats["rows_forwarded"] += rows
+        self.stats["rows_forwarded"] += mine[0]
         self.stats["prompt_rows_forwarded"] += prompt_rows
         self.stats["requests"] += 1
-        ctx.add_usage(diffusion_rows_forwarded=rows, diffusion_prompt_rows_forwarded=prompt_rows)
+        ctx.add_usage(diffusion_rows_forwarded=mine[0], diffusion_prompt_rows_forwarded=prompt_rows)
         per = self.config.pixels_per_token
         yield {"latent": latent, "size": [grid[1] * per, grid[0] * per]}
 
@@ -156,7 +159,12 @@ class DiffusionRole(ModelActor):
         return stats["rows_forwarded"], stats["prompt_tokens_computed"]
 
     async def _denoise(
-        self, rid: str, inputs: tuple[Any, ...], grid: tuple[int, int], params: ImageParams
+        self,
+        rid: str,
+        inputs: tuple[Any, ...],
+        grid: tuple[int, int],
+        params: ImageParams,
+        rows: list[int],
     ) -> AsyncGenerator[int | torch.Tensor, None]:
         """The loop over the borrowed context: yields 0 once it is kept, each step done, then
         the latent.
@@ -185,6 +193,7 @@ class DiffusionRole(ModelActor):
             done, value = await self._run(_advance, loop, None)
             while not done:
                 delta = await self.engine.block_step(*value[:5])
+                rows[0] += 2 * len(value.rows)  # both halves run the rows
                 if delta.hidden is None:
                     raise RuntimeError(f"request {rid}: step {value.step} ended bare")
                 yield value.step + 1
