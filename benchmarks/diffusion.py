@@ -2,7 +2,7 @@
 batched, one weight copy across ar and diffusion, end-to-end t2i against separate stages.
 
 A 256-token prompt and 256 image tokens (16 x 16 at the tiny model's base size), random
-weights (the images are noise). Prints the CPU it ran on, then a JSON object last:
+weights (the images are noise), by default at widths where compute fills a step (`--width`). Prints the CPU it ran on, then a JSON object last:
   step_ms_reuse            one guided denoising step (block step of 257 rows, cond + uncond)
                            over the prompt's KV computed once and kept
   step_ms_recompute        the same step computing the prompt's KV with it (no reuse)
@@ -62,6 +62,22 @@ PROMPT_TOKENS = 256
 GRID = (16, 16)  # 256 image tokens
 STEPS = 8
 CFG = 2.5
+
+
+# Config overrides of the tiny model family (models/tiny_hunyuan_image3.py).
+WIDTHS: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "wide": {
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "attention_head_dim": 64,
+        "num_experts": 8,
+    },
+}
 
 
 def cpu_name() -> str:
@@ -230,12 +246,20 @@ def prompt_text(folder: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--width",
+        choices=sorted(WIDTHS),
+        default="wide",
+        help="wide (default): the tiny family at widths where the model's compute, not "
+        "Python's per-op overhead, fills a step; tiny: the shipped config's 64-wide model",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"cpu: {cpu_name()}; torch threads {torch.get_num_threads()}", flush=True)
     short_run_root()
     work = scratch_dir("ofb-hy-")
-    build_tiny_hunyuan_image3(work / "model", 0)
+    build_tiny_hunyuan_image3(work / "model", 0, **WIDTHS[args.width])
+    print(f"model: {args.width} {WIDTHS[args.width] or '(the shipped tiny config)'}", flush=True)
     text = prompt_text(work / "model")
     prompt = load_tokenizer(work / "model").encode(text, add_special_tokens=False)
     print(f"prompt: {len(prompt)} tokens, image: {GRID[0] * GRID[1]} tokens", flush=True)
@@ -244,6 +268,7 @@ def main() -> None:
     result |= asyncio.run(deployment_figures(work, stages, text, args.rounds))
     result = {k: round(v, 3) for k, v in result.items()}
     result["cpu"] = cpu_name()
+    result["width"] = args.width
     emit(result)
 
 
