@@ -40,6 +40,7 @@ class _StreamState:
 class AudioDecoderRole(ModelActor):
     Options = AudioDecoderOptions
     Params = NoParams
+    Makes = ("audio",)
     options: AudioDecoderOptions
 
     async def setup(self) -> None:

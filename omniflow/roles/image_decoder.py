@@ -33,6 +33,7 @@ _MAX_CFG_SCALE = 30.0
 class ImageDecoderRole(ModelActor):
     Options = ImageDecoderOptions
     Params = ImageDecoderParams
+    Makes = ("image",)
     options: ImageDecoderOptions
 
     async def setup(self) -> None:

@@ -117,6 +117,7 @@ class _Session:
 class LLMRole(ModelActor):
     Options = LLMOptions
     Params = LLMParams
+    Makes = ("text",)
     options: LLMOptions
 
     async def setup(self) -> None:

@@ -285,6 +285,15 @@ PARAMS: dict[str, type[msgspec.Struct]] = {
 }
 
 
+# The outputs each shipped role makes (the gateway offers those modalities).
+MAKES: dict[str, tuple[str, ...]] = {
+    "omniflow.roles.llm:LLMRole": ("text",),
+    "omniflow.roles.image_decoder:ImageDecoderRole": ("image",),
+    "omniflow.roles.audio_decoder:AudioDecoderRole": ("audio",),
+    "omniflow.roles.vae_decoder:VAEDecoderRole": ("image",),
+}
+
+
 def read_params(schema: type[S], params: Mapping[str, Any]) -> S:
     """The keys of ``params`` that ``schema`` declares, checked (type and range).
 

@@ -29,6 +29,7 @@ from omniflow.runtime.actor import BadRequest, Context, Request
 class VAEDecoderRole(ModelActor):
     Options = VAEDecoderOptions
     Params = NoParams
+    Makes = ("image",)
     options: VAEDecoderOptions
 
     async def setup(self) -> None:

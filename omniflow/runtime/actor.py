@@ -146,6 +146,10 @@ class Actor:
     eager = False  # start single-chunk handlers in the socket reader (see the module doc)
     Options: ClassVar[Any] = None  # a msgspec Struct type for the options table; None: any
     Params: ClassVar[Any] = None  # a msgspec Struct of the request params it reads; None: any
+    # The outputs it makes ("text", "image", "audio"): the gateway serves those modalities
+    # (and /v1/images/generations) only where a role of the deployment makes them (a
+    # deployment where no role says: text alone).
+    Makes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, role: str, replica: int, options: Mapping[str, Any] | None = None) -> None:
         self.role = role

@@ -32,23 +32,25 @@ def load_actor_class(path: str) -> type[Actor]:
 
 def options_type(path: str) -> Any:
     """The msgspec Struct that ``path``'s actor takes as options, or None for any table."""
-    module = path.partition(":")[0]
-    package = module.rpartition(".")[0]
-    if package:
-        try:
-            listed = importlib.util.find_spec(f"{package}.options") is not None
-        except ImportError:
-            listed = False
-        if listed:
-            found = getattr(_import(f"{package}.options"), "OPTIONS", {}).get(path)
-            if found is not None:
-                return found
-    return load_actor_class(path).Options
+    return _declared(path, "OPTIONS", "Options")
 
 
 def params_type(path: str) -> Any:
     """The msgspec Struct of the request parameters ``path``'s actor reads (``PARAMS`` in
     ``<package>.options``, else the class's ``Params``), or None: it declares none."""
+    return _declared(path, "PARAMS", "Params")
+
+
+def makes_of(path: str) -> tuple[str, ...]:
+    """The outputs ``path``'s actor makes ("text", "image", "audio"): ``MAKES`` in
+    ``<package>.options``, else the class's ``Makes``."""
+    return tuple(_declared(path, "MAKES", "Makes") or ())
+
+
+def _declared(path: str, table: str, attribute: str) -> Any:
+    """``table[path]`` in the actor's ``<package>.options`` module where it lists the actor
+    (no import of the actor's own module: the shipped roles' torch stays out of the CLI and
+    the gateway), else the actor class's ``attribute``."""
     module = path.partition(":")[0]
     package = module.rpartition(".")[0]
     if package:
@@ -57,10 +59,10 @@ def params_type(path: str) -> Any:
         except ImportError:
             listed = False
         if listed:
-            found = getattr(_import(f"{package}.options"), "PARAMS", {}).get(path)
+            found = getattr(_import(f"{package}.options"), table, {}).get(path)
             if found is not None:
                 return found
-    return load_actor_class(path).Params
+    return getattr(load_actor_class(path), attribute)
 
 
 def _import(module: str) -> ModuleType:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from omniflow.roles.options import PARAMS, EchoParams, LLMParams, read_params
+from omniflow.roles.options import MAKES, PARAMS, EchoParams, LLMParams, read_params
 from omniflow.runtime.actor import BadRequest
-from omniflow.runtime.loading import load_actor_class, params_type
+from omniflow.runtime.loading import load_actor_class, makes_of, params_type
 from tests.roles.test_options import _shipped_actors
 
 
@@ -15,6 +15,11 @@ def test_the_listed_params_are_what_each_role_declares():
         assert load_actor_class(path).Params is struct, path
     for path, cls in _shipped_actors().items():
         assert params_type(path) is cls.Params, path
+
+
+def test_the_listed_outputs_are_what_each_role_declares():
+    for path, cls in _shipped_actors().items():
+        assert makes_of(path) == cls.Makes == MAKES.get(path, ()), path
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ from omniflow.roles.gateway.schema import (
 )
 from omniflow.runtime.client import Client, Output, RequestFailed, Result
 from omniflow.runtime.config import Config, GatewayConfig
-from omniflow.runtime.loading import params_type
+from omniflow.runtime.loading import makes_of, params_type
 
 _STATUS = {
     "bad_request": 400,
@@ -75,7 +75,9 @@ class GatewayApp:
         self._limit = int(options.max_body_mb * 2**20)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
-        self.makes = {k for k in ("image", "audio") if f"{k}_decoder" in config.roles}
+        self.makes = {kind for role in config.roles.values() for kind in makes_of(role.actor)}
+        if not self.makes:  # no role says what it makes (custom roles): text, as ever
+            self.makes = {"text"}
         self._first_roles = {e.dst for e in client.router.plan.edges if e.src == _INPUT}
         self._params = _declared_params(config)
         self._routes = {
@@ -202,7 +204,7 @@ class GatewayApp:
         self._check_model(req.model)
         session = req.session or req.user or ""
         inputs, want = chat_inputs(req, session, self.options.allow_local_paths)
-        for kind in want[1:] if want[0] == "text" else want:
+        for kind in want:
             if kind not in self.makes:
                 raise ApiError(400, f"this deployment makes no {kind}", "modalities")
         self._check_params(req.params)
@@ -329,7 +331,9 @@ class GatewayApp:
         self._check_model(req.model)
         if "image" not in self.makes:
             raise ApiError(400, f"{self.name} makes no images", "model")
-        params = image_params(req)
+        # A pipeline whose roles read `size` takes it as given ("WxH" or "auto"; they check
+        # it); others get it as longcat's token grid.
+        params = image_params(req, sized=self._params is not None and "size" in self._params)
         self._admit()
         self._first_hops_live({"text": req.prompt}, params)
         started = time.perf_counter()

@@ -233,15 +233,24 @@ def chat_params(req: ChatRequest, want: list[str]) -> dict[str, Any]:
     return params
 
 
-def image_params(req: ImageRequest) -> dict[str, Any]:
-    """``size`` ("WxH", multiples of 32) as longcat's token grid, and the sampling knobs."""
+def image_params(req: ImageRequest, sized: bool = False) -> dict[str, Any]:
+    """The sampling knobs, and ``size``: passed on as is where the roles read ``size``
+    (``sized``), else ("WxH", multiples of 32) as longcat's token grid."""
+    params: dict[str, Any] = {"want": "image"}
+    if sized:
+        params["size"] = req.size
+        return _knobs(req, params)
     match = re.fullmatch(r"(\d+)x(\d+)", req.size)
     if not match or int(match.group(1)) % 32 or int(match.group(2)) % 32:
         raise ApiError(400, f"expected WIDTHxHEIGHT in multiples of 32, got {req.size!r}", "size")
     width, height = int(match.group(1)) // 32, int(match.group(2)) // 32
     if not (1 <= width <= 32 and 1 <= height <= 32):
         raise ApiError(400, "each side must be 32..1024 pixels", "size")
-    params: dict[str, Any] = {"want": "image", "image_grid": [height, width]}
+    params["image_grid"] = [height, width]
+    return _knobs(req, params)
+
+
+def _knobs(req: ImageRequest, params: dict[str, Any]) -> dict[str, Any]:
     if req.seed is not None:
         params["seed"] = req.seed
     if req.num_inference_steps is not None:
