@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from omniflow.models.decoder import AttentionFn, DecoderLM, RMSNorm, SwiGLU, causal_attention
+from omniflow.models.decoder import (
+    Attention,
+    AttentionFn,
+    DecoderLM,
+    RMSNorm,
+    SwiGLU,
+    causal_attention,
+)
+from omniflow.models.decoder_config import DecoderConfig
 from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
 from omniflow.models.mla_config import MLAConfig
 from omniflow.models.moe import MoE
@@ -65,19 +73,11 @@ class Rotary2D(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-class QKNormAttention(nn.Module):
+class QKNormAttention(Attention):
+    """Llama's attention with RMSNorm on each query and key head, after rotary."""
+
     def __init__(self, config: HunyuanImage3Config, layer_index: int):
-        super().__init__()
-        self.layer_index = layer_index
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        super().__init__(cast(DecoderConfig, config), layer_index)
         self.query_layernorm: RMSNorm | None = None
         self.key_layernorm: RMSNorm | None = None
         if config.use_qk_norm:
