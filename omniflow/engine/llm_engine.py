@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,9 +385,6 @@ class LLMEngine:
         steps read the lent pages in place (rows_forwarded counts their rows alone), and
         `release` or `close` hands the lease back. prompt_token_ids must be the lent
         tokens (as many as the lease holds); embeddings do not apply to a lent half."""
-        self._check_unused(context_id)
-        self._check_served(context_id, block_steps=True)
-        params = SamplingParams(max_tokens=1)
         uncond_lease = None if guidance is None else guidance.lease
         halves = [(context_id, prompt_token_ids, embeddings, lease)]
         if guidance is not None:
@@ -398,15 +396,19 @@ class LLMEngine:
                     uncond_lease,
                 )
             )
-        checked = []
-        for rid, tokens, spans, half_lease in halves:
-            if half_lease is None:
-                checked.append(self._checked(rid, None, tokens, spans, params))
-            else:  # lent: the tokens take none of this engine's pages
-                checked.append((checked_tokens(rid, tokens, self.limits), []))
+        params = SamplingParams(max_tokens=1)
         views: list[KVLeaseView | None] = []
-        try:
+        try:  # refused, every lease given goes back (none is left for `release` to free)
+            self._check_unused(context_id)
+            self._check_served(context_id, block_steps=True)
+            checked = []
+            for rid, tokens, spans, half_lease in halves:
+                if half_lease is None:
+                    checked.append(self._checked(rid, None, tokens, spans, params))
+                else:  # lent: the tokens take none of this engine's pages
+                    checked.append((checked_tokens(rid, tokens, self.limits), []))
             for (rid, _, spans, half_lease), (tokens, _) in zip(halves, checked, strict=True):
+                # _open_lease closes what it opened if it refuses it
                 views.append(None if half_lease is None else self._open_lease(rid, half_lease))
                 if half_lease is not None and spans:
                     raise ValueError(f"request {rid}: embeddings do not apply to a lent prompt")
@@ -416,10 +418,11 @@ class LLMEngine:
                         f"request {rid}: lease holds {view.lease.num_tokens} tokens, "
                         f"prompt_token_ids {len(tokens)}"
                     )
-        except ValueError:
+        except BaseException:
             for view in views:
                 if view is not None:
                     view.close()
+            self._give_back([half[3] for half in halves[len(views) :]])
             raise
         tokens, spans = checked[0]
         sequence = Sequence(context_id, [] if views[0] else tokens, params, spans)
@@ -436,6 +439,15 @@ class LLMEngine:
             if member is not None:
                 member.status = SequenceStatus.KEPT
         self.kept[context_id] = sequence
+
+    def _give_back(self, leases: list[KVLease | dict | None]) -> None:
+        """Leases never opened here, handed back unread (the lender unlocks the pages)."""
+        if self.kv_pool is None:
+            return
+        for lease in leases:
+            if lease is not None:
+                with contextlib.suppress(Exception):  # not a lease of this pool: nothing held
+                    KVLeaseView(self.kv_pool, lease).close()
 
     def _open_lease(self, request_id: str, lease: KVLease | dict) -> KVLeaseView:
         """A view of lent K/V, checked against this engine's cache layout."""

@@ -178,6 +178,24 @@ def test_a_lease_that_does_not_fit_is_refused_and_handed_back(folder, prompts, p
     lender.close()
 
 
+def test_a_context_refused_before_its_leases_are_read_hands_them_back(folder, prompts, pool):
+    start = pool.stats()
+    cond, uncond = prompts
+    lender = engine_for(folder, pool, share=True)
+    borrower = engine_for(folder, pool)
+    borrower.keep_context("ctx", cond)  # the id is taken
+    leases = [lend_prompt(lender, rid, p) for rid, p in (("c", cond), ("u", uncond))]
+    guidance = Guidance(uncond, 4.0, combine=False, lease=leases[1])
+    with pytest.raises(ValueError, match="ctx"):
+        borrower.keep_context("ctx", cond, guidance=guidance, lease=leases[0])
+    lender.step()  # both leases were given back unread: the lender frees their pages
+    assert lender.allocator.usage().free_pages == lender.allocator.usage().total_pages
+    borrower.release("ctx")
+    lender.close()
+    borrower.close()
+    assert pool.stats() == start
+
+
 def test_2d_positions_matter_and_text_positions_are_diagonal(folder, parts, prompts):
     cond, _ = prompts
     engine = engine_for(folder)
