@@ -144,8 +144,7 @@ class ActorHost:
                 if call.seq == 0:  # not a late chunk: a first chunk again (a replay)
                     message = f"request id {call.request_id!r} already ended at {self.role}"
                     return self._reject(call, Code.BAD_REQUEST, message)
-                release_tensors(call.tensors.values())
-                self._discard(call)
+                self._drop(call)
                 return  # a late chunk of a request that already ended here
             if not self.accepting:
                 return self._reject(call, Code.SHUTTING_DOWN, f"{self.role} is shutting down")
@@ -168,7 +167,7 @@ class ActorHost:
             stream.task = asyncio.create_task(self._run_stream(stream))
         assert stream.queue is not None, "a single-chunk request got a second chunk"
         if stream.queue.qsize() >= self._max_chunks or stream.overflowed:
-            release_tensors(call.tensors.values())
+            self._drop(call)
             if not stream.overflowed and stream.task is not None:
                 stream.overflowed = True
                 _cancel_soon(stream.task)  # fails it as overloaded (_failed)
@@ -214,7 +213,7 @@ class ActorHost:
         rid = call.request_id
         if not self._joins.holds(rid):
             if rid in self._refused_joins:  # a later part of a request refused here
-                release_tensors(call.tensors.values())
+                self._drop(call)
                 return
             # Waiting parts count against the same bound as requests in flight: a flood
             # of parts whose partners are slow is refused at once, not buffered.
@@ -235,8 +234,7 @@ class ActorHost:
         rid = cancel.request_id
         dropped = self._joins.drop(rid)
         for call in dropped:
-            release_tensors(call.tensors.values())
-            self._discard(call)
+            self._drop(call)
         if dropped:
             self._unhold(rid)
         for key, stream in list(self._streams.items()):
@@ -502,8 +500,7 @@ class ActorHost:
             log.warning("%s: could not deliver the failure of %s", self.role, call.request_id)
 
     def _reject(self, call: Call, code: Code, message: str) -> None:
-        release_tensors(call.tensors.values())
-        self._discard(call)
+        self._drop(call)
         fail = Fail(code.value, message, self.role, call.request_id)
         try:
             self.router.outbox.post(call.reply_to, [encode(fail)])
@@ -521,6 +518,12 @@ class ActorHost:
         except Exception:
             pass
 
+    def _drop(self, call: Call) -> None:
+        """A call that never reaches the handler: its tensors go back, and the actor gives
+        back what its data holds (``Actor.discard``: leases, say)."""
+        release_tensors(call.tensors.values())
+        self._discard(call)
+
     def _discard(self, call: Call) -> None:
         try:
             self.actor.discard(call.data)
@@ -535,7 +538,7 @@ class ActorHost:
         stream.refs = []
         while stream.queue is not None and not stream.queue.empty():  # chunks never handled
             call, _ = stream.queue.get_nowait()
-            release_tensors(call.tensors.values())
+            self._drop(call)
         key = (stream.call.request_id, stream.call.hops)
         if self._streams.pop(key, None) is not None:
             self._unhold(stream.call.request_id)
@@ -580,8 +583,7 @@ class ActorHost:
         failed: set[str] = set()
         for call in self._joins.expire(now):
             if call.request_id in failed:
-                release_tensors(call.tensors.values())
-                self._discard(call)
+                self._drop(call)
                 continue
             failed.add(call.request_id)
             self._unhold(call.request_id)
