@@ -23,7 +23,6 @@ from torch import nn
 from omniflow.models.decoder import (
     Attention,
     AttentionFn,
-    DecoderLM,
     RMSNorm,
     SwiGLU,
     causal_attention,
@@ -31,7 +30,7 @@ from omniflow.models.decoder import (
 from omniflow.models.decoder_config import DecoderConfig
 from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
 from omniflow.models.mla_config import MLAConfig
-from omniflow.models.moe import MoE
+from omniflow.models.moe import MoE, MoEDecoderLM
 from omniflow.models.rope import apply_rotary, compute_inv_freq
 
 if TYPE_CHECKING:
@@ -138,7 +137,7 @@ def _swap_halves(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat((gate, up))
 
 
-class HunyuanImage3LM(DecoderLM):
+class HunyuanImage3LM(MoEDecoderLM):
     config: HunyuanImage3Config
     # Block steps may give image rows (y, x) positions (engine/llm_engine.py).
     positions_2d = True
@@ -204,19 +203,6 @@ class HunyuanImage3LM(DecoderLM):
             if isinstance(module, MoE):
                 module.gate.weight.data = module.gate.weight.data.float()
                 module.e_score_correction_bias.zero_()
-
-    def use_input_major_weights(self) -> None:
-        super().use_input_major_weights()
-        self._experts_input_major()
-
-    def use_packed_weights(self, rows_hint: int = 32, kernels: CpuKernels | None = None) -> None:
-        super().use_packed_weights(rows_hint, kernels)
-        self._experts_input_major()
-
-    def _experts_input_major(self) -> None:
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.use_input_major_weights()
 
     def hidden_states(
         self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None

@@ -332,9 +332,7 @@ def load_image_parts(
     parts = HunyuanImage3Parts(HunyuanImage3Config.from_dict(raw))
     params = parts.state_dict()
     loaded = set()
-    for name, tensor in iter_checkpoint_tensors(path):
-        if not name.startswith(IMAGE_PART_PREFIXES):
-            continue
+    for name, tensor in iter_checkpoint_tensors(path, lambda n: n.startswith(IMAGE_PART_PREFIXES)):
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the image parts")
         with torch.no_grad():

@@ -46,11 +46,16 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_tensors(
+    path: str | Path, select: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a checkpoint's tensors; with ``select``, only those it keeps (the
+    others are never read from disk)."""
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():
-                yield name, shard.get_tensor(name)
+                if select is None or select(name):
+                    yield name, shard.get_tensor(name)
 
 
 def resolve_dtype(
@@ -145,10 +150,7 @@ def load_decoder(
         model.materialized()
 
     def fill(select: Callable[[str], bool] | None = None) -> None:
-        tensors = iter_checkpoint_tensors(path)
-        if select is not None:
-            tensors = ((name, t) for name, t in tensors if select(name))
-        loaded = model.load_weights(tensors)
+        loaded = model.load_weights(iter_checkpoint_tensors(path, select))
         expected = model.expected_checkpoint_names()
         missing = {n for n in expected if select is None or select(n)} - loaded
         if missing:

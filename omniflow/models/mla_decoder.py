@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from omniflow.models.decoder import AttentionFn, DecoderLM, RMSNorm, SwiGLU
+from omniflow.models.decoder import AttentionFn, RMSNorm, SwiGLU
 from omniflow.models.mla import InterleavedRotary, MLAttention, latent_causal_attention
 from omniflow.models.mla_config import MLAConfig
-from omniflow.models.moe import MoE
+from omniflow.models.moe import MoE, MoEDecoderLM
 
 if TYPE_CHECKING:
     from omniflow.kernels import CpuKernels
@@ -113,7 +113,7 @@ _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weig
 _GATE_UP = re.compile(r"(.*)\.(gate_proj|up_proj)\.weight$")
 
 
-class MLADecoderLM(DecoderLM):
+class MLADecoderLM(MoEDecoderLM):
     config: MLAConfig
 
     def __init__(self, config: MLAConfig):
@@ -138,21 +138,6 @@ class MLADecoderLM(DecoderLM):
             if isinstance(module, MoE):
                 module.gate.weight.data = module.gate.weight.data.float()
                 module.e_score_correction_bias.zero_()
-
-    def use_input_major_weights(self) -> None:
-        super().use_input_major_weights()
-        self._experts_input_major()
-
-    def use_packed_weights(self, rows_hint: int = 32, kernels: CpuKernels | None = None) -> None:
-        super().use_packed_weights(rows_hint, kernels)
-        self._experts_input_major()
-
-    def _experts_input_major(self) -> None:
-        if self.shared_weights:
-            return
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.use_input_major_weights()
 
     def hidden_states(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(inputs_embeds.shape[0], device=inputs_embeds.device)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from omniflow.models.decoder import SwiGLU
+from omniflow.models.decoder import DecoderLM, SwiGLU
 from omniflow.models.mla import Weight
 from omniflow.models.mla_config import MLAConfig
 
@@ -127,3 +127,24 @@ class MoE(nn.Module):
         with torch.no_grad():
             for weight in (self.experts.gate_up_proj, self.experts.down_proj):
                 weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+class MoEDecoderLM(DecoderLM):
+    """A DecoderLM with MoE layers: beside the projections' CPU layout, the experts' weights
+    laid input-major (MoE.use_input_major_weights) - never shared weights, which stay where
+    every process maps them."""
+
+    def use_input_major_weights(self) -> None:
+        super().use_input_major_weights()
+        self._experts_input_major()
+
+    def use_packed_weights(self, rows_hint: int = 32, kernels: CpuKernels | None = None) -> None:
+        super().use_packed_weights(rows_hint, kernels)
+        self._experts_input_major()
+
+    def _experts_input_major(self) -> None:
+        if self.shared_weights:
+            return
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.use_input_major_weights()
