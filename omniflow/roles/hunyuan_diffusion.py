@@ -91,7 +91,7 @@ class DiffusionRole(ModelActor):
             self._give_back(request.data)
             raise
         rid = f"{request.request_id}-{next(self._ids)}"
-        latent, before = None, (0, 0)
+        latent, before = None, 0
         mine = [0]  # rows this request's block steps forwarded (cond and uncond halves)
         # aclosing: a cancelled request's loop ends at once, handing the leases back.
         async with contextlib.aclosing(
@@ -101,14 +101,14 @@ class DiffusionRole(ModelActor):
                 if isinstance(step, torch.Tensor):
                     latent = step
                 elif step == 0:  # the context is kept: the counts start here
-                    before = await self.engine.call(self._counts)
+                    before = await self.engine.call(self._prompt_rows)
                 else:
                     yield {"progress": {"step": step, "steps": params.steps}}
         assert latent is not None
-        after = await self.engine.call(self._counts)
-        # The engine's counts over this request's life (concurrent requests' rows too): any
-        # prompt row forwarded by anyone meanwhile shows, so 0 proves none was.
-        rows, prompt_rows = (b - a for a, b in zip(before, after, strict=True))
+        after = await self.engine.call(self._prompt_rows)
+        # The engine's count over this request's life (concurrent requests' too): a prompt
+        # row forwarded by anyone meanwhile shows, so 0 proves none was.
+        prompt_rows = after - before
         self.stats["rows_forwarded"] += mine[0]
         self.stats["prompt_rows_forwarded"] += prompt_rows
         self.stats["requests"] += 1
@@ -153,10 +153,9 @@ class DiffusionRole(ModelActor):
             with contextlib.suppress(Exception):  # not a lease: nothing to give back
                 KVLeaseView(self.pool, data[key]).close()
 
-    def _counts(self) -> tuple[int, int]:
-        """On the engine thread: rows forwarded, and how many of them were prompt rows."""
-        stats = self.engine.backend.stats  # type: ignore[attr-defined]
-        return stats["rows_forwarded"], stats["prompt_tokens_computed"]
+    def _prompt_rows(self) -> int:
+        """On the engine thread: the prompt rows it has forwarded so far."""
+        return int(self.engine.backend.stats["prompt_tokens_computed"])  # type: ignore[attr-defined]
 
     async def _denoise(
         self,

@@ -16,14 +16,13 @@ Options: ``ImageDecoderOptions`` in roles/options.py.
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import torch
-from PIL import Image
 
 from omniflow.models.omni import ImageDecoder, ensure_model, load_image_decoder
 from omniflow.roles.base import ModelActor
+from omniflow.roles.image_params import png_bytes
 from omniflow.roles.options import ImageDecoderOptions, ImageDecoderParams
 from omniflow.runtime.actor import BadRequest, Context, Request
 
@@ -108,7 +107,4 @@ class ImageDecoderRole(ModelActor):
         self, codes: torch.Tensor, grid: tuple[int, int], cfg_scale: float, seed: int, steps: int
     ) -> tuple[bytes, tuple[int, int]]:
         pixels = self.model.decode(codes, grid, steps=steps, cfg_scale=cfg_scale, seed=seed)
-        buffer = io.BytesIO()
-        # compress_level 1: a tiny model's image is noise-like; higher levels only cost time.
-        Image.fromarray(pixels.numpy()).save(buffer, format="PNG", compress_level=1)
-        return buffer.getvalue(), (pixels.shape[0], pixels.shape[1])
+        return png_bytes(pixels.numpy()), (pixels.shape[0], pixels.shape[1])

@@ -1,4 +1,5 @@
-"""A text-to-image request's parameters, checked once: seed, steps, cfg_scale, size.
+"""A text-to-image request's parameters, checked once: seed, steps, cfg_scale, size; and
+the PNG an image role answers with.
 
 Torch-free: the ``ar`` role checks them before any compute (a bad request costs nothing),
 ``diffusion`` again for what reaches it by another way. Each error names the field.
@@ -6,8 +7,12 @@ Torch-free: the ``ar`` role checks them before any compute (a bad request costs 
 
 from __future__ import annotations
 
+import io
 import re
 from typing import Any, NamedTuple
+
+import numpy as np
+from PIL import Image
 
 from omniflow.runtime.actor import BadRequest
 
@@ -88,3 +93,11 @@ def parse_size(value: Any, pixels_per_token: int, max_tokens: int) -> tuple[int,
             f"(about {largest}x{largest} at most)",
         )
     return width, height
+
+
+def png_bytes(rgb: np.ndarray) -> bytes:
+    """uint8 [H, W, 3] pixels as PNG bytes. compress_level 1: a tiny model's image is
+    noise-like, and higher levels only cost time."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(rgb)).save(buffer, format="PNG", compress_level=1)
+    return buffer.getvalue()

@@ -14,14 +14,13 @@ in roles/options.py.
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import torch
-from PIL import Image
 
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import image_parts
+from omniflow.roles.image_params import png_bytes
 from omniflow.roles.options import NoParams, VAEDecoderOptions
 from omniflow.runtime.actor import BadRequest, Context, Request
 
@@ -60,7 +59,4 @@ class VAEDecoderRole(ModelActor):
 
     def _decode(self, latent: torch.Tensor) -> tuple[bytes, tuple[int, int]]:
         rgb = self.parts.decode_image(latent)  # uint8 [H, W, 3]
-        buffer = io.BytesIO()
-        # compress_level 1: a tiny model's image is noise-like; higher levels only cost time.
-        Image.fromarray(rgb.contiguous().numpy()).save(buffer, format="PNG", compress_level=1)
-        return buffer.getvalue(), (rgb.shape[1], rgb.shape[0])
+        return png_bytes(rgb.numpy()), (rgb.shape[1], rgb.shape[0])

@@ -341,7 +341,13 @@ class GatewayApp:
         timeout = self._timeout(req.timeout)
 
         async def all_of() -> list[tuple[list[Output], Result]]:
-            return list(await asyncio.gather(*(one(i) for i in range(req.n))))
+            tasks = [asyncio.ensure_future(one(i)) for i in range(req.n)]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:  # one failed (or the client left): the others stop too
+                for task in tasks:
+                    task.cancel()
+                raise
 
         async def one(i: int) -> tuple[list[Output], Result]:
             seed = {"seed": params.get("seed", 0) + i} if req.n > 1 else {}
