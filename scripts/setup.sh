@@ -111,9 +111,13 @@ fi
 # CPU build. Never torchvision here; a CPU machine also lacks sgl_kernel: the engine config
 # says so, and the tests stand in for both (tests/engine/sglang_stubs).
 SGLANG_CPU=(sglang==0.5.23 triton==3.8.0 apache-tvm-ffi==0.1.11 xgrammar==0.2.7)
-SGLANG_CPU_DEPS=(orjson psutil pybase64 requests pillow starlette msgspec pyzmq IPython aiohttp
-  dill sentencepiece compressed-tensors gguf openai partial_json_parser uvicorn fastapi einops
-  uvloop setproctitle transformers)
+# Its own deps pinned at the versions CI last resolved (a release of any of them may break
+# SGLang's imports); those omniflow installs too (pyzmq, msgspec, pillow, uvicorn, uvloop,
+# openai, transformers) are left as the main install resolved them.
+SGLANG_CPU_DEPS=(orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 starlette==1.10.0
+  IPython==9.18.1 aiohttp==3.14.5 dill==0.4.1 sentencepiece==0.2.3 compressed-tensors==0.20.1
+  gguf==0.19.0 partial_json_parser==0.2.1.1.post7 fastapi==0.165.0 einops==0.8.2
+  setproctitle==1.3.8 pyzmq msgspec pillow uvicorn uvloop openai transformers)
 case "${OMNIFLOW_SGLANG:-}" in
   "") ;;
   cpu)

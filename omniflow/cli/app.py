@@ -31,6 +31,7 @@ from omniflow.cli.common import (
     load_config,
     out,
 )
+from omniflow.cli.keys import keys
 from omniflow.cli.progress import StartProgress
 from omniflow.cli.send import send
 from omniflow.cli.status import logs, status
@@ -232,5 +233,5 @@ def down(
 
 
 app.callback(help=__doc__)(_main)
-for command in (up, status, send, logs, down):  # in the order help lists them
+for command in (up, status, send, logs, down, keys):  # in the order help lists them
     app.command()(command)

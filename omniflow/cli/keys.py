@@ -5,14 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
-from omniflow.cli.app import app
+from omniflow.cli.common import EXIT_USAGE, fail
 from omniflow.runtime.config import KeysError, generate_keys
 
 
-@app.command()
 def keys(
     folder: Path = typer.Argument(..., help="Where to write them (created owner-only)."),
     force: bool = typer.Option(False, "--force", help="Replace keys already there."),
@@ -21,8 +18,7 @@ def keys(
     try:
         made = generate_keys(folder, force=force)
     except (KeysError, OSError) as e:
-        Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}")
-        raise typer.Exit(2) from None
+        fail(f"error: {e}", EXIT_USAGE)
     typer.echo(f"wrote server and client key pairs to {made.folder} (secrets 0600)")
     typer.echo(f'use them with:  [security] keys = "{made.folder.resolve()}"')
     typer.echo(f"admit another client: copy its public *.key into {made.authorized}/")

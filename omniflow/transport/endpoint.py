@@ -87,31 +87,36 @@ class Inbox:
     ) -> None:
         self._sock = ctx.socket(zmq.ROUTER)
         self._ctx = ctx
-        # CURVE on tcp:// when the deployment has keys; ipc:// stays in the 0700 run dir.
-        self._curve = keys is not None and endpoint.startswith("tcp://")
-        self._monitor: zmq.Socket | None = None
-        if self._curve:
-            assert keys is not None
-            secure_server(self._sock, keys)
-            # Keyless peers never reach the ZAP handler: the monitor sees them fail.
-            self._monitor = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
-            self._refusals = Refusals()
-        if mandatory:  # replies to a vanished peer raise instead of vanishing silently
-            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        path = ipc_path(endpoint)
-        if path and os.path.exists(path):
-            os.unlink(path)  # a stale file from a killed process of the same name
-        self._sock.bind(endpoint)
-        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._path = ipc_path(self.endpoint)
-        if self._path:
-            os.chmod(self._path, 0o600)
         self._on_message = on_message
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._path: str | None = None
+        self._monitor: zmq.Socket | None = None
+        self._curve = False
+        try:  # a refused bind (address in use) leaves nothing open behind it
+            # CURVE on tcp:// when the deployment has keys; ipc:// stays in the 0700 run dir.
+            if keys is not None and endpoint.startswith("tcp://"):
+                secure_server(self._sock, keys)
+                self._curve = True  # from here close() releases the gatekeeper
+                # Keyless peers never reach the ZAP handler: the monitor sees them fail.
+                self._monitor = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
+                self._refusals = Refusals()
+            if mandatory:  # replies to a vanished peer raise instead of vanishing silently
+                self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RCVHWM, 0)
+            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            path = ipc_path(endpoint)
+            if path and os.path.exists(path):
+                os.unlink(path)  # a stale file from a killed process of the same name
+            self._sock.bind(endpoint)
+            self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._path = ipc_path(self.endpoint)
+            if self._path:
+                os.chmod(self._path, 0o600)
+        except BaseException:
+            self.close()
+            raise
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()

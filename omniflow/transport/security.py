@@ -170,12 +170,10 @@ class Refusals:
     must not flood the log); the next report counts the ones folded into it."""
 
     def __init__(self) -> None:
-        self.count = 0
         self._folded = 0
         self._logged_at = -LOG_EVERY_S
 
     def note(self, what: str) -> None:
-        self.count += 1
         now = time.monotonic()
         if now - self._logged_at < LOG_EVERY_S:
             self._folded += 1
