@@ -176,6 +176,69 @@ class Cancel(msgspec.Struct, tag="cancel", **_WIRE):
     reason: str = Code.CANCELLED.value
 
 
+# ---------------------------------------------------------------- KV pull
+# A replica pulls a prefix's KV pages from another that holds them (transport/kv_pull.py):
+# prepare (the holder pins the pages, answers a one-time token and their layout), then
+# fetch (the pages come back as frames) or drop (the puller recomputes instead).
+
+
+class KvPrepare(msgspec.Struct, tag="kv_prepare", **_WIRE):
+    """Pin the longest prefix of ``token_ids`` held as KV pages (``extra_keys``: one prefix
+    key per token, None for text; empty: all text)."""
+
+    request_id: str
+    token_ids: list[int]
+    extra_keys: list[Any] = []
+
+
+class KvPrepared(msgspec.Struct, tag="kv_prepared", **_WIRE):
+    """Pages pinned for one fetch: ``token`` is good once, for ``ttl_s`` seconds."""
+
+    request_id: str
+    token: str
+    num_tokens: int  # whole pages matched, times the page size
+    num_pages: int
+    page_shape: list[int]  # one page: K and V of every layer
+    dtype: str
+    ttl_s: float
+
+
+class KvFetch(msgspec.Struct, tag="kv_fetch", **_WIRE):
+    """Send the pinned pages from page ``first_page`` on (the puller holds those before)."""
+
+    request_id: str
+    token: str
+    first_page: int = 0
+
+
+class KvDrop(msgspec.Struct, tag="kv_drop", **_WIRE):
+    """The puller will not fetch: unpin now."""
+
+    request_id: str
+    token: str
+
+
+class KvPages(msgspec.Struct, tag="kv_pages", **_WIRE):
+    """Pages ``first_page``.. of a fetch, as one frame ``tensors["pages"]`` [n, *page_shape]."""
+
+    request_id: str
+    first_page: int
+    last: bool
+    tensors: dict[str, TensorRef] = {}
+
+
+class KvRefused(msgspec.Struct, tag="kv_refused", **_WIRE):
+    """A prepare or fetch the holder would not serve; ``code`` says why."""
+
+    request_id: str
+    code: str
+    message: str
+
+
+KvPullRequest = KvPrepare | KvFetch | KvDrop
+KvPullReply = KvPrepared | KvPages | KvRefused
+
+
 # ---------------------------------------------------------------- actor records
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from omniflow.cache.kv_share import KVLease, KVLeaseView, LeaseBook
 from omniflow.cache.lease import Lease
 from omniflow.cache.pool import PagePool
 from omniflow.cache.prefix import RadixPrefixCache
+from omniflow.cache.pull_cost import RateMeter
 from omniflow.engine.heads import BlockRows, CodesHead, Guidance
 from omniflow.engine.intake import Limits, check_block, check_length, checked_spans, checked_tokens
 from omniflow.engine.kv_pages import KVCachePages
@@ -98,6 +100,7 @@ class EngineConfig:
 
 
 PREFIX_CACHES = ("radix",)
+PREFILL_SAMPLE_TOKENS = 16  # steps with fewer prompt tokens say little about prefill speed
 BACKENDS = ("torch", "sglang")
 FLOW_OPERATIONS = ("codes_heads", "guidance", "block_steps", "embeddings")
 
@@ -220,6 +223,9 @@ class LLMEngine:
         self.pending_aborts: list[TokenDelta] = []
         # rows_forwarded: every row the model ran, prompt, generated and block rows alike.
         self.stats = {"prompt_tokens_computed": 0, "rows_forwarded": 0}
+        # Prompt tokens per second of the steps that mostly prefill: what recomputing a
+        # prefix costs here, against pulling its KV from another replica (cache/pull_cost.py).
+        self.prefill_rate = RateMeter(prior=1e3)
 
     def close(self) -> None:
         """Stop the KV tiers' thread and free their host and SSD space."""
@@ -546,11 +552,17 @@ class LLMEngine:
             if not deltas:
                 self.scheduler.wait_for_promotions(0.05)
             return deltas
+        prompt_tokens = 0
         for chunk in chunks:
             prompt_end = min(chunk.start + chunk.num_tokens, chunk.sequence.num_prompt_tokens)
-            self.stats["prompt_tokens_computed"] += max(0, prompt_end - chunk.start)
-        self.stats["rows_forwarded"] += sum(chunk.num_rows for chunk in chunks)
+            prompt_tokens += max(0, prompt_end - chunk.start)
+        rows = sum(chunk.num_rows for chunk in chunks)
+        self.stats["prompt_tokens_computed"] += prompt_tokens
+        self.stats["rows_forwarded"] += rows
+        started = time.perf_counter()
         output = self.runner.execute(chunks)
+        if prompt_tokens >= max(PREFILL_SAMPLE_TOKENS, rows // 2):  # a prefill step, mostly
+            self.prefill_rate.add(prompt_tokens, time.perf_counter() - started)
         self.scheduler.commit(chunks)
         deltas += self._block_outputs(output)
         leaders = [s for s in output.sequences if not s.follows]

@@ -151,10 +151,11 @@ class Inbox:
         assert self._loop is not None
         self._loop.call_soon(self._drain)
 
-    def reply(self, identity: bytes, parts: list[Any]) -> bool:
-        """Send back to the DEALER that sent ``identity``; False if it is gone or full."""
+    def reply(self, identity: bytes, parts: list[Any], copy: bool = True) -> bool:
+        """Send back to the DEALER that sent ``identity``; False if it is gone or full.
+        copy=False: large frames go without a copy (pyzmq keeps each buffer alive until sent)."""
         try:
-            self._sock.send_multipart([identity, *parts], _NOBLOCK)
+            self._sock.send_multipart([identity, *parts], _NOBLOCK, copy=copy)
             return True
         except zmq.ZMQError:  # EAGAIN (full) or EHOSTUNREACH (gone, with mandatory)
             return False
