@@ -25,8 +25,19 @@ from omniflow.cache.pages import OutOfPages
 from omniflow.engine.async_engine import AsyncEngine
 from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.llm_engine import LLMEngine
+from omniflow.engine.sequence import EmbeddingSpan, key_spans
 
 Keys = Sequence[Hashable | None] | None
+
+
+def span_keys(prompt_len: int, spans: list[EmbeddingSpan], num_tokens: int) -> list | None:
+    """The prefix keys of a prompt's first num_tokens positions, as the engine keys them
+    (None: all text)."""
+    if not any(span.content_hash is not None for span in spans):
+        return None
+    keys: list[Hashable | None] = [None] * prompt_len
+    key_spans(keys, spans)
+    return keys[:num_tokens]
 
 
 class KVTransfer:
@@ -158,6 +169,8 @@ class PrefixImport:
         )
 
     async def abandon(self) -> None:
+        """Give back whatever is held (nothing after ``publish``)."""
         transfer, pages = self.prefixes.transfer, self.held + self.reserved
         self.held, self.reserved = [], []
-        await self.prefixes.engine.call(lambda: transfer.unpin(pages))
+        if pages:
+            await self.prefixes.engine.call(lambda: transfer.unpin(pages))

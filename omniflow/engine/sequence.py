@@ -26,6 +26,14 @@ class EmbeddingSpan(NamedTuple):
     positions: torch.Tensor | None = None
 
 
+def key_spans(extra_keys: list[Hashable | None], spans: list[EmbeddingSpan]) -> None:
+    """Write each span's prefix keys at its positions (one per row for a list of keys)."""
+    for span in spans:
+        key = span.content_hash
+        for index in range(len(span.embeddings)):
+            extra_keys[span.start + index] = key[index] if isinstance(key, list) else key
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -85,10 +93,7 @@ class Sequence:
             return
         if self.extra_keys is None:
             self.extra_keys = [None] * len(self.token_ids)
-        for span in spans:
-            for index in range(len(span.embeddings)):
-                key = span.content_hash
-                self.extra_keys[span.start + index] = key[index] if isinstance(key, list) else key
+        key_spans(self.extra_keys, spans)
 
     def continue_with(
         self,

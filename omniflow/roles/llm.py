@@ -28,6 +28,12 @@ the deployment's host pool (0: dropped), ``ssd_kv_mb``: and below that to this m
 ``[cache] ssd_dir``; ``share_kv``: K/V tensors in the host pool, so the engine can lend a
 request's KV read-only to another process.
 
+KV pulls (``kv_pull``, on by default): the replica serves its prefix cache's pages to the
+other replicas of the role (runtime/kv_peers.py). A fresh prompt that opens with media
+another replica's routing summary names, and that this one has not seen, is first pulled
+from there when the cost model says the transfer beats prefilling it (cache/pull_cost.py);
+anything that goes wrong with a pull only means the prefix is computed here.
+
 Routing summary: ``meta()`` publishes (in the replica's registry record) the
 ``summary_key`` of every session this replica holds and of the media that began the
 prompts it served recently, so ``prefix_aware`` producers send a session's next turn
@@ -39,12 +45,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import torch
 
+from omniflow.cache.pull_cost import PullCost
 from omniflow.content import SUMMARY_META, summary_key
 from omniflow.engine import (
     AsyncEngine,
@@ -55,6 +63,7 @@ from omniflow.engine import (
     SamplingParams,
 )
 from omniflow.engine.heads import codes_key
+from omniflow.engine.kv_transfer import EnginePrefixes, span_keys
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
@@ -62,8 +71,10 @@ from omniflow.models.tiny import build_tiny_model
 from omniflow.roles.base import ModelActor
 from omniflow.roles.options import LLMOptions, LLMParams, read_params
 from omniflow.runtime.actor import RESUMABLE_META, BadRequest, Context, Request
+from omniflow.runtime.kv_peers import KV_PULL_META, KVPeers, KVPullError
 from omniflow.runtime.priority import lower_thread_priority
 
+log = logging.getLogger(__name__)
 AUDIO_CODEBOOKS = [8192, 4096, 2048] + [1024] * 5
 IMAGE_CODEBOOKS = [1024] * 8
 _SAMPLING_KEYS = (
@@ -205,7 +216,21 @@ class LLMRole(ModelActor):
             codebook_sizes=AUDIO_CODEBOOKS,
         )
 
+    async def use_kv_peers(self, peers: KVPeers) -> None:
+        """Serve this engine's prefix pages to the other replicas and pull from them; the
+        worker calls it after setup, before the replica registers."""
+        if not self.options.kv_pull:
+            return
+        self.prefixes = EnginePrefixes(self.engine)
+        self.pull_cost = PullCost(prefill=self.engine.backend.prefill_rate)  # type: ignore[attr-defined]
+        self.kv_endpoint = peers.serve(self.prefixes)
+        self.kv_peers: KVPeers | None = peers
+        self.pulls = {"pulled": 0, "recomputed": 0, "failed": 0}
+
     async def close(self) -> None:
+        peers = getattr(self, "kv_peers", None)
+        if peers is not None:  # pins go back to the engine before it stops
+            await peers.close()
         await self.engine.close()
         await super().close()
 
@@ -220,10 +245,14 @@ class LLMRole(ModelActor):
         stages = self._media_stages(request, want)  # validated before anything runs
         session = self._session(request.session)
         turn, spans = self._turn(request, text, len(session.tokens))
+        holder = None
         if not session.tokens:
+            holder = self._prefix_holder(spans)
             self._note_leading_media(spans)
         prompt = session.tokens + turn
         all_spans = session.spans + spans
+        if holder is not None:
+            await self._pull_prefix(request.request_id, holder, prompt, all_spans)
         params = self._sampling(request)
         # A migrated request (runtime/client.py): the text tokens its dead replica streamed
         # are prefilled with the prompt and generation goes on after them.
@@ -352,14 +381,58 @@ class LLMRole(ModelActor):
             yield {"image_codes": torch.stack(buffered).cpu(), "image_grid": stage.grid}
 
     def meta(self) -> dict[str, Any]:
-        """The routing summary: sessions held here, then media that began recent prompts."""
+        """The routing summary: sessions held here, then media that began recent prompts;
+        and where to pull KV pages from this replica."""
         sessions = getattr(self, "sessions", {})
         media = getattr(self, "leading_media", {})
         # RESUMABLE_META: a request on a replica that dies goes on at another (migration).
-        return {
+        meta = {
             SUMMARY_META: [s.key for s in sessions.values()] + list(media),
             RESUMABLE_META: True,
         }
+        if getattr(self, "kv_peers", None) is not None:
+            meta[KV_PULL_META] = self.kv_endpoint
+            meta["kv_pulls"] = dict(self.pulls)
+        return meta
+
+    def _prefix_holder(self, spans: list[EmbeddingSpan]) -> Any:
+        """Another replica holding the KV of the media that opens a fresh prompt, unseen
+        here; None (at the cost of a dict lookup) when there is nothing to pull."""
+        if getattr(self, "kv_peers", None) is None or not spans:
+            return None
+        kind, name = cast(tuple[str, str], spans[0].content_hash)  # as _turn makes them
+        key = summary_key(kind, str(name))
+        if key in self.leading_media:
+            return None
+        holders = self.kv_peers.holders(key)  # type: ignore[union-attr]
+        return holders[0] if holders else None
+
+    async def _pull_prefix(
+        self, request_id: str, holder: Any, prompt: list[int], spans: list[EmbeddingSpan]
+    ) -> None:
+        """Pull the prompt's prefix pages from ``holder`` into the engine if that beats
+        prefilling them; on any failure the prefill simply computes them."""
+        tokens = prompt[:-1]  # admission leaves the last token to compute
+        keys = span_keys(len(prompt), spans, len(tokens))
+        importer = self.prefixes.importer(tokens, keys)
+        peers = cast(KVPeers, self.kv_peers)
+        try:
+            held = await importer.begin()
+            if (held + 1) * self.prefixes.page_size > len(tokens):
+                return  # every whole page is here already
+            result = await peers.pull(
+                holder, request_id, tokens, keys, importer, held, self.pull_cost
+            )
+            if result.pulled_tokens:
+                await importer.publish()
+                self.pulls["pulled"] += 1
+            else:
+                self.pulls["recomputed"] += 1
+        except KVPullError as e:
+            self.pulls["failed"] += 1
+            log.warning("request %s: KV pull from %s failed: %s", request_id, holder.actor_id, e)
+        finally:
+            await importer.abandon()
 
     def _note_leading_media(self, spans: list[EmbeddingSpan]) -> None:
         """Media at the start of a fresh prompt: its KV is a prefix others can reuse."""

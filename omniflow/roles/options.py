@@ -114,6 +114,10 @@ class LLMOptions(WeightsOptions, kw_only=True):
         Literal["torch", "sglang"],
         Meta(description="engine backend; sglang: SGLang's forward, text outputs only"),
     ] = "torch"
+    kv_pull: Annotated[
+        bool,
+        Meta(description="pull a prompt's prefix KV from the replica holding it when cheaper"),
+    ] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -34,6 +34,7 @@ from omniflow.runtime.actor import Actor
 from omniflow.runtime.config import Config, from_json
 from omniflow.runtime.holding import HoldingFile, holding_path
 from omniflow.runtime.host import ActorHost
+from omniflow.runtime.kv_peers import KVPeers
 from omniflow.runtime.loading import load_actor_class
 from omniflow.runtime.resources import budget_after_barrier
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
@@ -148,6 +149,13 @@ class Worker:
         )
         host.reply = inbox.reply
         inbox.start()
+        kv_peers = None
+        if hasattr(actor, "use_kv_peers"):  # serves and pulls prefix KV pages (the llm role)
+            kv_endpoint = endpoint_for(cfg, self.run_dir, f"{self.role}-kv", self.replica)
+            kv_peers = KVPeers(
+                self.ctx, kv_endpoint, keys, view, self.role, self.replica, socket.gethostname()
+            )
+            await actor.use_kv_peers(kv_peers)
         record = ActorRecord(
             self.role,
             self.replica,
@@ -186,6 +194,8 @@ class Worker:
             inbox.close()
             with contextlib.suppress(Exception):
                 await actor.close()
+            if kv_peers is not None:
+                await kv_peers.close()
             await view.close()
             await registry.close()
             outbox.close(linger_ms=1000)  # the last hops of drained requests still leave
