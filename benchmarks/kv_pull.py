@@ -135,7 +135,9 @@ async def _measure(endpoint: str, model: Path, tokens: int, rounds: int, keys: s
     prefix = prompt[:-1]
     prefixes = EnginePrefixes(engine)
     ctx = zmq.Context()
-    puller = KVPuller(ctx, PullCost(prefill=backend.prefill_rate), load_keys(keys) if keys else None)
+    puller = KVPuller(
+        ctx, PullCost(prefill=backend.prefill_rate), load_keys(keys) if keys else None
+    )
     pulls: list[float] = []
     recomputes: list[float] = []
     nbytes = 0

@@ -42,6 +42,7 @@ here, and a request opening with the same image to where its KV is.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import itertools
@@ -71,7 +72,7 @@ from omniflow.models.tiny import build_tiny_model
 from omniflow.roles.base import ModelActor
 from omniflow.roles.options import LLMOptions, LLMParams, read_params
 from omniflow.runtime.actor import RESUMABLE_META, BadRequest, Context, Request
-from omniflow.runtime.kv_peers import KV_PULL_META, KVPeers, KVPullError
+from omniflow.runtime.kv_peers import KV_PULL_META, KVPeers
 from omniflow.runtime.priority import lower_thread_priority
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,7 @@ class LLMRole(ModelActor):
         self.kv_endpoint = peers.serve(self.prefixes)
         self.kv_peers: KVPeers | None = peers
         self.pulls = {"pulled": 0, "recomputed": 0, "failed": 0}
+        self._pulling: dict[int, asyncio.Future] = {}  # summary key -> its pull, running
 
     async def close(self) -> None:
         peers = getattr(self, "kv_peers", None)
@@ -245,14 +247,14 @@ class LLMRole(ModelActor):
         stages = self._media_stages(request, want)  # validated before anything runs
         session = self._session(request.session)
         turn, spans = self._turn(request, text, len(session.tokens))
-        holder = None
+        pull = None
         if not session.tokens:
-            holder = self._prefix_holder(spans)
+            pull = self._prefix_holder(spans)
             self._note_leading_media(spans)
         prompt = session.tokens + turn
         all_spans = session.spans + spans
-        if holder is not None:
-            await self._pull_prefix(request.request_id, holder, prompt, all_spans)
+        if pull is not None:
+            await self._pull_prefix(request.request_id, *pull, prompt, all_spans)
         params = self._sampling(request)
         # A migrated request (runtime/client.py): the text tokens its dead replica streamed
         # are prefilled with the prompt and generation goes on after them.
@@ -395,23 +397,38 @@ class LLMRole(ModelActor):
             meta["kv_pulls"] = dict(self.pulls)
         return meta
 
-    def _prefix_holder(self, spans: list[EmbeddingSpan]) -> Any:
-        """Another replica holding the KV of the media that opens a fresh prompt, unseen
-        here; None (at the cost of a dict lookup) when there is nothing to pull."""
+    def _prefix_holder(self, spans: list[EmbeddingSpan]) -> tuple[int, Any] | None:
+        """(summary key, record) of another replica holding the KV of the media that opens a
+        fresh prompt, unseen here; None (at the cost of a dict lookup) when there is none."""
         if getattr(self, "kv_peers", None) is None or not spans:
             return None
         kind, name = cast(tuple[str, str], spans[0].content_hash)  # as _turn makes them
         key = summary_key(kind, str(name))
-        if key in self.leading_media:
+        if key in self.leading_media and key not in self._pulling:
             return None
         holders = self.kv_peers.holders(key)  # type: ignore[union-attr]
-        return holders[0] if holders else None
+        return (key, holders[0]) if holders else None
 
     async def _pull_prefix(
-        self, request_id: str, holder: Any, prompt: list[int], spans: list[EmbeddingSpan]
+        self, request_id: str, key: int, holder: Any, prompt: list[int], spans: list
     ) -> None:
         """Pull the prompt's prefix pages from ``holder`` into the engine if that beats
-        prefilling them; on any failure the prefill simply computes them."""
+        prefilling them; on any failure the prefill simply computes them. Requests for
+        the same media while a pull runs wait for it rather than pull again."""
+        running = self._pulling.get(key)
+        if running is not None:
+            await asyncio.shield(running)
+            return
+        done = self._pulling[key] = asyncio.get_running_loop().create_future()
+        try:
+            await self._pull(request_id, holder, prompt, spans)
+        finally:
+            del self._pulling[key]
+            done.set_result(None)
+
+    async def _pull(
+        self, request_id: str, holder: Any, prompt: list[int], spans: list[EmbeddingSpan]
+    ) -> None:
         tokens = prompt[:-1]  # admission leaves the last token to compute
         keys = span_keys(len(prompt), spans, len(tokens))
         importer = self.prefixes.importer(tokens, keys)
@@ -428,7 +445,7 @@ class LLMRole(ModelActor):
                 self.pulls["pulled"] += 1
             else:
                 self.pulls["recomputed"] += 1
-        except KVPullError as e:
+        except Exception as e:  # noqa: BLE001 - a failed pull only means a local prefill
             self.pulls["failed"] += 1
             log.warning("request %s: KV pull from %s failed: %s", request_id, holder.actor_id, e)
         finally:

@@ -62,6 +62,7 @@ from omniflow.transport.security import Keys, secure_client
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20  # pages per KvPages message: about this many bytes
+DROP_LINGER_MS = 1000
 _request_decoder = decoder_for(KvPullRequest)
 _reply_decoder = decoder_for(KvPullReply)
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
@@ -278,7 +279,7 @@ class KVPuller:
                 sock, request_id, token_ids, extra_keys, sink, held_pages, force
             )
         finally:
-            sock.close(0)
+            sock.close(DROP_LINGER_MS)  # a KvDrop just sent must still leave
 
     async def _pull(self, sock, request_id, token_ids, extra_keys, sink, held, force):
         deadline = time.monotonic() + self.timeout_s

@@ -252,13 +252,14 @@ def test_a_slow_link_makes_the_puller_recompute(holder, llama_path):
     assert books["dropped"] == 1 and books["fetched"] == 0 and books["referenced"] == 0
 
 
-def test_a_fast_link_and_a_measured_prefill_make_it_pull(holder, llama_path):
+def test_a_fast_link_against_a_slow_prefill_makes_it_pull(holder, llama_path):
     endpoint, _ = holder
     engine = LLMEngine(llama_path, engine_config())
-    greedy(engine, "warm", random_prompts([40], seed=3)[0])  # the engine measures prefill
-    assert engine.prefill_rate.samples >= 1
-    cost = PullCost(prefill=engine.prefill_rate)
-    cost.link.add(1 << 30, 1.0)
+    greedy(engine, "warm", random_prompts([40], seed=3)[0])
+    assert engine.prefill_rate.samples >= 1  # the engine measures its prefill steps
+    cost = PullCost()
+    cost.prefill.add(10, 1.0)  # a replica that prefills 10 tokens/s (a big model, say)
+    cost.link.add(1 << 30, 1.0)  # and a 1 GiB/s link
     puller = AsyncEngine(engine)
     try:
         result = asyncio.run(pull_into(puller, endpoint, PROMPT[:-1], cost=cost, force=False))
