@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-import torch
 import zmq
 
 from omniflow.cache.dtypes import dtype_name
@@ -58,6 +58,9 @@ from omniflow.transport.codec import (
 )
 from omniflow.transport.endpoint import Inbox, fd_of
 from omniflow.transport.security import Keys, secure_client
+
+if TYPE_CHECKING:  # torch is imported with the first tensor: workers of model-free roles
+    import torch  # import this module (runtime/kv_peers.py) and must not map libtorch
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +306,7 @@ class KVPuller:
                 f"{prepared.dtype} differ from this replica's {list(layout[0])} {layout[1]}",
             )
         page_tokens = prepared.num_tokens // prepared.num_pages
-        nbytes = todo * int(torch.Size(prepared.page_shape).numel()) * sink.dtype.itemsize
+        nbytes = todo * math.prod(prepared.page_shape) * sink.dtype.itemsize
         decision = self.cost.decide(nbytes, todo * page_tokens)
         if not (decision.pull or force) or not await sink.reserve(todo):
             _drop(sock, request_id, prepared.token)
