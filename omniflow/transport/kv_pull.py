@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20  # pages per KvPages message: about this many bytes
 DROP_LINGER_MS = 1000
+EXPIRY_SLACK_S = 0.01
 _request_decoder = decoder_for(KvPullRequest)
 _reply_decoder = decoder_for(KvPullReply)
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
@@ -194,7 +195,8 @@ class KVPullServer:
             token = grant.token
             self.pinned += 1
             self.counts["prepared"] += 1
-            timer = asyncio.get_running_loop().call_later(self.tokens.ttl_s, self._expire)
+            loop = asyncio.get_running_loop()  # the sweep runs just after the deadline
+            timer = loop.call_later(self.tokens.ttl_s + EXPIRY_SLACK_S, self._expire)
             self._timers.add(timer)
         reply = KvPrepared(
             msg.request_id,
