@@ -240,7 +240,7 @@ class Client:
         try:
             check_parts(msg, parts)
         except BadMessage as e:
-            release_tensors(getattr(msg, "tensors", {}).values())
+            release_tensors(getattr(msg, "tensors", {}).values(), opened=False)
             if pending is not None:
                 role = getattr(msg, "role", "")
                 pending.push(RequestFailed(Code.BAD_REQUEST.value, str(e), role, msg.request_id))
