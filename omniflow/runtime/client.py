@@ -117,9 +117,12 @@ class _Pending:
         "token_role",
         "text_done",
         "heard",
+        "migratable",
     )
 
-    def __init__(self, push: Any, patience: float, request_id: str) -> None:
+    def __init__(
+        self, push: Any, patience: float, request_id: str, migratable: bool = True
+    ) -> None:
         self.push = push  # called with each Output, then a Result or a RequestFailed
         self.credit = 0
         self.usage: dict[str, int] = {}
@@ -139,10 +142,15 @@ class _Pending:
         self.token_role = ""
         self.text_done = False
         self.heard = False  # anything came back for the current attempt
+        # False with migration off: nothing above is kept for a resend (inputs, tokens).
+        self.migratable = migratable
 
     def deliver(self, output: Output) -> None:
         """Hand one output to the caller, once: after a migration, what the new attempt
         sends again is dropped and the resuming role's chunks go on numbering."""
+        if not self.migratable:
+            self.push(output)
+            return
         role = output.role
         if role in self.offset:
             output.seq += self.offset[role]
@@ -280,7 +288,7 @@ class Client:
         """Why a request that lost a replica cannot go on elsewhere ("" when no reason is
         worth naming); None when it can."""
         limit = self.config.runtime.max_migrations
-        if pending.migrations >= limit:
+        if not pending.migratable or pending.migrations >= limit:
             return f"moved {limit} times already" if limit else ""
         deadline = pending.resend[3]
         if deadline and deadline <= time.time():
@@ -329,7 +337,7 @@ class Client:
         suspects = [
             (p, p.attempt)
             for p in self._pending.values()
-            if not p.heard and p.fanout is not None and _sent_to(p.fanout, record)
+            if p.migratable and not p.heard and p.fanout is not None and _sent_to(p.fanout, record)
         ]
         if suspects:
             asyncio.get_running_loop().call_later(
@@ -484,8 +492,10 @@ class Client:
             session=session,
             origin="client",
         )
-        pending = _Pending(push, deadline + 1.0 if deadline else 0.0, request_id)
-        pending.resend = (dict(inputs or {}), dict(params or {}), session, deadline)
+        migratable = self.config.runtime.max_migrations > 0
+        pending = _Pending(push, deadline + 1.0 if deadline else 0.0, request_id, migratable)
+        if migratable:  # what a resend takes; inputs may be large tensors
+            pending.resend = (dict(inputs or {}), dict(params or {}), session, deadline)
         pending.fanout = fanout = Fanout(self.router, INPUT, call)
         self._pending[request_id] = pending
         try:
