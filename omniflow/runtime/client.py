@@ -273,8 +273,8 @@ class Client:
                 )
                 pending.push(result)
         elif isinstance(msg, Fail):
-            if msg.code == Code.UNAVAILABLE.value:
-                self._cancel_everywhere(msg.request_id)  # branches orphaned by the death
+            if msg.code == Code.UNAVAILABLE.value:  # branches orphaned by the death
+                self._cancel_after(pending, msg.replica.rpartition("/")[0] or msg.role)
                 why = self._cannot_migrate(pending, msg)
                 if why is None:
                     return self._migrate(pending, msg)
@@ -325,7 +325,7 @@ class Client:
         fail = Fail(Code.UNAVAILABLE.value, str(error), role, pending.attempt, error.replica)
         if self._cannot_migrate(pending, fail) is not None:
             return False
-        self._cancel_everywhere(pending.attempt)
+        self._cancel_after(pending, role)
         self._migrate(pending, fail)
         return True
 
@@ -351,18 +351,23 @@ class Client:
             message = f"{record.actor_id} died before it answered"
             fail = Fail(Code.UNAVAILABLE.value, message, record.role, attempt, record.actor_id)
             if self._cannot_migrate(pending, fail) is None:
-                self._cancel_everywhere(attempt)
+                self._cancel_after(pending, record.role)
                 self._migrate(pending, fail, record.pid)
             # Else it is left to its deadline: it may be on its way past that replica.
 
-    def _cancel_everywhere(self, request_id: str) -> None:
-        """Cancel an attempt at every replica: the dead one's downstream branches hold pool
-        blocks (and compute) that would otherwise wait out the deadline."""
-        cancel = [encode(Cancel(request_id, Code.UNAVAILABLE.value))]
-        for role in self.config.roles:
-            for record in self.view.replicas(role):
-                with contextlib.suppress(Exception):
-                    self.outbox.post(record.endpoint, cancel)
+    def _cancel_after(self, pending: _Pending, dead: str) -> None:
+        """Cancel the current attempt where it may still be after a replica of role ``dead``
+        died with it: every replica of the roles after ``dead`` (its branches there, parts
+        waiting at a join, hold pool blocks and compute, and no one else would cancel them),
+        and the replicas this client sent it to (each passes the Cancel on along the path it
+        sent the request). Roles off its path are left alone."""
+        addresses = set(pending.fanout.addresses) if pending.fanout is not None else set()
+        for role in self.router.plan.downstream(dead):
+            addresses.update(record.endpoint for record in self.view.replicas(role))
+        cancel = [encode(Cancel(pending.attempt, Code.UNAVAILABLE.value))]
+        for address in addresses:
+            with contextlib.suppress(Exception):
+                self.outbox.post(address, cancel)
 
     def _migrate(self, pending: _Pending, fail: Fail, pid: int = 0) -> None:
         """Send the request again under a new attempt id, away from the dead replica, with
