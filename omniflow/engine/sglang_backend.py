@@ -12,8 +12,9 @@ that shape (a slot is ``page * page_size + offset``, the engine's slot mapping),
 land in exactly the pages the allocator gave the sequence. The request-to-token table
 (`SlotRows`) lasts across steps: a step writes only its new tokens' slots. Prefill chunks
 (with a cached prefix: ``extend_prefix_lens`` > 0) and decodes run as one EXTEND batch; a
-step of decodes alone runs as DECODE. The attention backend is SGLang's torch_native (PyTorch SDPA, any device);
-its GPU backends (FlashInfer, Triton) want a full SGLang ModelRunner and are not wired.
+step of decodes alone runs as DECODE. The attention backend is SGLang's torch_native
+(PyTorch SDPA, any device); its GPU backends (FlashInfer, Triton) want a full SGLang
+ModelRunner and are not wired.
 
 SGLang's internals change between releases: this adapter is written against exactly
 `SGLANG_VERSION` and refuses another. On CPU, SGLang needs ``SGLANG_USE_CPU_ENGINE=1``
