@@ -43,6 +43,14 @@ class Counter(Actor):
         return {"n": int(request.data.get("n", 0)) + 1}
 
 
+class Tokens(Actor):
+    """Streams ``params["n"]`` chunks of text tokens, as an LLM does."""
+
+    async def handle(self, request, ctx):
+        for index in range(int(request.params.get("n", 3))):
+            yield {"tokens": [index], "text": f"{index} "}
+
+
 class FailsSetup(Actor):
     async def setup(self):
         raise RuntimeError("no weights here")

@@ -168,6 +168,18 @@ class Plan:
     def entry_roles(self) -> set[str]:
         return {e.dst for e in self.out_edges[INPUT]}
 
+    def downstream(self, role: str) -> set[str]:
+        """Every role a request can reach after ``role`` (``role`` itself only if a loop
+        leads back to it)."""
+        seen: set[str] = set()
+        todo = [role]
+        while todo:
+            for e in self.out_edges.get(todo.pop(), ()):
+                if e.dst not in seen:
+                    seen.add(e.dst)
+                    todo.append(e.dst)
+        return seen
+
     def route(
         self,
         src: str,

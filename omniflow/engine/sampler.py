@@ -58,6 +58,23 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator for the token at ``position`` (its index in prompt + output) of a
+    request seeded ``seed``: a state of that pair alone, mixed so that near seeds and
+    positions give unrelated noise."""
+    return torch.Generator().manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ position))
+
+
 class Sampler:
     def __init__(self, seed: int | None = None):
         self.generator = torch.Generator()
@@ -117,8 +134,11 @@ class Sampler:
             row_logits / params.temperature, params.top_k, params.top_p, params.min_p
         )
         probs = row_logits.softmax(-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. One noise vector per
-        # token from the request's own generator keeps seeded requests batch-independent.
-        generator = sequence.generator or self.generator
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. A seeded request's
+        # noise for each token comes from (seed, position) alone: batch-independent, and a
+        # request resent with its first tokens folded into the prompt (a migration) goes on
+        # exactly as it would have.
+        seed = params.seed
+        generator = self.generator if seed is None else position_generator(seed, len(sequence))
         noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=generator)
         return int((probs / noise.to(probs.device)).argmax())

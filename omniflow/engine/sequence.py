@@ -64,9 +64,6 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[dict[int, float]] = []
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
         self.extra_keys: list[Hashable | None] | None = None
         self.lend_kv_to: int | None = None  # a pid: lease this request's KV to it at the end
         self.head: CodesHead | None = None  # None: text (lm_head + sampler)
@@ -115,7 +112,6 @@ class Sequence:
         self.embedding_spans = self.embedding_spans + spans
         self._key_spans(spans)
         self.params = params
-        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         self.finish_reason = self.stop_reason = None
         self.num_cached_tokens = None
         self.block = None

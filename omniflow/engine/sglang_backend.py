@@ -9,11 +9,12 @@ Pages: there is one KV allocation, omniflow's `KVCache` (``keys[layers, kv_heads
 page_size, head_dim]``). SGLang's attention reads and writes per-layer token-major buffers
 ``[slots, kv_heads, head_dim]``; `_PagesAsTokens` hands it views of omniflow's tensors in
 that shape (a slot is ``page * page_size + offset``, the engine's slot mapping), so K/V
-land in exactly the pages the allocator gave the sequence. The request-to-token table of
-a step is built from the sequences' page tables. Prefill chunks (with a cached prefix:
-``extend_prefix_lens`` > 0) and decodes run as one EXTEND batch; a step of decodes alone
-runs as DECODE. The attention backend is SGLang's torch_native (PyTorch SDPA, any device);
-its GPU backends (FlashInfer, Triton) want a full SGLang ModelRunner and are not wired.
+land in exactly the pages the allocator gave the sequence. The request-to-token table
+(`SlotRows`) lasts across steps: a step writes only its new tokens' slots. Prefill chunks
+(with a cached prefix: ``extend_prefix_lens`` > 0) and decodes run as one EXTEND batch; a
+step of decodes alone runs as DECODE. The attention backend is SGLang's torch_native
+(PyTorch SDPA, any device); its GPU backends (FlashInfer, Triton) want a full SGLang
+ModelRunner and are not wired.
 
 SGLang's internals change between releases: this adapter is written against exactly
 `SGLANG_VERSION` and refuses another. On CPU, SGLang needs ``SGLANG_USE_CPU_ENGINE=1``
@@ -173,11 +174,101 @@ class _PagesAsTokens:
         values[slots] = cache_v.view(-1, *values.shape[1:]).to(self.dtype)
 
 
-class _RequestTable:
-    """SGLang's request-to-token pool: row i lists the slots of the step's i-th sequence."""
+class _Row:
+    __slots__ = ("index", "page_ids", "pages", "last_page", "filled")
 
-    def __init__(self) -> None:
-        self.req_to_token = torch.zeros((0, 0), dtype=torch.int64)
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.page_ids: list[int] = []  # the sequence's own list, as it was last seen
+        self.pages = 0  # how many of its pages the row's slots came from
+        self.last_page = -1  # the last of those
+        self.filled = 0  # slots [0, filled) of the row are written
+
+
+class SlotRows:
+    """SGLang's request-to-token pool, kept across steps: one row per running sequence,
+    listing the KV slot of each of its tokens (``page * page_size + offset``).
+
+    A step writes only the slots it adds (a decode: one), not each sequence's whole table
+    again. A row is rewritten from its start when the sequence's pages changed under it:
+    the scheduler only appends to ``page_ids`` in place and replaces the list when it frees
+    them (preemption, finish), so a new list (or a different last page) means new pages.
+    """
+
+    def __init__(self, page_size: int, device: torch.device | str = "cpu") -> None:
+        self.page_size = page_size
+        self.req_to_token = torch.zeros((0, 0), dtype=torch.int64, device=device)
+        self._rows: dict[Any, _Row] = {}  # sequence -> its row
+        self._free: list[int] = []
+        self.slots_written = 0  # a count, for tests: grows by the new tokens of each step
+
+    def rows_for(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """The rows of the step's sequences, with every slot up to each chunk's end written."""
+        self._forget_ended({c.sequence for c in chunks})
+        rows, cols, values, indices = [], [], [], []
+        for chunk in chunks:
+            sequence = chunk.sequence
+            end = chunk.start + chunk.num_tokens
+            row = self._row(sequence)
+            lo = min(row.filled, chunk.start)  # a prefix hit's first step fills its prefix too
+            if end > lo:
+                rows.append(torch.full((end - lo,), row.index, dtype=torch.int64))
+                cols.append(torch.arange(lo, end))
+                values.append(self._slots(sequence.page_ids, lo, end))
+                row.filled = max(row.filled, end)
+                row.pages = -(-row.filled // self.page_size)
+                row.last_page = sequence.page_ids[row.pages - 1]
+            indices.append(row.index)
+        self._grow(len(self._rows) + len(self._free), max(c.start + c.num_tokens for c in chunks))
+        if values:
+            slots = torch.cat(values)
+            self.slots_written += len(slots)
+            device = self.req_to_token.device
+            at = (torch.cat(rows).to(device), torch.cat(cols).to(device))
+            self.req_to_token.index_put_(at, slots.to(device))
+        return indices
+
+    def slots(self, row: int, start: int, end: int) -> torch.Tensor:
+        return self.req_to_token[row, start:end]
+
+    def _row(self, sequence: Any) -> _Row:
+        row = self._rows.get(sequence)
+        if row is None:
+            row = _Row(self._free.pop() if self._free else len(self._rows) + len(self._free))
+            self._rows[sequence] = row
+        page_ids = sequence.page_ids
+        if page_ids is not row.page_ids or (
+            row.pages and (len(page_ids) < row.pages or page_ids[row.pages - 1] != row.last_page)
+        ):  # other pages than the row's slots came from: write it again from the start
+            row.page_ids, row.filled, row.pages, row.last_page = page_ids, 0, 0, -1
+        return row
+
+    def _forget_ended(self, stepping: set[Any]) -> None:
+        """Free the rows of sequences that hold no pages now (finished or preempted)."""
+        for sequence, row in list(self._rows.items()):
+            if sequence not in stepping and not sequence.page_ids:
+                del self._rows[sequence]
+                self._free.append(row.index)
+
+    def _slots(self, page_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Slots of tokens [start, end), from the pages that hold them only."""
+        size = self.page_size
+        first = start // size
+        pages = torch.tensor(page_ids[first : -(-end // size)], dtype=torch.int64)
+        slots = (pages[:, None] * size + torch.arange(size)).view(-1)
+        return slots[start - first * size : end - first * size]
+
+    def _grow(self, rows: int, width: int) -> None:
+        have_rows, have_width = self.req_to_token.shape
+        if rows <= have_rows and width <= have_width:
+            return
+        grown = torch.zeros(
+            (max(rows, 2 * have_rows), max(width, 2 * have_width)),
+            dtype=torch.int64,
+            device=self.req_to_token.device,
+        )
+        grown[:have_rows, :have_width] = self.req_to_token
+        self.req_to_token = grown
 
 
 class SGLangRunner:
@@ -205,16 +296,11 @@ class SGLangRunner:
             forward_context,
         )
         self.pool = _PagesAsTokens(cache)
-        self.table = _RequestTable()
+        self.table = SlotRows(cache.page_size, self.device)
         runner = _RunnerView(self.device, self.table, self.pool)
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
         self.attention = TorchNativeAttnBackend(runner)
-
-    def _slots(self, page_ids: list[int], end: int) -> torch.Tensor:
-        size = self.cache.page_size
-        pages = torch.tensor(page_ids[: -(-end // size)], dtype=torch.int64)
-        return (pages[:, None] * size + torch.arange(size)).view(-1)[:end]
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
@@ -226,10 +312,10 @@ class SGLangRunner:
                     "text rows only (no block steps or media-token rows)"
                 )
         decode_only = all(c.num_tokens == 1 and c.start > 0 for c in chunks)
+        table_rows = self.table.rows_for(chunks)
         input_ids: list[int] = []
         positions: list[int] = []
         out_slots: list[torch.Tensor] = []
-        tables: list[torch.Tensor] = []
         starts, lengths, ends, sampling, rows = [], [], [], [], []
         embed_rows: list[int] = []
         embed_values: list[torch.Tensor] = []
@@ -244,21 +330,14 @@ class SGLangRunner:
                     embed_values.append(span.embeddings[lo - span.start : hi - span.start])
             input_ids += sequence.token_ids[start:end]
             positions += range(start, end)
-            table = self._slots(sequence.page_ids, end)
-            tables.append(table)
-            out_slots.append(table[start:end])
+            out_slots.append(self.table.slots(table_rows[index], start, end))
             starts.append(start)
             lengths.append(chunk.num_tokens)
             ends.append(end)
             if chunk.samples:
                 sampling.append(sequence)
                 rows.append(index)
-        widest = max(ends)
-        req_to_token = torch.zeros((len(chunks), widest), dtype=torch.int64)
-        for index, table in enumerate(tables):
-            req_to_token[index, : len(table)] = table
         device = self.device
-        self.table.req_to_token = req_to_token.to(device)
         seq_lens = torch.tensor(ends, dtype=torch.int64)
         extend: dict[str, Any] = {}
         if not decode_only:
@@ -276,7 +355,7 @@ class SGLangRunner:
             forward_mode=ForwardMode.DECODE if decode_only else ForwardMode.EXTEND,
             batch_size=len(chunks),
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            req_pool_indices=torch.arange(len(chunks), dtype=torch.int64, device=device),
+            req_pool_indices=torch.tensor(table_rows, dtype=torch.int64, device=device),
             seq_lens=seq_lens.to(device),
             seq_lens_cpu=seq_lens,
             out_cache_loc=torch.cat(out_slots).to(device),
@@ -303,7 +382,7 @@ class SGLangRunner:
 class _RunnerView:
     """What SGLang's attention backends read off its ModelRunner."""
 
-    def __init__(self, device: torch.device, table: _RequestTable, pool: _PagesAsTokens):
+    def __init__(self, device: torch.device, table: SlotRows, pool: _PagesAsTokens):
         self.device = str(device)
         self.req_to_token_pool = table
         self.token_to_kv_pool = pool

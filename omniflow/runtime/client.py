@@ -117,9 +117,12 @@ class _Pending:
         "token_role",
         "text_done",
         "heard",
+        "migratable",
     )
 
-    def __init__(self, push: Any, patience: float, request_id: str) -> None:
+    def __init__(
+        self, push: Any, patience: float, request_id: str, migratable: bool = True
+    ) -> None:
         self.push = push  # called with each Output, then a Result or a RequestFailed
         self.credit = 0
         self.usage: dict[str, int] = {}
@@ -139,10 +142,15 @@ class _Pending:
         self.token_role = ""
         self.text_done = False
         self.heard = False  # anything came back for the current attempt
+        # False with migration off: nothing above is kept for a resend (inputs, tokens).
+        self.migratable = migratable
 
     def deliver(self, output: Output) -> None:
         """Hand one output to the caller, once: after a migration, what the new attempt
         sends again is dropped and the resuming role's chunks go on numbering."""
+        if not self.migratable:
+            self.push(output)
+            return
         role = output.role
         if role in self.offset:
             output.seq += self.offset[role]
@@ -240,7 +248,7 @@ class Client:
         try:
             check_parts(msg, parts)
         except BadMessage as e:
-            release_tensors(getattr(msg, "tensors", {}).values())
+            release_tensors(getattr(msg, "tensors", {}).values(), opened=False)
             if pending is not None:
                 role = getattr(msg, "role", "")
                 pending.push(RequestFailed(Code.BAD_REQUEST.value, str(e), role, msg.request_id))
@@ -265,8 +273,8 @@ class Client:
                 )
                 pending.push(result)
         elif isinstance(msg, Fail):
-            if msg.code == Code.UNAVAILABLE.value:
-                self._cancel_everywhere(msg.request_id)  # branches orphaned by the death
+            if msg.code == Code.UNAVAILABLE.value:  # branches orphaned by the death
+                self._cancel_after(pending, msg.replica.rpartition("/")[0] or msg.role)
                 why = self._cannot_migrate(pending, msg)
                 if why is None:
                     return self._migrate(pending, msg)
@@ -280,7 +288,7 @@ class Client:
         """Why a request that lost a replica cannot go on elsewhere ("" when no reason is
         worth naming); None when it can."""
         limit = self.config.runtime.max_migrations
-        if pending.migrations >= limit:
+        if not pending.migratable or pending.migrations >= limit:
             return f"moved {limit} times already" if limit else ""
         deadline = pending.resend[3]
         if deadline and deadline <= time.time():
@@ -317,7 +325,7 @@ class Client:
         fail = Fail(Code.UNAVAILABLE.value, str(error), role, pending.attempt, error.replica)
         if self._cannot_migrate(pending, fail) is not None:
             return False
-        self._cancel_everywhere(pending.attempt)
+        self._cancel_after(pending, role)
         self._migrate(pending, fail)
         return True
 
@@ -329,7 +337,7 @@ class Client:
         suspects = [
             (p, p.attempt)
             for p in self._pending.values()
-            if not p.heard and p.fanout is not None and _sent_to(p.fanout, record)
+            if p.migratable and not p.heard and p.fanout is not None and _sent_to(p.fanout, record)
         ]
         if suspects:
             asyncio.get_running_loop().call_later(
@@ -343,18 +351,23 @@ class Client:
             message = f"{record.actor_id} died before it answered"
             fail = Fail(Code.UNAVAILABLE.value, message, record.role, attempt, record.actor_id)
             if self._cannot_migrate(pending, fail) is None:
-                self._cancel_everywhere(attempt)
+                self._cancel_after(pending, record.role)
                 self._migrate(pending, fail, record.pid)
             # Else it is left to its deadline: it may be on its way past that replica.
 
-    def _cancel_everywhere(self, request_id: str) -> None:
-        """Cancel an attempt at every replica: the dead one's downstream branches hold pool
-        blocks (and compute) that would otherwise wait out the deadline."""
-        cancel = [encode(Cancel(request_id, Code.UNAVAILABLE.value))]
-        for role in self.config.roles:
-            for record in self.view.replicas(role):
-                with contextlib.suppress(Exception):
-                    self.outbox.post(record.endpoint, cancel)
+    def _cancel_after(self, pending: _Pending, dead: str) -> None:
+        """Cancel the current attempt where it may still be after a replica of role ``dead``
+        died with it: every replica of the roles after ``dead`` (its branches there, parts
+        waiting at a join, hold pool blocks and compute, and no one else would cancel them),
+        and the replicas this client sent it to (each passes the Cancel on along the path it
+        sent the request). Roles off its path are left alone."""
+        addresses = set(pending.fanout.addresses) if pending.fanout is not None else set()
+        for role in self.router.plan.downstream(dead):
+            addresses.update(record.endpoint for record in self.view.replicas(role))
+        cancel = [encode(Cancel(pending.attempt, Code.UNAVAILABLE.value))]
+        for address in addresses:
+            with contextlib.suppress(Exception):
+                self.outbox.post(address, cancel)
 
     def _migrate(self, pending: _Pending, fail: Fail, pid: int = 0) -> None:
         """Send the request again under a new attempt id, away from the dead replica, with
@@ -484,8 +497,10 @@ class Client:
             session=session,
             origin="client",
         )
-        pending = _Pending(push, deadline + 1.0 if deadline else 0.0, request_id)
-        pending.resend = (dict(inputs or {}), dict(params or {}), session, deadline)
+        migratable = self.config.runtime.max_migrations > 0
+        pending = _Pending(push, deadline + 1.0 if deadline else 0.0, request_id, migratable)
+        if migratable:  # what a resend takes; inputs may be large tensors
+            pending.resend = (dict(inputs or {}), dict(params or {}), session, deadline)
         pending.fanout = fanout = Fanout(self.router, INPUT, call)
         self._pending[request_id] = pending
         try:

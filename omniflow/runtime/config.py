@@ -102,6 +102,10 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
         int,
         Meta(ge=0, description="times a request on a dead replica moves to another (0: off)"),
     ] = 3
+    inbox_hwm: Annotated[
+        int,
+        Meta(ge=1, description="messages an actor queues per sender unread (then it waits)"),
+    ] = 1000
 
 
 class DeviceGroup(msgspec.Struct, **_STRICT):

@@ -265,6 +265,13 @@ class ActorHost:
         started = time.perf_counter()
         try:
             tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
+        except Exception as e:  # a refused ref: none of the call's refs counts as opened
+            self._slots.release()
+            release_tensors(call.tensors.values(), opened=False)
+            return self._hand_over(
+                call, key, fanout, ctx, arrived, self._end_failed, e, opened=False
+            )
+        try:
             request = Request(call.request_id, call.data, tensors, call.params, call.session)
             coro = self.actor.handle(request, ctx)
             suspended = coro.send(None)
@@ -301,13 +308,17 @@ class ActorHost:
         arrived: float,
         then: Callable[..., Coroutine[Any, Any, None]],
         *args: Any,
+        opened: bool = True,
     ) -> None:
         """Move an eager request that could not end inline into the general path: give it
-        a ``Stream`` and run ``then(stream, *args)`` (a Task only if that suspends)."""
+        a ``Stream`` and run ``then(stream, *args)`` (a Task only if that suspends).
+        ``opened``: its tensors were materialized (else they went back already)."""
         stream = self._open(call, key, fanout, ctx)
         stream.arrived = arrived
         stream.handled = True  # it started inline
         self._account(stream, call)
+        if opened:
+            stream.refs += _pool_refs(call)
         self._start(stream, then(stream, *args))
 
     async def _continue(self, stream: Stream, coro: Any, suspended: Any, started: float) -> None:
@@ -439,13 +450,17 @@ class ActorHost:
         stream.credit += call.credit
         if call.timings:
             stream.timings += call.timings
-        stream.refs += _pool_refs(call)
         add_usage(stream.usage, call.usage)
 
     async def _handle_chunk(self, stream: Stream, call: Call, parts: list[Any]) -> None:
         self._account(stream, call)
         stream.handled = True
-        tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
+        try:
+            tensors = materialize_tensors(call.tensors, parts) if call.tensors else {}
+        except Exception:  # a refused ref: none of the call's refs counts as opened
+            release_tensors(call.tensors.values(), opened=False)
+            raise
+        stream.refs += _pool_refs(call)  # opened: released when the request ends
         request = Request(
             call.request_id, call.data, tensors, call.params, call.session, call.seq, call.last
         )
@@ -521,7 +536,7 @@ class ActorHost:
     def _drop(self, call: Call) -> None:
         """A call that never reaches the handler: its tensors go back, and the actor gives
         back what its data holds (``Actor.discard``: leases, say)."""
-        release_tensors(call.tensors.values())
+        release_tensors(call.tensors.values(), opened=False)
         self._discard(call)
 
     def _discard(self, call: Call) -> None:
@@ -533,10 +548,11 @@ class ActorHost:
     def _close(self, stream: Stream) -> None:
         # Outputs that reuse an input's block were shared onward before this release.
         _release_inputs(stream.refs, stream.ctx)
-        if not stream.handled:  # expired or cancelled while it waited for a slot
-            self._discard(stream.call)
+        if not stream.handled and stream.queue is None:  # expired or cancelled before a slot
+            self._drop(stream.call)
         stream.refs = []
-        while stream.queue is not None and not stream.queue.empty():  # chunks never handled
+        # Chunks never handled (a stream's first chunk waits in its queue: dropped here once).
+        while stream.queue is not None and not stream.queue.empty():
             call, _ = stream.queue.get_nowait()
             self._drop(call)
         key = (stream.call.request_id, stream.call.hops)

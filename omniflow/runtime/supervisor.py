@@ -38,7 +38,7 @@ from omniflow.control.discovery import (
 from omniflow.control.graph import INPUT, Plan
 from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.config import Config, to_json
-from omniflow.runtime.holding import holding_path, read_holding
+from omniflow.runtime.holding import holding_path, read_held
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, private_dir
 
@@ -87,6 +87,10 @@ class Replica:
         self.ready: asyncio.Future | None = None
         self.exited: asyncio.Future | None = None
         self.endpoint = ""
+        # At its last death: the requests already failed from its holding file, and whether
+        # that file named all it held (then the heartbeat's list adds nothing).
+        self.failed_at_death: set[str] = set()
+        self.holding_complete = False
 
     @property
     def actor_id(self) -> str:
@@ -353,15 +357,21 @@ class Supervisor:
         assert replica.proc is not None
         path = holding_path(self.run_dir, replica.role, replica.index)
         try:
-            held = read_holding(path, replica.proc.pid)
+            held, complete = read_held(path, replica.proc.pid)
         except (OSError, ValueError) as e:
             log.warning("could not read what %s held: %s", replica.actor_id, e)
-            held = []
+            held, complete = [], False
+        replica.failed_at_death = set()
+        replica.holding_complete = complete
         for request_id, reply_to in held:
             self._post_unavailable(replica, request_id, reply_to)
         path.unlink(missing_ok=True)
 
     def _post_unavailable(self, replica: Replica, request_id: str, reply_to: str) -> None:
+        """One terminal Fail per request and death, whichever list names it."""
+        if request_id in replica.failed_at_death:
+            return
+        replica.failed_at_death.add(request_id)
         fail = Fail(
             Code.UNAVAILABLE.value,
             f"{replica.actor_id} died while handling it",
@@ -373,13 +383,15 @@ class Supervisor:
             self.outbox.post(reply_to, [encode(fail)])
 
     async def _fail_what_it_held(self, replica: Replica, key: str) -> None:
-        """Fail the requests a dead replica held at its last heartbeat, at once.
+        """Fail the requests a dead replica held at its last heartbeat, at once, when its
+        holding file did not name them all (those that did not fit there).
 
-        Its branch of each is lost; without this the clients would wait out their
-        deadlines. A request it finished just before dying may be failed too: the
-        price of not waiting.
+        Their branch is lost; without this the clients would wait out their deadlines.
+        A request it finished after the beat may be failed too: the price of not waiting.
         """
         assert self._registry is not None
+        if replica.holding_complete:
+            return  # the file named exactly what it held; the beat may name ended ones
         for found, value in await self._registry.list(key):
             if found != key:
                 continue  # "reverse/1" is a prefix of "reverse/10"

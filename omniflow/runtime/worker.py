@@ -146,6 +146,7 @@ class Worker:
             endpoint_for(cfg, self.run_dir, self.role, self.replica),
             host.on_message,
             keys=keys,
+            hwm=rt.inbox_hwm,
         )
         host.reply = inbox.reply
         inbox.start()

@@ -118,19 +118,21 @@ def export_tensors(
 
 
 def materialize_tensors(refs: dict[str, Any], frames: list[Any]) -> dict[str, Any]:
+    """Every tensor of a message, or none opened; see ``tensors.materialize_all``."""
     if not refs:
         return {}
-    from omniflow.transport.tensors import materialize
+    from omniflow.transport.tensors import materialize_all
 
-    return {name: materialize(ref, frames) for name, ref in refs.items()}
+    return materialize_all(refs, frames)
 
 
-def release_tensors(refs: Collection[Any]) -> None:
-    """Release every ref of a message (``msg.tensors.values()``); see ``tensors.release``."""
+def release_tensors(refs: Collection[Any], opened: bool = True) -> None:
+    """Release every ref of a message (``msg.tensors.values()``); ``opened=False`` for a
+    message dropped before its tensors were materialized. See ``tensors.release``."""
     if refs:
         from omniflow.transport.tensors import release_all
 
-        release_all(refs)
+        release_all(refs, opened)
 
 
 def revoke_tensors(refs: Collection[Any], pid: int) -> None:

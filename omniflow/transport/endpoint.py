@@ -47,6 +47,10 @@ _raw_send = zmq.backend.Socket.send
 MAX_PEERS = 128
 _EVICT_LINGER_MS = 1000
 _DRAIN_BATCH = 256  # messages per reader callback before yielding to other callbacks
+# Messages an Inbox queues per connected peer while its loop does not read (RCVHWM). Past
+# it ZeroMQ stops reading that peer's connection: the sender's own queue fills, then its
+# sends block (an Outbox send fails with PeerUnavailable after its timeout).
+INBOX_HWM = 1000
 _ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
 
 
@@ -74,7 +78,8 @@ class Inbox:
     """A bound ROUTER; ``on_message(identity, parts)`` gets ``[header, *frames]``.
 
     The header is ``bytes``; later frames are ``zmq.Frame``s viewing ZeroMQ's own
-    buffers (no copy).
+    buffers (no copy). At most ``hwm`` messages wait per peer: a flood cannot grow this
+    process past that while its loop is busy; the senders wait instead.
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class Inbox:
         on_message: Callable[[bytes, list[Any]], None],
         mandatory: bool = False,
         keys: Keys | None = None,
+        hwm: int = INBOX_HWM,
     ) -> None:
         self._sock = ctx.socket(zmq.ROUTER)
         self._ctx = ctx
@@ -104,7 +110,7 @@ class Inbox:
             if mandatory:  # replies to a vanished peer raise instead of vanishing silently
                 self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.RCVHWM, 0)
+            self._sock.setsockopt(zmq.RCVHWM, hwm)
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             path = ipc_path(endpoint)
             if path and os.path.exists(path):

@@ -21,7 +21,8 @@ Each ``Shm``/``CudaIpc`` ref holds one ref on its block for the receiver, attrib
 ``Link.pid`` (the receiver's pid from the registry) so that a receiver that dies is
 reclaimed; the receiver calls ``release(ref)`` when done with the tensor, and also for
 refs of a message it drops unread (bad header, overload, cancelled), or the block stays
-allocated until the receiver exits and is reclaimed. A full pool makes ``export`` raise
+allocated until the receiver exits and is reclaimed (``opened=False`` for those: they
+never counted as opened). A full pool makes ``export`` raise
 ``PoolExhausted`` (a ``MemoryError``) at once; the caller may resend with ``Link()``.
 """
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,16 @@ log = logging.getLogger(__name__)
 
 # Shm refs this process opened and has not released yet, per lease: a second message
 # naming the same lease is accepted only while the lease holds more refs for this pid.
+# Exact: only ``materialize`` counts up and only the release of an opened ref counts down
+# (a ref dropped unread never counted); a lower count would let a forged copy of a ref
+# this process holds but has not opened yet be opened, and released, in its place.
 _opened: dict[int, int] = {}
+
+
+def opened_refs(lease: int) -> int:
+    """How many refs on ``lease`` this process opened and has not released."""
+    return _opened.get(lease, 0)
+
 
 # Received frames are read-only; the views handed to roles are documented as such.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -142,6 +152,29 @@ def materialize(ref: TensorRef, frames: list[Any]) -> torch.Tensor:
     raise TensorError(f"{type(ref).__name__} refs are not supported by this process")
 
 
+def materialize_all(refs: Mapping[str, TensorRef], frames: list[Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of one message, or none: when a ref is refused, those opened before it
+    no longer count as opened, so the caller releases the whole message as unopened."""
+    tensors: dict[str, torch.Tensor] = {}
+    opened: list[int] = []
+    try:
+        for name, ref in refs.items():
+            tensors[name] = materialize(ref, frames)
+            if isinstance(ref, Shm):
+                opened.append(ref.lease)
+    except BaseException:
+        for lease in opened:
+            _count_closed(lease)
+        raise
+    return tensors
+
+
+def _count_closed(lease: int) -> None:
+    left = _opened.pop(lease, 0) - 1
+    if left > 0:
+        _opened[lease] = left
+
+
 def _materialize_frame(ref: Frame, frames: list[Any]) -> torch.Tensor:
     if not 1 <= ref.index < len(frames):
         raise TensorError(f"frame ref {ref.index} outside the message's {len(frames)} frames")
@@ -172,17 +205,18 @@ def _require_pool(ref: Shm | CudaIpc) -> PagePool:
     return _attached.pool
 
 
-def release(ref: TensorRef) -> None:
+def release(ref: TensorRef, opened: bool = True) -> None:
     """The receiver's ack: drop its ref on the block behind ``ref`` (no-op for frames).
 
-    Call once per received ``Shm``/``CudaIpc`` ref, when the tensor is no longer used.
+    Call once per received ``Shm``/``CudaIpc`` ref, when the tensor is no longer used;
+    ``opened=False`` for a ref of a message dropped before ``materialize`` (or whose
+    ``materialize_all`` failed).
     """
     if isinstance(ref, Frame):
         return
     pool = _require_pool(ref)
-    opened = _opened.pop(ref.lease, 0)
-    if opened > 1:
-        _opened[ref.lease] = opened - 1
+    if opened and isinstance(ref, Shm):
+        _count_closed(ref.lease)
     try:
         pool.release(ref.lease, os.getpid())
     except PoolError as e:
@@ -201,12 +235,12 @@ def revoke(ref: TensorRef, pid: int) -> None:
         pass
 
 
-def release_all(refs: Iterable[TensorRef]) -> None:
+def release_all(refs: Iterable[TensorRef], opened: bool = True) -> None:
     """``release`` every ref of a message (``msg.tensors.values()``); a ref this process
     holds nothing on (forged, or already reclaimed) is logged and skipped, so that the
     message's other refs still go back."""
     for ref in refs:
         try:
-            release(ref)
+            release(ref, opened)
         except TensorError as e:
             log.warning("skipped a tensor ref: %s", e)

@@ -90,6 +90,16 @@ def test_bounded_loop_is_accepted_and_counted():
     assert plan.route("a", {}, {}, {loop.key: 3}) == []
 
 
+def test_downstream_follows_every_edge_after_a_role():
+    g = Graph().edge(INPUT, "vision").edge(INPUT, "llm").edge("vision", "llm")
+    g.edge("llm", "image", when="has:image_codes").edge("llm", "audio")
+    g.edge("refine", "llm", max_iters=2).edge("image", "refine")
+    plan = g.compile({"vision", "llm", "image", "audio", "refine"})
+    assert plan.downstream("vision") == {"llm", "image", "audio", "refine"}
+    assert plan.downstream("audio") == set()
+    assert plan.downstream("image") == {"refine", "llm", "image", "audio"}  # a loop back
+
+
 def test_config_graph_errors_name_the_file():
     with pytest.raises(ConfigError, match=r"<x>: \[graph\] edge input -> b: unknown role 'b'"):
         parse(

@@ -32,6 +32,18 @@ def test_same_seed_same_tokens_batched_or_not(llm):
     assert other_seed.token_ids != alone.token_ids
 
 
+def test_a_seeded_request_resent_with_its_first_tokens_goes_on_the_same(llm):
+    """A migration resends the prompt plus the tokens already streamed: the draws that
+    follow depend on (seed, position) only, so the rest is the rest of the first run."""
+    [prompt] = random_prompts((12,), seed=5)
+    options = dict(temperature=1.0, top_p=0.95, seed=77, ignore_eos=True)
+    [whole] = llm.generate([prompt], SamplingParams(max_tokens=24, **options))
+    for cut in (1, 9):
+        head = whole.token_ids[:cut]
+        [rest] = llm.generate([prompt + head], SamplingParams(max_tokens=24 - cut, **options))
+        assert head + rest.token_ids == whole.token_ids, cut
+
+
 def test_filters_that_keep_one_token_equal_greedy(llm):
     prompts = random_prompts((6, 14), seed=3)
     greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))

@@ -6,10 +6,17 @@ import asyncio
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
+import zmq
+
 import omniflow
-from omniflow.runtime.holding import HoldingFile, read_holding
+from omniflow.control.routing import FULL_CREDIT
+from omniflow.messages import Call, Fail
+from omniflow.runtime.holding import HoldingFile, read_held, read_holding
+from omniflow.transport.codec import decode, encode
+from omniflow.transport.endpoint import Inbox, Outbox
 from tests.helpers import echo_config
 
 
@@ -49,6 +56,10 @@ def test_holding_file_names_what_is_held(tmp_path):
     b = held.add("b", "tcp://10.0.0.1:5555")
     assert held.add("c", "ipc://full") == -1  # no slot left: the heartbeat covers it
     assert held.add("x" * 300, "ipc://y") == -1
+    assert read_held(path, os.getpid()).complete is False  # two are held without a slot
+    held.remove(-1)
+    held.remove(-1)
+    assert read_held(path, os.getpid()).complete is True
     held.remove(a)
     assert read_holding(path, os.getpid()) == [("b", "tcp://10.0.0.1:5555")]
     assert read_holding(path, os.getpid() + 1) == []  # another incarnation's file
@@ -56,3 +67,59 @@ def test_holding_file_names_what_is_held(tmp_path):
     assert read_holding(path, os.getpid()) == []
     held.close()
     assert not path.exists()
+
+
+def test_each_request_on_a_killed_worker_gets_one_fail(run_root):
+    """Both the holding file and a heartbeat name what the replica held: the supervisor
+    fails each request once, not once per list."""
+    cfg = echo_config(
+        name="onefail",
+        reverse={"options": {"delay_ms": 30_000}},
+        runtime={"heartbeat_s": 0.1, "ttl_s": 5.0, "restart_backoff_s": 0.1},
+    )
+    ids = [f"held-{i}" for i in range(3)]
+
+    async def main():
+        async with omniflow.Runtime(cfg) as rt:
+            ctx = zmq.Context()
+            fails: Counter[str] = Counter()
+
+            def on_reply(identity, parts):
+                msg = decode(parts[0])
+                if isinstance(msg, Fail):
+                    fails[msg.request_id] += 1
+
+            replies = Inbox(ctx, f"ipc://{rt.run_dir}/replies.sock", on_reply)
+            replies.start()
+            outbox = Outbox(ctx)
+            victim = next(r for r in rt.supervisor.replicas if r.role == "reverse")
+            pid = victim.proc.pid
+            for rid in ids:  # straight to reverse, its replies to this test's socket
+                call = Call(rid, "reverse", replies.endpoint, data={"text": rid})
+                call.credit, call.deadline = FULL_CREDIT, time.time() + 60
+                await outbox.send(victim.endpoint, [encode(call)])
+            path = Path(rt.run_dir) / "reverse-0.holding"
+            until = time.monotonic() + 20
+            while True:  # the file and a heartbeat both name all three
+                record = rt.client.view.find("reverse/0")
+                beat = {rid for rid, _ in record.holding} if record else set()
+                filed = {rid for rid, _ in read_holding(path, pid)}
+                if beat >= set(ids) and filed >= set(ids):
+                    break
+                assert time.monotonic() < until, (beat, filed)
+                await asyncio.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
+            while victim.state != "ready" or victim.proc.pid == pid:  # both lists were read
+                assert time.monotonic() < until + 20, victim.state
+                await asyncio.sleep(0.05)
+            while set(fails) < set(ids):
+                assert time.monotonic() < until + 30, fails
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)  # a second Fail would have been sent before the restart
+            replies.close()
+            outbox.close()
+            ctx.term()
+            return fails
+
+    fails = asyncio.run(main())
+    assert fails == Counter({rid: 1 for rid in ids})

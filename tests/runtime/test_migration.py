@@ -109,6 +109,34 @@ def test_a_killed_llm_replica_hands_its_stream_to_another(run_root, llm_model):
     assert result.usage["completion_tokens"] == len(ref_tokens)
 
 
+def test_a_seeded_request_that_migrates_samples_what_it_would_have(run_root, llm_model):
+    """Sampled, not greedy: the replica that goes on draws each token from (seed, position),
+    so the output equals that of a run with no kill."""
+    seeded = {"max_tokens": 300, "temperature": 1.0, "top_k": 40, "seed": 1234}
+
+    async def main():
+        async with omniflow.Runtime(llm_config("migrateseed", llm_model, replicas=2)) as rt:
+            ref_outs, _ = await rt.call(PROMPT, params=seeded, timeout=60)
+            outs, result = [], None
+            async for item in rt.stream(PROMPT, params=seeded, request_id="seeded-1", timeout=60):
+                if isinstance(item, omniflow.Result):
+                    result = item
+                    continue
+                outs.append(item)
+                if len(outs) == 2:
+                    victim = holder(rt, "seeded-1")
+                    assert victim is not None
+                    os.kill(victim.proc.pid, signal.SIGKILL)
+            return ref_outs, outs, result
+
+    ref_outs, outs, result = asyncio.run(main())
+    ref_tokens = [t for o in ref_outs for t in o.data["tokens"]]
+    assert len(ref_tokens) > 50, "the reference must be long enough to be cut"
+    assert result is not None and result.migrations == 1
+    assert [o.seq for o in outs] == list(range(len(outs)))
+    assert [t for o in outs for t in o.data["tokens"]] == ref_tokens
+
+
 def test_a_killed_llm_with_no_other_replica_fails_at_once(run_root, llm_model):
     async def main():
         async with omniflow.Runtime(llm_config("nomigrate", llm_model, replicas=1)) as rt:

@@ -187,6 +187,42 @@ def test_forged_and_stale_refs_are_rejected_by_the_receiver(pool: PagePool, rece
     assert all(r["error"].startswith("rejected Shm ref") for r in report.values())
 
 
+def test_an_unopened_ref_released_leaves_the_opened_count_exact(pool: PagePool) -> None:
+    """Two messages name one block for this process; the first is opened, the second is
+    dropped unread. Its release must not count as closing the opened one: else a forged
+    copy of the opened ref would pass the receiver's check and could free it early."""
+    t, lease = pool.empty((16,), torch.float32)
+    me = os.getpid()
+    first, second = pool.share(t, me), pool.share(t, me)
+    lease.release()  # as export does: the block lives on the receiver's refs alone
+    view = T.materialize(first, [b""])
+    assert T.opened_refs(first.lease) == 1
+    T.release(second, opened=False)  # the dropped message
+    assert T.opened_refs(first.lease) == 1
+    assert pool.holders(first.lease)[me] == 1
+    forged = Shm(first.offset, first.nbytes, first.dtype, first.shape, first.lease, first.pool)
+    with pytest.raises(TensorError, match="rejected Shm ref"):
+        T.materialize(forged, [b""])
+    assert T.opened_refs(first.lease) == 1
+    del view
+    T.release(first)
+    assert T.opened_refs(first.lease) == 0
+    assert pool.stats().used_pages == 0
+
+
+def test_a_message_with_a_refused_ref_counts_none_opened(pool: PagePool) -> None:
+    t, lease = pool.empty((16,), torch.float32)
+    good = pool.share(t, os.getpid())
+    bad = Shm(pool.size + 4096, 64, "float32", (16,), good.lease, pool.name)
+    with pytest.raises(TensorError, match="outside pool"):
+        T.materialize_all({"good": good, "bad": bad}, [b""])
+    assert T.opened_refs(good.lease) == 0  # the caller releases the message as unopened
+    T.release(good, opened=False)
+    assert T.opened_refs(good.lease) == 0
+    lease.release()
+    assert pool.stats().used_pages == 0
+
+
 def test_shm_ref_without_a_pool_is_a_clear_error(pool: PagePool) -> None:
     T.detach_pool()
     try:
