@@ -37,6 +37,7 @@ import msgspec
 import torch
 from PIL import Image
 
+from omniflow.cache.kv_share import revoke
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
 from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.models.hunyuan_image3_tokens import (
@@ -77,6 +78,7 @@ class ARRole(ModelActor):
             device=self.options.device,
             kv_cache_bytes=kv_bytes,
             share_kv=self.pool is not None,
+            lease_claim_s=self.options.lease_claim_s,
             # Shared weights stay in the pages diffusion maps too (no private re-layout).
             relayout_weights=self.backbone.weights is None,
         )
@@ -168,15 +170,20 @@ class ARRole(ModelActor):
         else:
             grid = (params.size[1] // per, params.size[0] // per)
         ctx.add_usage(prompt_tokens=len(cond) + 1, ar_rows_forwarded=len(cond) + 1 + len(uncond))
-        yield {
-            "kv_lease": msgspec.to_builtins(lease),
-            "kv_lease_uncond": msgspec.to_builtins(uncond_lease),
-            "grid": list(grid),
-            "context_ids": [*cond, self.tokens.ratios[ratio]],
-            "uncond_ids": uncond,
-            "size": [grid[1] * per, grid[0] * per],
-            "ratio": ratio,
-        }
+        try:
+            yield {
+                "kv_lease": msgspec.to_builtins(lease),
+                "kv_lease_uncond": msgspec.to_builtins(uncond_lease),
+                "grid": list(grid),
+                "context_ids": [*cond, self.tokens.ratios[ratio]],
+                "uncond_ids": uncond,
+                "size": [grid[1] * per, grid[0] * per],
+                "ratio": ratio,
+            }
+        except BaseException:  # not delivered (the send failed, the request ended here)
+            self._revoke(lease, borrower)
+            self._revoke(uncond_lease, borrower)
+            raise
 
     async def _lend_context(
         self,
@@ -205,9 +212,9 @@ class ARRole(ModelActor):
         return lease, ratio
 
     def _revoke(self, lease: Any, borrower: int) -> None:
+        """A lease that will never reach ``borrower``: taken back unless already claimed."""
         assert self.pool is not None
-        for ref in (lease.keys, lease.values, lease.tail):
-            self.pool.release(ref.lease, borrower)
+        revoke(self.pool, lease, borrower)
 
     async def _lend(
         self,

@@ -159,6 +159,10 @@ class HunyuanAROptions(WeightsOptions, kw_only=True):
     lend_to: Annotated[
         str, Meta(min_length=1, description="the role the context KV is lent to")
     ] = "diffusion"
+    lease_claim_s: Annotated[
+        float,
+        Meta(gt=0, description="a lent KV not claimed by the borrower within this is revoked"),
+    ] = 60.0
 
 
 class HunyuanDiffusionOptions(WeightsOptions, kw_only=True):
