@@ -48,7 +48,7 @@ from omniflow.models.hunyuan_image3_tokens import (
     unconditional_ids,
 )
 from omniflow.roles.base import ModelActor
-from omniflow.roles.hunyuan_backbone import Backbone
+from omniflow.roles.hunyuan_backbone import Backbone, span_fields
 from omniflow.roles.image_params import image_params
 from omniflow.roles.options import HunyuanAROptions, TextToImageParams
 from omniflow.runtime.actor import BadRequest, Context, MemoryBudget, Request
@@ -146,19 +146,23 @@ class ARRole(ModelActor):
             width, height = params.size
             ratios = [ratios[ratio_of_size(self.config, height, width)]]
         rid = f"{request.request_id}-{next(self._ids)}"
-        borrower = ctx.peer_pid(opts.lend_to)  # the replica this request goes to next
-        lease = None
+        borrower = ctx.peer_pid(opts.lend_to) if opts.lend_kv else 0  # where it goes next
+        lease = uncond_lease = None
         try:
             text_ids = list(prompt)
             if opts.recaption_tokens:
                 text_ids += await self._recaption(rid, condition + text_ids, spans)
             base = self.config.image_base_size
             cond = context_ids(self.tokens, condition + text_ids, base, 0)[:-1]
-            lease, ratio_id = await self._lend_context(rid, cond, spans, borrower, ratios)
+            if opts.lend_kv:
+                lease, ratio_id = await self._lend_context(rid, cond, spans, borrower, ratios)
+            else:
+                ratio_id = await self._pick_ratio(rid, cond, spans, ratios, keep=False)
             ratio = self.tokens.ratios.index(ratio_id)
             uncond_text = unconditional_ids(self.tokens, text_ids)
             uncond = context_ids(self.tokens, condition + uncond_text, base, ratio)
-            uncond_lease = await self._lend(f"{rid}-u", uncond, spans, borrower)
+            if opts.lend_kv:
+                uncond_lease = await self._lend(f"{rid}-u", uncond, spans, borrower)
         except BaseException as e:
             if lease is not None:  # lent, never to be delivered: the borrower's refs go
                 self._revoke(lease, borrower)
@@ -169,21 +173,45 @@ class ARRole(ModelActor):
             grid = grid_of_ratio(self.config, ratio)
         else:
             grid = (params.size[1] // per, params.size[0] // per)
+        out: dict[str, Any] = {
+            "grid": list(grid),
+            "context_ids": [*cond, self.tokens.ratios[ratio]],
+            "uncond_ids": uncond,
+            "size": [grid[1] * per, grid[0] * per],
+            "ratio": ratio,
+        }
+        if lease is None:  # diffusion computes the context: it needs the image's rows too
+            out |= span_fields(spans)
+            ctx.add_usage(prompt_tokens=len(cond) + 1, ar_rows_forwarded=len(cond))
+            yield out
+            return
+        out["kv_lease"] = msgspec.to_builtins(lease)
+        out["kv_lease_uncond"] = msgspec.to_builtins(uncond_lease)
         ctx.add_usage(prompt_tokens=len(cond) + 1, ar_rows_forwarded=len(cond) + 1 + len(uncond))
         try:
-            yield {
-                "kv_lease": msgspec.to_builtins(lease),
-                "kv_lease_uncond": msgspec.to_builtins(uncond_lease),
-                "grid": list(grid),
-                "context_ids": [*cond, self.tokens.ratios[ratio]],
-                "uncond_ids": uncond,
-                "size": [grid[1] * per, grid[0] * per],
-                "ratio": ratio,
-            }
+            yield out
         except BaseException:  # not delivered (the send failed, the request ended here)
             self._revoke(lease, borrower)
             self._revoke(uncond_lease, borrower)
             raise
+
+    async def _pick_ratio(
+        self,
+        rid: str,
+        prompt: list[int],
+        spans: list[EmbeddingSpan],
+        ratios: list[int],
+        keep: bool,
+    ) -> int:
+        """One AR step over the prompt up to <img_size> that picks the ratio token among
+        ``ratios`` (kept as ``{rid}-c`` with ``keep``, for a continuation)."""
+        pick = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=ratios)
+        ratio = None
+        async for delta in self.engine.generate(f"{rid}-c", prompt, pick, spans or None, keep=keep):
+            ratio = delta.token_ids[-1] if delta.token_ids else ratio
+        if ratio is None:
+            raise RuntimeError(f"request {rid}: the ratio step made no token")
+        return ratio
 
     async def _lend_context(
         self,
@@ -193,18 +221,10 @@ class ARRole(ModelActor):
         borrower: int,
         ratios: list[int],
     ) -> tuple[Any, int]:
-        """The cond context: the prompt up to <img_size>, one AR step that picks the ratio
-        token among ``ratios``, then that token run and the whole context's KV leased to
-        ``borrower``. Returns the lease and the ratio token's id."""
-        pick = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=ratios)
-        ratio = None
+        """The cond context: the ratio step, then that token run and the whole context's KV
+        leased to ``borrower``. Returns the lease and the ratio token's id."""
         try:
-            async for delta in self.engine.generate(
-                f"{rid}-c", prompt, pick, spans or None, keep=True
-            ):
-                ratio = delta.token_ids[-1] if delta.token_ids else ratio
-            if ratio is None:
-                raise RuntimeError(f"request {rid}: the ratio step made no token")
+            ratio = await self._pick_ratio(rid, prompt, spans, ratios, keep=True)
             # Its one sampled token never runs: the lease covers the context with the ratio.
             lease = await self._lend(f"{rid}-l", [], [], borrower, continue_from=f"{rid}-c")
         finally:
