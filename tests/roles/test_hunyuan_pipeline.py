@@ -166,11 +166,11 @@ def test_a_condition_image_enters_the_context(hunyuan):
 @pytest.mark.parametrize(
     "params, inputs, field",
     [
-        ({"steps": 0}, {}, "steps"),
-        ({"steps": 10_000}, {}, "steps"),
-        ({"cfg_scale": -1.0}, {}, "cfg_scale"),
-        ({"size": "7x13"}, {}, "size"),
-        ({"size": "4096x4096"}, {}, "size"),
+        ({"steps": 0}, {}, "params.steps"),
+        ({"steps": 10_000}, {}, "params.steps"),
+        ({"cfg_scale": -1.0}, {}, "params.cfg_scale"),
+        ({"size": "7x13"}, {}, "params.size"),
+        ({"size": "4096x4096"}, {}, "params.size"),
         ({}, {"image": b"certainly not an image"}, "image"),
     ],
 )
