@@ -27,14 +27,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import AsyncGenerator, Generator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import torch
 
 from omniflow.cache.kv_share import KVLeaseView
 from omniflow.engine import AsyncEngine, EngineConfig, Guidance, LLMEngine
-from omniflow.engine.denoise import denoise_steps
+from omniflow.engine.denoise import Denoising, denoise_steps
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone, spans_of
 from omniflow.roles.image_params import ImageParams, image_params
@@ -206,22 +206,13 @@ class DiffusionRole(ModelActor):
                 params.seed,
                 self.options.shift,
             )
-            done, value = await self._run(_advance, loop, None)
-            while not done:
-                delta = await self.engine.block_step(*value[:5])
-                rows[0] += 2 * len(value.rows)  # both halves run the rows
-                if delta.hidden is None:
-                    raise RuntimeError(f"request {rid}: step {value.step} ended bare")
-                yield value.step + 1
-                done, value = await self._run(_advance, loop, delta.hidden)
-            yield value.float().contiguous()
+            run = await self._run(Denoising, loop, params.steps)
+            while (step := run.request) is not None:
+                delta = await self.engine.block_step(*step[:5])
+                rows[0] += 2 * len(step.rows)  # both halves run the rows
+                await self._run(run.feed, delta.hidden)
+                yield step.step + 1
+            assert run.latent is not None
+            yield run.latent.float().contiguous()
         finally:
             self.engine.release(context)  # also when cancelled: the leases go back
-
-
-def _advance(loop: Generator[Any, Any, Any], hidden: torch.Tensor | None) -> tuple[bool, Any]:
-    """The denoising loop's next block request (False, request), or its end (True, latent)."""
-    try:
-        return False, (next(loop) if hidden is None else loop.send(hidden))
-    except StopIteration as end:
-        return True, end.value
