@@ -77,6 +77,19 @@ WIDTHS: dict[str, dict[str, int]] = {
         "attention_head_dim": 64,
         "num_experts": 8,
     },
+    # HunyuanImage-3's expert layout (64 routed experts, top-8, one shared; 4:1 query to
+    # KV heads) at a small hidden size: how the MoE's cost splits over many small experts.
+    "moe64": {
+        "hidden_size": 256,
+        "intermediate_size": 192,
+        "moe_intermediate_size": 192,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "attention_head_dim": 32,
+        "num_experts": 64,
+        "moe_topk": 8,
+    },
 }
 
 
