@@ -6,6 +6,10 @@ weights (the images are noise), by default at widths where compute fills a step 
   step_ms_reuse            one guided denoising step (block step of 257 rows, cond + uncond)
                            over the prompt's KV computed once and kept
   step_ms_recompute        the same step computing the prompt's KV with it (no reuse)
+  step_reuse_ceiling_*     recompute / reuse as arithmetic, the most reuse can win: rows
+                           forwarded ((257 + 260) / 257 = 2.0), attention FLOPs, all FLOPs.
+                           Both halves of a guided step reuse; the prompt is about as many
+                           rows as the image, so no step can be 3x faster from reuse alone
   cfg_batched_ms           that step with cond and uncond paired in one forward
   cfg_sequential_ms        the same two halves as two forwards, one after the other
   weights_mb_two_roles     backbone bytes resident in ar + diffusion of a real deployment:
@@ -115,6 +119,42 @@ def timed(fn) -> float:
     return (time.perf_counter() - start) * 1000
 
 
+def row_flops(config: Any, keys: float) -> tuple[float, float]:
+    """(projection and MLP FLOPs, attention FLOPs) of one row through every layer, the row
+    attending to ``keys`` keys (QK and PV: 4 FLOPs per key, head and head dim)."""
+    hidden, heads, kv_heads = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+    )
+    dim = config.head_dim
+    projections = hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden
+    moe_layers = config.num_hidden_layers - config.moe_layer_num_skipped
+    routed = config.num_experts_per_tok + config.n_shared_experts
+    moe = 3 * hidden * config.moe_intermediate_size * routed + hidden * config.n_routed_experts
+    dense = 3 * hidden * config.intermediate_size
+    mlp = moe * moe_layers + dense * config.moe_layer_num_skipped
+    linear = 2 * (projections * config.num_hidden_layers + mlp)
+    return linear, 4 * heads * dim * keys * config.num_hidden_layers
+
+
+def reuse_ceiling(config: Any, context: int, block: int) -> dict[str, float]:
+    """What reusing the context's KV can save at most: a guided step forwards 2 x ``block``
+    rows (cond and uncond halves) over ``context`` cached keys each; recomputing forwards the
+    2 x ``context`` rows (causal) as well. Rows, attention FLOPs, all FLOPs: recompute/reuse."""
+    block_linear, block_attention = row_flops(config, context + block)
+    context_linear, _ = row_flops(config, 0)
+    _, causal = row_flops(config, (context + 1) / 2)  # the mean key count of a causal row
+    reuse = 2 * block * (block_linear + block_attention)
+    recompute = reuse + 2 * context * (context_linear + causal)
+    attention = (block * block_attention + context * causal) / (block * block_attention)
+    return {
+        "step_reuse_ceiling_rows": round((block + context) / block, 3),
+        "step_reuse_ceiling_attention_flops": round(attention, 3),
+        "step_reuse_ceiling_flops": round(recompute / reuse, 3),
+    }
+
+
 def step_figures(folder: Path, prompt: list[int], rounds: int) -> dict[str, float]:
     """A guided step over a kept prefix, over a recomputed one; CFG paired, sequential."""
     parts = load_image_parts(folder)
@@ -155,7 +195,8 @@ def step_figures(folder: Path, prompt: list[int], rounds: int) -> dict[str, floa
         again.append(timed(recompute))
         paired.append(timed(lambda: step(engine, "pair")))
         apart.append(timed(sequential))
-    return {
+    block = GRID[0] * GRID[1] + 1  # the <timestep> row and the image rows
+    return reuse_ceiling(model.config, len(cond), block) | {
         "step_ms_reuse": median(reuse),
         "step_ms_recompute": median(again),
         "cfg_batched_ms": median(paired),
@@ -246,7 +287,8 @@ def main() -> None:
         choices=sorted(WIDTHS),
         default="wide",
         help="wide (default): the tiny family at widths where the model's compute, not "
-        "Python's per-op overhead, fills a step; tiny: the shipped config's 64-wide model",
+        "Python's per-op overhead, fills a step; moe64: the real model's expert layout (64 "
+        "experts, top-8, one shared) at hidden 256; tiny: the shipped config's 64-wide model",
     )
     parser.add_argument(
         "--part",
