@@ -208,7 +208,7 @@ def test_a_killed_ar_leaves_no_lent_page_behind(hunyuan):
     # The borrower's refs kept the lent KV readable: the request finished.
     assert png_of(events[:-1]).startswith(b"\x89PNG")
     until = time.monotonic() + 60
-    while records(state).get("ar") is None or records(state)["ar"].pid == ar.pid:
+    while (found := records(state).get("ar")) is None or found.pid == ar.pid:
         assert time.monotonic() < until, "ar was not restarted"
         time.sleep(0.2)
     call(state, {"text": "after"}, params=SMALL)
