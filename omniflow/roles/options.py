@@ -178,7 +178,11 @@ class HunyuanAROptions(BackboneOptions, kw_only=True):
     ] = True
     lease_claim_s: Annotated[
         float,
-        Meta(gt=0, description="a lent KV not claimed by the borrower within this is revoked"),
+        Meta(
+            gt=0,
+            description="seconds: a lent KV that diffusion has not claimed by then (lost, or "
+            "still queued there) is revoked and that request fails",
+        ),
     ] = 60.0
 
 
