@@ -73,3 +73,58 @@ def test_separate_stages_compute_the_prompt_in_diffusion(tmp_path, monkeypatch):
     assert edited_usage["prompt_tokens"] > usage["prompt_tokens"] + 16
     assert Image.open(io.BytesIO(png_of(edited))).size == (64, 64)
     assert os.path.isdir(tmp_path / "model")
+
+
+def test_a_lease_left_unclaimed_is_revoked_while_diffusion_lives(tmp_path, monkeypatch):
+    """The shared deployment, ar's claim bound short and diffusion one loop at a time: a
+    second request's leases wait in diffusion's queue past the bound, as a lost message's
+    would forever. ar takes them back, that request fails naming the revoked lease, and the
+    pool returns to where it was, the same diffusion process serving on."""
+    monkeypatch.setenv("OMNIFLOW_RUN_ROOT", tempfile.mkdtemp(prefix="of-", dir="/tmp"))
+    raw = tomllib.loads((ROOT / "configs" / "hunyuan_image3.toml").read_text())
+    raw.pop("gateway", None)
+    raw["name"] = "hunyuan_revoke_test"
+    for role in raw["roles"].values():
+        role["options"]["model_path"] = str(tmp_path / "model")
+    raw["roles"]["ar"]["options"]["lease_claim_s"] = 0.5
+    raw["roles"]["diffusion"]["max_concurrency"] = 1
+    config = parse(raw)
+
+    async def run():
+        async with omniflow.Runtime(config) as rt:
+            assert rt.client is not None
+            pool = rt.supervisor.pool
+            assert pool is not None
+
+            async def settled():
+                last = None
+                for _ in range(60):
+                    stats = pool.stats()
+                    now = (stats.used_pages, stats.live_leases)
+                    if now == last:
+                        return now
+                    last = now
+                    await asyncio.sleep(0.5)
+                raise AssertionError(f"the pool never settled: {now}")
+
+            await rt.call({"text": "warm"}, params=SMALL, timeout=120)
+            before = await settled()
+            diffusion = {r.role: r for r in await list_actors(rt.client.registry, config.name)}
+            # 200 steps of 256 image tokens hold diffusion's one loop for well over the
+            # bound on any CPU (each step is two engine hops and a forward of 514 rows).
+            long = {**SMALL, "steps": 200, "size": "256x256"}
+            first = asyncio.create_task(rt.call({"text": "a long one"}, params=long, timeout=120))
+            await asyncio.sleep(0.3)
+            with pytest.raises(omniflow.RequestFailed) as failed:
+                await rt.call({"text": "queued"}, params=SMALL, timeout=120)
+            await first
+            after = await settled()
+            again = {r.role: r for r in await list_actors(rt.client.registry, config.name)}
+            outputs, _ = await rt.call({"text": "a red cube"}, params=SMALL, timeout=120)
+            return failed.value, before, after, diffusion, again, outputs
+
+    failure, before, after, first, again, outputs = asyncio.run(run())
+    assert "revoked by its lender" in failure.detail, failure.detail
+    assert after == before  # no page of the revoked leases left behind
+    assert first["diffusion"].pid == again["diffusion"].pid  # the borrower lived throughout
+    assert png_of(outputs).startswith(b"\x89PNG")
