@@ -154,21 +154,16 @@ class ARRole(ModelActor):
                 text_ids += await self._recaption(rid, condition + text_ids, spans)
             base = self.config.image_base_size
             cond = context_ids(self.tokens, condition + text_ids, base, 0)[:-1]
-            if opts.lend_kv:
-                lease, ratio_id = await self._lend_context(rid, cond, spans, borrower, ratios)
-            else:
-                ratio_id = await self._pick_ratio(rid, cond, spans, ratios, keep=False)
+            ratio_id = await self._pick_ratio(rid, cond, spans, ratios, keep=opts.lend_kv)
             ratio = self.tokens.ratios.index(ratio_id)
             uncond_text = unconditional_ids(self.tokens, text_ids)
             uncond = context_ids(self.tokens, condition + uncond_text, base, ratio)
             if opts.lend_kv:
-                uncond_lease = await self._lend(f"{rid}-u", uncond, spans, borrower)
-        except BaseException as e:
-            if lease is not None:  # lent, never to be delivered: the borrower's refs go
-                self._revoke(lease, borrower)
-            if isinstance(e, ValueError):  # the engine refused the request (length, ...)
-                raise BadRequest("text", str(e)) from None
-            raise
+                lease, uncond_lease = await self._lend_both(rid, uncond, spans, borrower)
+        except ValueError as e:  # the engine refused the request (length, ...)
+            raise BadRequest("text", str(e)) from None
+        finally:
+            self.engine.release(f"{rid}-c")  # a no-op once the continuation took it
         if params.size is None:
             grid = grid_of_ratio(self.config, ratio)
         else:
@@ -213,23 +208,24 @@ class ARRole(ModelActor):
             raise RuntimeError(f"request {rid}: the ratio step made no token")
         return ratio
 
-    async def _lend_context(
-        self,
-        rid: str,
-        prompt: list[int],
-        spans: list[EmbeddingSpan],
-        borrower: int,
-        ratios: list[int],
-    ) -> tuple[Any, int]:
-        """The cond context: the ratio step, then that token run and the whole context's KV
-        leased to ``borrower``. Returns the lease and the ratio token's id."""
-        try:
-            ratio = await self._pick_ratio(rid, prompt, spans, ratios, keep=True)
-            # Its one sampled token never runs: the lease covers the context with the ratio.
-            lease = await self._lend(f"{rid}-l", [], [], borrower, continue_from=f"{rid}-c")
-        finally:
-            self.engine.release(f"{rid}-c")  # a no-op once the continuation took it
-        return lease, ratio
+    async def _lend_both(
+        self, rid: str, uncond: list[int], spans: list[EmbeddingSpan], borrower: int
+    ) -> tuple[Any, Any]:
+        """Lease the cond context (the kept ratio step's: its sampled ratio token runs now)
+        and the uncond one to ``borrower``, both in the same engine steps. A failure of
+        either revokes the other's lease: none is left lent that will not be delivered."""
+        done = await asyncio.gather(
+            self._lend(f"{rid}-l", [], [], borrower, continue_from=f"{rid}-c"),
+            self._lend(f"{rid}-u", uncond, spans, borrower),
+            return_exceptions=True,
+        )
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if failed:
+            for lease in done:
+                if not isinstance(lease, BaseException):
+                    self._revoke(lease, borrower)
+            raise failed[0]
+        return done[0], done[1]
 
     def _revoke(self, lease: Any, borrower: int) -> None:
         """A lease that will never reach ``borrower``: taken back unless already claimed."""

@@ -86,8 +86,10 @@ def test_a_lease_left_unclaimed_is_revoked_while_diffusion_lives(tmp_path, monke
     raw["name"] = "hunyuan_revoke_test"
     for role in raw["roles"].values():
         role["options"]["model_path"] = str(tmp_path / "model")
-    raw["roles"]["ar"]["options"]["lease_claim_s"] = 0.5
+    bound = 2.0  # long enough for a claim on a loaded machine
+    raw["roles"]["ar"]["options"]["lease_claim_s"] = bound
     raw["roles"]["diffusion"]["max_concurrency"] = 1
+    raw["roles"]["diffusion"]["options"]["max_steps"] = 1000
     config = parse(raw)
 
     async def run():
@@ -109,19 +111,21 @@ def test_a_lease_left_unclaimed_is_revoked_while_diffusion_lives(tmp_path, monke
 
             await rt.call({"text": "warm"}, params=SMALL, timeout=120)
             before = await settled()
-            diffusion = {r.role: r for r in await list_actors(rt.client.registry, config.name)}
-            # 200 steps of 256 image tokens hold diffusion's one loop for well over the
-            # bound on any CPU (each step is two engine hops and a forward of 514 rows).
-            long = {**SMALL, "steps": 200, "size": "256x256"}
-            first = asyncio.create_task(rt.call({"text": "a long one"}, params=long, timeout=120))
-            await asyncio.sleep(0.3)
+            first = {r.role: r for r in await list_actors(rt.client.registry, config.name)}
+            # 1000 steps of 256 image tokens: diffusion's one loop is busy past the bound
+            # on any CPU; left once the queued request's leases are revoked.
+            long = {**SMALL, "steps": 1000, "size": "256x256"}
+            stream = rt.stream({"text": "a long one"}, params=long, timeout=300)
+            await anext(stream)  # its first step: diffusion runs it now
+            queued = asyncio.create_task(rt.call({"text": "queued"}, params=SMALL, timeout=120))
+            await asyncio.sleep(bound + 1.0)
+            await stream.aclose()  # cancels it: diffusion takes the queued one
             with pytest.raises(omniflow.RequestFailed) as failed:
-                await rt.call({"text": "queued"}, params=SMALL, timeout=120)
-            await first
+                await queued
             after = await settled()
             again = {r.role: r for r in await list_actors(rt.client.registry, config.name)}
             outputs, _ = await rt.call({"text": "a red cube"}, params=SMALL, timeout=120)
-            return failed.value, before, after, diffusion, again, outputs
+            return failed.value, before, after, first, again, outputs
 
     failure, before, after, first, again, outputs = asyncio.run(run())
     assert "revoked by its lender" in failure.detail, failure.detail
