@@ -30,6 +30,7 @@ lease never both win; a borrower that comes too late gets ``StaleLease``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any, NamedTuple
@@ -37,7 +38,7 @@ from typing import Any, NamedTuple
 import msgspec
 import torch
 
-from omniflow.cache.errors import StaleLease
+from omniflow.cache.errors import PoolError, StaleLease
 from omniflow.cache.pool import PagePool
 from omniflow.messages import Shm
 
@@ -110,7 +111,10 @@ def revoke(pool: PagePool, lease: KVLease, borrower_pid: int) -> bool:
     if not pool.swap_tag(lease.tail.lease, LENT, REVOKED):
         return False
     for ref in (lease.keys, lease.values, lease.tail):
-        pool.release(ref.lease, borrower_pid)
+        # A borrower that died was reclaimed: its refs are gone already.
+        with contextlib.suppress(PoolError):
+            if pool.holders(ref.lease).get(borrower_pid, 0):
+                pool.release(ref.lease, borrower_pid)
     return True
 
 

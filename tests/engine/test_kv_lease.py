@@ -205,3 +205,25 @@ def test_a_lease_revoked_at_once_cannot_be_claimed(tiny_models, pool, borrower):
     engine.step()
     usage = engine.allocator.usage()
     assert usage.free_pages == usage.total_pages and engine.leases.revoked == 0
+
+
+def test_an_unclaimed_lease_of_a_dead_borrower_is_reaped_past_the_bound(
+    tiny_models, pool, borrower
+):
+    """The borrower dies before claiming and is reclaimed; the bound passes before the
+    lender's next reap: the revocation finds no ref of it to drop, and the pages go back."""
+    _, pid, process = borrower
+    config = EngineConfig(
+        device="cpu", page_size=PAGE, num_pages=12, share_kv=True, lease_claim_s=0.2
+    )
+    engine = LLMEngine(tiny_models["llama-mha"], config, kv_pool=pool)
+    [prompt] = random_prompts((11,), seed=57)
+    lend(engine, "orphan", prompt, pid)
+    os.kill(pid, signal.SIGKILL)
+    process.join(10)
+    pool.reclaim([pid])
+    time.sleep(0.3)
+    assert reap_until_free(engine)
+    engine.close()
+    stats = pool.stats()
+    assert (stats.used_pages, stats.live_leases) == (0, 0)
