@@ -204,6 +204,14 @@ class PageTable:
         s = self._slots
         return s[q + _START], s[q + _NPAGES], s[q + _NBYTES], s[q + _AUX]
 
+    def swap_aux(self, lease: int, expect: int, new: int) -> bool:
+        """Set a live block's aux from ``expect`` to ``new``; False (unchanged) otherwise."""
+        q = self.check(lease) * SLOT_QWORDS
+        if self._slots[q + _AUX] != expect:
+            return False
+        self._slots[q + _AUX] = new
+        return True
+
     def refs(self, lease: int) -> int:
         """Refs on ``lease``; 0 once freed."""
         try:

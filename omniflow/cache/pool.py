@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from omniflow.cache.config import CacheConfig
 from omniflow.cache.dtypes import ITEMSIZE, dtype_name, nbytes_of, torch_dtype
-from omniflow.cache.errors import InvalidHandle, PoolError
+from omniflow.cache.errors import InvalidHandle, PoolError, StaleLease
 from omniflow.cache.lease import Lease, PoolStats, PoolTensor, Reclaimed
 from omniflow.cache.liveness import pid_alive
 from omniflow.cache.pagetable import PageTable, plan
@@ -328,6 +328,17 @@ class PagePool:
         if not n:
             raise InvalidHandle(f"lease {lease} is a ticket, not a page block")
         return int(nbytes), int(tag)
+
+    def swap_tag(self, lease: int, expect: int, new: int) -> bool:
+        """Set a live block's tag from ``expect`` to ``new`` in one step under the lock;
+        False (nothing changed) when it was not ``expect`` or the block is freed. Of two
+        processes racing on one block (a borrower claiming a lease while its lender revokes
+        it), exactly one wins."""
+        with self._seg.lock():
+            try:
+                return self._table.swap_aux(lease, expect, new)
+            except StaleLease:
+                return False
 
     def refs(self, lease: int) -> int:
         with self._seg.lock():

@@ -289,15 +289,40 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+_INDEX = "model.safetensors.index.json"  # Hugging Face's shard index (what the loader reads)
+
+
 def _checkpoint_tensors(source: Path) -> Iterator[tuple[Any, str]]:
     """(open shard, tensor name) for every tensor of a safetensors file or folder of shards."""
-    files = sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
-    if not source.exists() or not files:
-        raise FileNotFoundError(f"source: no *.safetensors in {source}")
-    for file in files:
+    for file in _shard_files(source):
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():
                 yield shard, name
+
+
+def _shard_files(source: Path) -> list[Path]:
+    """A checkpoint's safetensors files: the shards its index names (a stray file beside
+    them is not the model's), else the folder's files, or ``source`` itself. Read here, not
+    through the models layer, which the cache layer must not import."""
+    if not source.is_dir():
+        if not source.is_file():
+            raise FileNotFoundError(f"source: no checkpoint at {source}")
+        return [source]
+    index = source / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [source / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"source: {index} is not a safetensors index: {e!r}") from None
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"source: {index} names shards that are absent: {missing}")
+    else:
+        files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"source: no *.safetensors in {source}")
+    return files
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """LLM engines: the protocol, the torch backend, the offline and asyncio-facing APIs."""
 
 from omniflow.engine.async_engine import AsyncEngine, EngineDeadError
-from omniflow.engine.denoise import BlockRequest, denoise, denoise_async, denoise_steps
+from omniflow.engine.denoise import BlockRequest, Denoising, denoise, denoise_async, denoise_steps
 from omniflow.engine.heads import BlockRows, CodesHead, Guidance
 from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.engine.llm import LLM, GenerationOutput
@@ -31,6 +31,7 @@ __all__ = [
     "SamplingParams",
     "TokenDelta",
     "condition_image_prompt",
+    "Denoising",
     "denoise",
     "denoise_async",
     "denoise_steps",

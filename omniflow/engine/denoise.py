@@ -2,9 +2,10 @@
 
 `denoise_steps` is the loop itself, engine-free: a generator that yields each step's
 `BlockRequest` (the <timestep> row and the noisy latent's image rows, at their 2D positions)
-and takes back that step's hidden states; it returns the final latent. `denoise` drives it
-on an `LLMEngine`, `denoise_async` on an `AsyncEngine`; a role with its own loop can drive
-it by hand (send each step's hidden states back into it).
+and takes back that step's hidden states; it returns the final latent. `Denoising` drives
+it (the next request, the hidden states fed back, the latent); `denoise` runs that on an
+`LLMEngine`, `denoise_async` on an `AsyncEngine`, and a role with its own loop runs it by
+hand.
 
 The context (kept with `keep_context`, computed here or lent) ends at the <img_ratio> token.
 With CFG it is kept with Guidance(unconditional ids, scale, combine=False): each step then
@@ -101,6 +102,32 @@ def denoise_steps(
     return latent
 
 
+class Denoising:
+    """One driver of the `denoise_steps` loop, for every engine: ``request`` is the next
+    block step to run (None once done), ``feed`` takes its hidden states back, ``latent`` is
+    the result. `denoise`, `denoise_async` and the diffusion role differ only in how they
+    run a block step."""
+
+    def __init__(
+        self, loop: Generator[BlockRequest, torch.Tensor, torch.Tensor], steps: int
+    ) -> None:
+        self._loop, self.steps = loop, steps
+        self.latent: torch.Tensor | None = None
+        self.request: BlockRequest | None = next(loop)
+
+    def feed(self, hidden: torch.Tensor | None, progress: Progress | None = None) -> None:
+        request = self.request
+        assert request is not None, "the loop is done"
+        if hidden is None:
+            raise RuntimeError(f"request {request.request_id}: the block step ended bare")
+        if progress is not None:
+            progress(request.step + 1, self.steps)
+        try:
+            self.request = self._loop.send(hidden)
+        except StopIteration as done:
+            self.request, self.latent = None, done.value
+
+
 def _hidden_of(deltas, request_id: str) -> torch.Tensor | None:
     for delta in deltas:
         if delta.request_id == request_id and delta.finish_reason is not None:
@@ -124,19 +151,17 @@ def denoise(
 ) -> torch.Tensor:
     """The denoising loop on a sync engine that runs nothing else meanwhile (other
     requests' deltas would be dropped here): the final latent [C, H, W]."""
-    loop = denoise_steps(parts, context_id, context_len, grid, steps, cfg_scale, seed, shift)
-    request = next(loop)
-    while True:
+    run = Denoising(
+        denoise_steps(parts, context_id, context_len, grid, steps, cfg_scale, seed, shift), steps
+    )
+    while (request := run.request) is not None:
         engine.block_step(*request[:5])
         hidden = None
         while hidden is None:
             hidden = _hidden_of(engine.step(), request.request_id)
-        if progress is not None:
-            progress(request.step + 1, steps)
-        try:
-            request = loop.send(hidden)
-        except StopIteration as done:
-            return done.value
+        run.feed(hidden, progress)
+    assert run.latent is not None
+    return run.latent
 
 
 async def denoise_async(
@@ -152,15 +177,10 @@ async def denoise_async(
     shift: float = DEFAULT_SHIFT,
 ) -> torch.Tensor:
     """`denoise` on an AsyncEngine (the engine thread runs the steps)."""
-    loop = denoise_steps(parts, context_id, context_len, grid, steps, cfg_scale, seed, shift)
-    request = next(loop)
-    while True:
-        delta = await engine.block_step(*request[:5])
-        if delta.hidden is None:
-            raise RuntimeError(f"request {request.request_id} ended ({delta.finish_reason}) bare")
-        if progress is not None:
-            progress(request.step + 1, steps)
-        try:
-            request = loop.send(delta.hidden)
-        except StopIteration as done:
-            return done.value
+    run = Denoising(
+        denoise_steps(parts, context_id, context_len, grid, steps, cfg_scale, seed, shift), steps
+    )
+    while (request := run.request) is not None:
+        run.feed((await engine.block_step(*request[:5])).hidden, progress)
+    assert run.latent is not None
+    return run.latent

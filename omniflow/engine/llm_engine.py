@@ -61,6 +61,9 @@ class EngineConfig:
     # K/V tensors in the given kv_pool (CPU), so requests can lend their KV to other
     # processes on the host (add_request's lend_kv_to).
     share_kv: bool = False
+    # A lease lent and not claimed by its borrower within this many seconds is revoked
+    # (cache/kv_share.py): one lost on its way holds no page for longer.
+    lease_claim_s: float = 60.0
     # bf16 on CPU: run norms, rotary, silu, K/V writes and decode attention on omniflow's
     # C kernels (omniflow.kernels, built on first use); PyTorch ops where they are unavailable.
     cpu_kernels: bool = True
@@ -77,6 +80,10 @@ class EngineConfig:
     flow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.lease_claim_s > 0:
+            raise ValueError(
+                f"engine config field lease_claim_s must be > 0 seconds, not {self.lease_claim_s!r}"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"engine config field backend must be one of {BACKENDS}, not {self.backend!r}"
@@ -186,7 +193,7 @@ class LLMEngine:
                 block.tensor.zero_()
                 setattr(self.cache, name, block.tensor)
                 self._kv_blocks.append(block.lease)
-            self.leases = LeaseBook(kv_pool)
+            self.leases = LeaseBook(kv_pool, config.lease_claim_s)
         self.tiers = _kv_tiers(config, self.cache, kv_pool)
         self.allocator: PageAllocator = RadixPrefixCache(
             num_pages, config.page_size, tiers=self.tiers
@@ -234,6 +241,8 @@ class LLMEngine:
             self.tiers = None
         for sequence in [*self.kept.values(), *self.sequences.values()]:
             _close_lent(sequence)  # borrowed prefixes: the lenders may free their pages
+        if self.leases is not None:
+            self.leases.close()  # lent prefixes: unclaimed ones taken back
         for block in self._kv_blocks:
             block.release()  # the engine is done: its K/V pool blocks go back
         self._kv_blocks = []

@@ -327,18 +327,7 @@ class PagedAttention:
             keys = torch.cat((lent_keys.to(keys.device), keys), dim=1)
             values = torch.cat((lent_values.to(values.device), values), dim=1)
         if segment.bidirectional:
-            # No mask (unless causal rows lead): SDPA's fused kernel, never the [heads, rows,
-            # context] scores in memory. 4-d: with 3-d inputs CPU SDPA takes its slower path.
-            mask = _causal_head_mask(q.shape[0], keys.shape[1], segment.causal_rows, q.device)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                keys[None],
-                values[None],
-                attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            return out[0].transpose(0, 1)
+            return self._block(q, keys, values, segment.causal_rows)
         tokens, heads, _ = q.shape
         group = heads // kv_heads
         grouped_q = (q * self.scale).transpose(0, 1).reshape(kv_heads, group * tokens, head_dim)
@@ -348,6 +337,32 @@ class PagedAttention:
         bias.masked_fill_(~mask, float("-inf"))
         out = _attend(grouped_q, keys, values, bias.repeat(group, 1))
         return out.view(heads, tokens, head_dim).transpose(0, 1)
+
+    def _block(self, q, keys, values, causal: int) -> torch.Tensor:
+        """A block's rows over the context and the block: the leading ``causal`` rows with a
+        mask (they see the block's rows up to themselves), the rest with none, which runs
+        SDPA's fused kernel, never the [heads, rows, context] scores in memory (a mask on
+        every row would force its unfused path). 4-d: with 3-d inputs CPU SDPA takes its
+        slower path."""
+
+        def attend(rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+            out = F.scaled_dot_product_attention(
+                rows.transpose(0, 1)[None],
+                keys[None],
+                values[None],
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            return out[0].transpose(0, 1)
+
+        if not causal:
+            return attend(q, None)
+        mask = _causal_head_mask(q.shape[0], keys.shape[1], causal, q.device)
+        assert mask is not None
+        if causal == q.shape[0]:
+            return attend(q, mask)
+        return torch.cat((attend(q[:causal], mask[:causal]), attend(q[causal:], None)))
 
     def _prefill_fresh(self, segment: PrefillSegment, q, k, v):
         chunks, tokens = segment.num_chunks, segment.context_len

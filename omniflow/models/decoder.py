@@ -237,13 +237,17 @@ class DecoderLM(nn.Module):
         embed_rows: torch.Tensor | None = None,
         embed_values: torch.Tensor | None = None,
         hidden: bool = False,
+        unnormed_from: int | None = None,
     ) -> torch.Tensor:
         """Flat batch: input_ids, positions [tokens]. Returns logits [len(logits_rows), vocab],
         or with ``hidden`` the final normed hidden states of those rows [rows, hidden_size]
         (for heads other than lm_head; `logits` takes them on).
 
         embed_rows/embed_values replace the token embeddings of those rows (multimodal
-        placeholder positions) with precomputed embeddings.
+        placeholder positions) with precomputed embeddings. With ``hidden`` and
+        ``unnormed_from``, the rows from that index on come back before the final norm (a
+        model whose block steps' own head reads the last layer's output,
+        ``block_rows_unnormed``).
         """
         x = self.embed(input_ids)
         if embed_rows is not None and embed_rows.numel():
@@ -262,14 +266,31 @@ class DecoderLM(nn.Module):
             if logits_rows is not None:
                 x = x.index_select(0, logits_rows)
             norm = self.model.norm
-            x = kernels.add_rms_norm(x, None, norm.weight, norm.eps)
-            return x if hidden else self.logits(x)
+            return self._head(
+                x,
+                hidden,
+                unnormed_from,
+                lambda r: kernels.add_rms_norm(r, None, norm.weight, norm.eps),
+            )
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
-        x = self.model.norm(x)
-        return x if hidden else self.logits(x)
+        return self._head(x, hidden, unnormed_from, self.model.norm)
+
+    def _head(
+        self,
+        x: torch.Tensor,
+        hidden: bool,
+        unnormed_from: int | None,
+        norm: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The final norm (all rows, or those before ``unnormed_from``), then the logits
+        unless ``hidden``."""
+        if unnormed_from is None or not hidden:
+            x = norm(x)
+            return x if hidden else self.logits(x)
+        return torch.cat((norm(x[:unnormed_from]), x[unnormed_from:]))
 
     def decodes_on_pages(self) -> bool:
         """Whether `decode_on_pages` runs here: the CPU kernels with AMX, every projection
@@ -350,19 +371,28 @@ class DecoderLM(nn.Module):
             self._decode_table = (key, cpu_layouts.decode_layer_table(self, keys, values))
         return self._decode_table[1]
 
-    def hidden_states(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        """Final normed hidden states [T, hidden] of one causal sequence of input embeddings.
+    def hidden_states(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final normed hidden states [T, hidden] of one causal sequence of input embeddings
+        (at ``positions``: [T], or [T, 2] on a model with 2D positions; default 0..T-1).
 
         A plain (non-paged, no KV) forward on PyTorch ops: the reference that tests and
         benchmarks compare the engine's heads against. Serving runs codes heads and block
         steps through the engine (engine/heads.py), never this.
         """
-        positions = torch.arange(inputs_embeds.shape[0], device=inputs_embeds.device)
+        if positions is None:
+            positions = torch.arange(inputs_embeds.shape[0], device=inputs_embeds.device)
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        attention = self.reference_attention()
         x = inputs_embeds
         for layer in self.model.layers:
-            x = layer(x, cos, sin, causal_attention)
+            x = layer(x, cos, sin, attention)
         return self.model.norm(x)
+
+    def reference_attention(self) -> AttentionFn:
+        """`hidden_states`' attention: plain causal attention over the sequence's own K/V."""
+        return causal_attention
 
     def use_input_major_weights(self) -> None:
         """float32 on CPU: projection weights kept input-major (cpu_layouts)."""

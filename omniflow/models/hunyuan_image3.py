@@ -25,7 +25,6 @@ from omniflow.models.decoder import (
     AttentionFn,
     RMSNorm,
     SwiGLU,
-    causal_attention,
 )
 from omniflow.models.decoder_config import DecoderConfig
 from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
@@ -159,35 +158,6 @@ class HunyuanImage3LM(MoEDecoderLM):
         self._kernels = None
         self._decode_table = None
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attention: AttentionFn,
-        logits_rows: torch.Tensor | None = None,
-        embed_rows: torch.Tensor | None = None,
-        embed_values: torch.Tensor | None = None,
-        hidden: bool = False,
-        unnormed_from: int | None = None,
-    ) -> torch.Tensor:
-        """`DecoderLM.forward`; with ``unnormed_from`` (and ``hidden``), the rows from that
-        index on come back before the final norm: the reference's final_layer reads the
-        last layer's output, ln_f serves text alone (`block_rows_unnormed`)."""
-        x = self.embed(input_ids)
-        if embed_rows is not None and embed_rows.numel():
-            if embed_values is None:
-                raise ValueError("embed_rows needs embed_values")
-            x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attention)
-        if logits_rows is not None:
-            x = x.index_select(0, logits_rows)
-        if unnormed_from is None or not hidden:
-            x = self.model.norm(x)
-            return x if hidden else self.logits(x)
-        return torch.cat((self.model.norm(x[:unnormed_from]), x[unnormed_from:]))
-
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         """The CPU kernels' fused layers know Llama's layers only: PyTorch ops here (the
         engine's attention may still run on the kernels)."""
@@ -203,18 +173,6 @@ class HunyuanImage3LM(MoEDecoderLM):
             if isinstance(module, MoE):
                 module.gate.weight.data = module.gate.weight.data.float()
                 module.e_score_correction_bias.zero_()
-
-    def hidden_states(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Final normed hidden states of one causal sequence (a plain forward, no pages)."""
-        if positions is None:
-            positions = torch.arange(inputs_embeds.shape[0], device=inputs_embeds.device)
-        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
-        x = inputs_embeds
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, causal_attention)
-        return self.model.norm(x)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy the backbone's tensors of a HunyuanImage-3 checkpoint into this module (the

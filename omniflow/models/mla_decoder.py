@@ -139,14 +139,8 @@ class MLADecoderLM(MoEDecoderLM):
                 module.gate.weight.data = module.gate.weight.data.float()
                 module.e_score_correction_bias.zero_()
 
-    def hidden_states(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(inputs_embeds.shape[0], device=inputs_embeds.device)
-        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
-        attention = latent_causal_attention(self.config.softmax_scale)
-        x = inputs_embeds
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attention)
-        return self.model.norm(x)
+    def reference_attention(self) -> AttentionFn:
+        return latent_causal_attention(self.config.softmax_scale)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors (per-expert or fused experts) into this module;

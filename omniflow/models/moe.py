@@ -1,8 +1,10 @@
 """Mixture-of-experts MLPs: DeepSeekMoE (shared + routed experts) and LongCat-Flash's MoE
 with zero-computation (identity) experts.
 
-A step routes all its rows at once, sorts the (row, choice) pairs by expert and runs all
-experts over their groups in two batched matmuls: no Python loop over rows or experts.
+A step routes all its rows at once and sorts the (row, choice) pairs by expert. On a GPU all
+experts then run over their groups in two batched matmuls (groups padded to the widest: no
+loop, no host sync); on CPU each expert runs over its own rows (a loop over the experts
+with rows, no padding computed).
 Routing runs in float32 on a float32 router weight, as transformers keeps it.
 """
 
@@ -82,8 +84,11 @@ class MoE(nn.Module):
         starts = counts.cumsum(0) - counts
         places = torch.arange(len(flat), device=x.device) - starts[experts]
         grouped = x.index_select(0, rows)
-        widest = int(counts[: self.num_experts].max())
-        out_rows = self._experts(grouped, experts, places, widest, kernels)
+        if x.device.type == "cpu":
+            out_rows = self._experts_by_group(grouped, counts, kernels)
+        else:
+            widest = int(counts[: self.num_experts].max())
+            out_rows = self._experts(grouped, experts, places, widest, kernels)
         scaled = (out_rows * weights.view(-1)[order, None]).to(x.dtype)
         # Shared experts fused with the routed sum: routed rows add into their output.
         shared = self.shared_experts
@@ -92,6 +97,35 @@ class MoE(nn.Module):
         else:
             out = shared(x) if kernels is None else shared.forward_fused(x, kernels)
         return out.index_add_(0, rows, scaled)
+
+    def _experts_by_group(
+        self, grouped: torch.Tensor, counts: torch.Tensor, kernels: CpuKernels | None = None
+    ) -> torch.Tensor:
+        """On CPU: each routed expert over its own rows (a contiguous run of ``grouped``,
+        which is expert-major), two matmuls each, empty experts skipped. Padding every group
+        to the widest (`_experts`) computes [experts, widest] rows: with many experts and
+        uneven routing (a CFG pair routes its two halves alike) mostly zeros. Rows of
+        zero-computation experts (after the routed ones) pass through unchanged."""
+        out = torch.empty_like(grouped)
+        gate_up_proj, down_proj = self.experts.gate_up_proj, self.experts.down_proj
+        linear = nn.functional.linear
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if not count:
+                continue
+            end = start + count
+            if expert >= self.num_experts:
+                out[start:end] = grouped[start:end]
+            else:
+                gate_up = linear(grouped[start:end], gate_up_proj[expert])
+                if kernels is None:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    activated = nn.functional.silu(gate) * up
+                else:
+                    activated = kernels.silu_mul(gate_up)
+                out[start:end] = linear(activated, down_proj[expert])
+            start = end
+        return out
 
     def _experts(
         self, grouped, experts, places, widest: int, kernels: CpuKernels | None = None

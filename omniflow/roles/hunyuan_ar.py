@@ -37,6 +37,7 @@ import msgspec
 import torch
 from PIL import Image
 
+from omniflow.cache.kv_share import revoke
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
 from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.models.hunyuan_image3_tokens import (
@@ -47,7 +48,7 @@ from omniflow.models.hunyuan_image3_tokens import (
     unconditional_ids,
 )
 from omniflow.roles.base import ModelActor
-from omniflow.roles.hunyuan_backbone import Backbone
+from omniflow.roles.hunyuan_backbone import Backbone, span_fields
 from omniflow.roles.image_params import image_params
 from omniflow.roles.options import HunyuanAROptions, TextToImageParams
 from omniflow.runtime.actor import BadRequest, Context, MemoryBudget, Request
@@ -77,6 +78,7 @@ class ARRole(ModelActor):
             device=self.options.device,
             kv_cache_bytes=kv_bytes,
             share_kv=self.pool is not None,
+            lease_claim_s=self.options.lease_claim_s,
             # Shared weights stay in the pages diffusion maps too (no private re-layout).
             relayout_weights=self.backbone.weights is None,
         )
@@ -144,70 +146,91 @@ class ARRole(ModelActor):
             width, height = params.size
             ratios = [ratios[ratio_of_size(self.config, height, width)]]
         rid = f"{request.request_id}-{next(self._ids)}"
-        borrower = ctx.peer_pid(opts.lend_to)  # the replica this request goes to next
-        lease = None
+        borrower = ctx.peer_pid(opts.lend_to) if opts.lend_kv else 0  # where it goes next
+        lease = uncond_lease = None
         try:
             text_ids = list(prompt)
             if opts.recaption_tokens:
                 text_ids += await self._recaption(rid, condition + text_ids, spans)
             base = self.config.image_base_size
             cond = context_ids(self.tokens, condition + text_ids, base, 0)[:-1]
-            lease, ratio_id = await self._lend_context(rid, cond, spans, borrower, ratios)
+            ratio_id = await self._pick_ratio(rid, cond, spans, ratios, keep=opts.lend_kv)
             ratio = self.tokens.ratios.index(ratio_id)
             uncond_text = unconditional_ids(self.tokens, text_ids)
             uncond = context_ids(self.tokens, condition + uncond_text, base, ratio)
-            uncond_lease = await self._lend(f"{rid}-u", uncond, spans, borrower)
-        except BaseException as e:
-            if lease is not None:  # lent, never to be delivered: the borrower's refs go
-                self._revoke(lease, borrower)
-            if isinstance(e, ValueError):  # the engine refused the request (length, ...)
-                raise BadRequest("text", str(e)) from None
-            raise
+            if opts.lend_kv:
+                lease, uncond_lease = await self._lend_both(rid, uncond, spans, borrower)
+        except ValueError as e:  # the engine refused the request (length, ...)
+            raise BadRequest("text", str(e)) from None
+        finally:
+            self.engine.release(f"{rid}-c")  # a no-op once the continuation took it
         if params.size is None:
             grid = grid_of_ratio(self.config, ratio)
         else:
             grid = (params.size[1] // per, params.size[0] // per)
-        ctx.add_usage(prompt_tokens=len(cond) + 1, ar_rows_forwarded=len(cond) + 1 + len(uncond))
-        yield {
-            "kv_lease": msgspec.to_builtins(lease),
-            "kv_lease_uncond": msgspec.to_builtins(uncond_lease),
+        out: dict[str, Any] = {
             "grid": list(grid),
             "context_ids": [*cond, self.tokens.ratios[ratio]],
             "uncond_ids": uncond,
             "size": [grid[1] * per, grid[0] * per],
             "ratio": ratio,
         }
+        if lease is None:  # diffusion computes the context: it needs the image's rows too
+            out |= span_fields(spans)
+            ctx.add_usage(prompt_tokens=len(cond) + 1, ar_rows_forwarded=len(cond))
+            yield out
+            return
+        out["kv_lease"] = msgspec.to_builtins(lease)
+        out["kv_lease_uncond"] = msgspec.to_builtins(uncond_lease)
+        ctx.add_usage(prompt_tokens=len(cond) + 1, ar_rows_forwarded=len(cond) + 1 + len(uncond))
+        try:
+            yield out
+        except BaseException:  # not delivered (the send failed, the request ended here)
+            self._revoke(lease, borrower)
+            self._revoke(uncond_lease, borrower)
+            raise
 
-    async def _lend_context(
+    async def _pick_ratio(
         self,
         rid: str,
         prompt: list[int],
         spans: list[EmbeddingSpan],
-        borrower: int,
         ratios: list[int],
-    ) -> tuple[Any, int]:
-        """The cond context: the prompt up to <img_size>, one AR step that picks the ratio
-        token among ``ratios``, then that token run and the whole context's KV leased to
-        ``borrower``. Returns the lease and the ratio token's id."""
+        keep: bool,
+    ) -> int:
+        """One AR step over the prompt up to <img_size> that picks the ratio token among
+        ``ratios`` (kept as ``{rid}-c`` with ``keep``, for a continuation)."""
         pick = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=ratios)
         ratio = None
-        try:
-            async for delta in self.engine.generate(
-                f"{rid}-c", prompt, pick, spans or None, keep=True
-            ):
-                ratio = delta.token_ids[-1] if delta.token_ids else ratio
-            if ratio is None:
-                raise RuntimeError(f"request {rid}: the ratio step made no token")
-            # Its one sampled token never runs: the lease covers the context with the ratio.
-            lease = await self._lend(f"{rid}-l", [], [], borrower, continue_from=f"{rid}-c")
-        finally:
-            self.engine.release(f"{rid}-c")  # a no-op once the continuation took it
-        return lease, ratio
+        async for delta in self.engine.generate(f"{rid}-c", prompt, pick, spans or None, keep=keep):
+            ratio = delta.token_ids[-1] if delta.token_ids else ratio
+        if ratio is None:
+            raise RuntimeError(f"request {rid}: the ratio step made no token")
+        return ratio
+
+    async def _lend_both(
+        self, rid: str, uncond: list[int], spans: list[EmbeddingSpan], borrower: int
+    ) -> tuple[Any, Any]:
+        """Lease the cond context (the kept ratio step's: its sampled ratio token runs now)
+        and the uncond one to ``borrower``, both in the same engine steps. A failure of
+        either revokes the other's lease: none is left lent that will not be delivered."""
+        done = await asyncio.gather(
+            self._lend(f"{rid}-l", [], [], borrower, continue_from=f"{rid}-c"),
+            self._lend(f"{rid}-u", uncond, spans, borrower),
+            return_exceptions=True,
+        )
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if failed:
+            for lease in done:
+                if not isinstance(lease, BaseException):
+                    self._revoke(lease, borrower)
+            raise failed[0]
+        return done[0], done[1]
 
     def _revoke(self, lease: Any, borrower: int) -> None:
+        """A lease that will never reach ``borrower``: taken back unless already claimed."""
         assert self.pool is not None
-        for ref in (lease.keys, lease.values, lease.tail):
-            self.pool.release(ref.lease, borrower)
+        revoke(self.pool, lease, borrower)
 
     async def _lend(
         self,

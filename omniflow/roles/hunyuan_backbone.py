@@ -16,13 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import torch
+
 from omniflow.cache import PagePool
 from omniflow.cache.mappings import address_of, mapping_of
 from omniflow.cache.weights import SharedWeights
+from omniflow.engine import EmbeddingSpan
 from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts, load_image_parts
 from omniflow.models.loader import load_decoder, load_tokenizer
 from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
-from omniflow.roles.options import WeightsOptions
+from omniflow.roles.options import BackboneOptions, WeightsOptions
+from omniflow.runtime.actor import BadRequest, Request
 
 _WEIGHTS = ("model.safetensors.index.json", "model.safetensors")
 
@@ -55,10 +59,10 @@ class Backbone:
         return self.model.config
 
     @classmethod
-    def load(cls, opts: WeightsOptions, pool: PagePool | None) -> Backbone:
+    def load(cls, opts: BackboneOptions, pool: PagePool | None) -> Backbone:
         parts = image_parts(opts)
         path = Path(opts.model_path)
-        shared = pool is not None and opts.device == "cpu"
+        shared = pool is not None and opts.device == "cpu" and opts.share_weights
         weights = SharedWeights(pool, path) if shared and pool is not None else None
         place = None if weights is None else cast(Any, weights.place)  # a WeightPlacer
         model = load_decoder(path, opts.device, place=place)
@@ -82,3 +86,33 @@ class Backbone:
         if self.weights is not None:
             self.weights.close()
             self.weights = None
+
+
+def span_fields(spans: list[EmbeddingSpan]) -> dict[str, Any]:
+    """A context's embedding spans (a condition image's rows) as output fields, for a
+    diffusion role that computes the context itself: starts and keys in ``condition``, the
+    rows (and 2D positions) as tensors."""
+    out: dict[str, Any] = {"condition": []}
+    for i, span in enumerate(spans):
+        key = span.content_hash  # (kind, image hash): condition_image_prompt's spans
+        assert isinstance(key, tuple), f"span at {span.start}: expected a (kind, hash) key"
+        out["condition"].append({"start": span.start, "key": list(key)})
+        out[f"condition_rows{i}"] = span.embeddings
+        if span.positions is not None:
+            out[f"condition_positions{i}"] = span.positions
+    return out
+
+
+def spans_of(request: Request) -> list[EmbeddingSpan]:
+    """The spans ``span_fields`` sent, as the request brings them."""
+    spans = []
+    for i, entry in enumerate(request.get("condition") or []):
+        rows = request.get(f"condition_rows{i}")
+        if not isinstance(entry, dict) or not isinstance(rows, torch.Tensor):
+            raise BadRequest("condition", f"entry {i}: expected a start, a key and its rows")
+        positions = request.get(f"condition_positions{i}")
+        start, key = entry.get("start"), entry.get("key")
+        if not isinstance(start, int) or not isinstance(key, list):
+            raise BadRequest("condition", f"entry {i}: expected a start and a key")
+        spans.append(EmbeddingSpan(start, rows, tuple(key), positions))
+    return spans

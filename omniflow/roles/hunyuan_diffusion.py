@@ -9,7 +9,9 @@ Output:
     {"progress": {"step": k, "steps": n}}        one per step, to the client
     {"latent": float32 [C, h*p, w*p], "size": [width, height]}     to vae_decoder
 
-The context KV is borrowed, never recomputed: the engine keeps a context over the two
+The context KV is borrowed, never recomputed (with ``reuse_prefix = false`` this role instead
+computes it from ``context_ids``/``uncond_ids`` and a condition image's rows, as a separate
+stage does: for ar on another host, and the baseline of benchmarks/diffusion.py): the engine keeps a context over the two
 leases, and each denoising step is one block step (the <timestep> row and the image rows,
 bidirectional among themselves, causal to the context) with the unconditional half paired
 in the same forward; concurrent requests' steps batch in the engine's steps. Flow matching: shifted sigmas, Euler steps, noise from the seed (same
@@ -25,16 +27,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import AsyncGenerator, Generator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import torch
 
 from omniflow.cache.kv_share import KVLeaseView
 from omniflow.engine import AsyncEngine, EngineConfig, Guidance, LLMEngine
-from omniflow.engine.denoise import denoise_steps
+from omniflow.engine.denoise import Denoising, denoise_steps
 from omniflow.roles.base import ModelActor
-from omniflow.roles.hunyuan_backbone import Backbone
+from omniflow.roles.hunyuan_backbone import Backbone, spans_of
 from omniflow.roles.image_params import ImageParams, image_params
 from omniflow.roles.options import HunyuanDiffusionOptions, TextToImageParams
 from omniflow.runtime.actor import BadRequest, Context, MemoryBudget, Request
@@ -47,8 +49,11 @@ class DiffusionRole(ModelActor):
     options: HunyuanDiffusionOptions
 
     async def setup(self) -> None:
-        if self.pool is None:
-            raise RuntimeError("the diffusion role borrows KV from the host page pool: none given")
+        if self.pool is None and self.options.reuse_prefix:
+            raise RuntimeError(
+                "the diffusion role borrows KV from the host page pool: none given "
+                "(reuse_prefix = false computes it here instead)"
+            )
         self.start_model_thread()
         self.backbone = await self._run(Backbone.load, self.options, self.pool)
         self.config = self.backbone.config
@@ -135,11 +140,18 @@ class DiffusionRole(ModelActor):
             raise BadRequest("grid", f"expected [h, w] of positive integers, got {grid!r}")
         inputs = tuple(request.data.get(k) for k in ("kv_lease", "kv_lease_uncond"))
         inputs += tuple(request.data.get(k) for k in ("context_ids", "uncond_ids"))
-        if not all(isinstance(lease, dict) for lease in inputs[:2]) or not all(
-            isinstance(ids, list) for ids in inputs[2:]
-        ):
-            raise BadRequest("kv_lease", "expected the cond and uncond KV leases and their ids")
-        return params, grid, inputs
+        if not all(isinstance(ids, list) for ids in inputs[2:]):
+            raise BadRequest("context_ids", "expected the cond and uncond contexts' token ids")
+        if not opts.reuse_prefix:  # computed here: a lease sent anyway goes straight back
+            self._give_back(request.data)
+            return params, grid, (None, None, *inputs[2:], spans_of(request))
+        if not all(isinstance(lease, dict) for lease in inputs[:2]):
+            raise BadRequest(
+                "kv_lease",
+                "expected the cond and uncond KV leases (ar's lend_kv = false needs "
+                "diffusion's reuse_prefix = false)",
+            )
+        return params, grid, (*inputs, [])
 
     def discard(self, data: Mapping[str, Any]) -> None:
         """A request that never reached handle (expired or cancelled in the queue)."""
@@ -171,13 +183,18 @@ class DiffusionRole(ModelActor):
         The engine thread runs the block steps (those of concurrent requests batch in one
         forward); the model thread the image parts around them (patch_embed, final_layer,
         Euler), so the event loop computes nothing."""
-        lease, uncond_lease, ids, uncond_ids = inputs
+        lease, uncond_lease, ids, uncond_ids, spans = inputs
         context = f"{rid}-ctx"
-        # The engine reads the lent pages in place; release() hands the leases back.
-        guidance = Guidance(uncond_ids, params.cfg_scale, lease=uncond_lease, combine=False)
+        # The engine reads the lent pages in place; release() hands the leases back. Not
+        # lent: the first block step computes both contexts (a condition image's rows too).
+        guidance = Guidance(
+            uncond_ids, params.cfg_scale, spans or None, lease=uncond_lease, combine=False
+        )
         try:
             # Cancelled while this waits, the keep still runs first, then the release.
-            await self.engine.keep_context(context, ids, guidance=guidance, lease=lease)
+            await self.engine.keep_context(
+                context, ids, spans or None, guidance=guidance, lease=lease
+            )
             yield 0
             loop = denoise_steps(
                 self.backbone.parts,
@@ -189,22 +206,13 @@ class DiffusionRole(ModelActor):
                 params.seed,
                 self.options.shift,
             )
-            done, value = await self._run(_advance, loop, None)
-            while not done:
-                delta = await self.engine.block_step(*value[:5])
-                rows[0] += 2 * len(value.rows)  # both halves run the rows
-                if delta.hidden is None:
-                    raise RuntimeError(f"request {rid}: step {value.step} ended bare")
-                yield value.step + 1
-                done, value = await self._run(_advance, loop, delta.hidden)
-            yield value.float().contiguous()
+            run = await self._run(Denoising, loop, params.steps)
+            while (step := run.request) is not None:
+                delta = await self.engine.block_step(*step[:5])
+                rows[0] += 2 * len(step.rows)  # both halves run the rows
+                await self._run(run.feed, delta.hidden)
+                yield step.step + 1
+            assert run.latent is not None
+            yield run.latent.float().contiguous()
         finally:
             self.engine.release(context)  # also when cancelled: the leases go back
-
-
-def _advance(loop: Generator[Any, Any, Any], hidden: torch.Tensor | None) -> tuple[bool, Any]:
-    """The denoising loop's next block request (False, request), or its end (True, latent)."""
-    try:
-        return False, (next(loop) if hidden is None else loop.send(hidden))
-    except StopIteration as end:
-        return True, end.value

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 from PIL import Image
 
+from omniflow.roles.options import TextToImageParams, read_params
 from omniflow.runtime.actor import BadRequest
 
 _SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX*]\s*(\d{1,6})\s*$")
-MAX_SEED = (1 << 63) - 1
 
 
 class ImageParams(NamedTuple):
@@ -27,19 +28,8 @@ class ImageParams(NamedTuple):
     size: tuple[int, int] | None  # (width, height) in pixels; None: "auto" (AR picks a ratio)
 
 
-def _integer(params: dict[str, Any], field: str, default: int, low: int, high: int | None) -> int:
-    value = params.get(field, default)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
-    top = high if high is not None else value
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= top:
-        wanted = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise BadRequest(field, f"expected an integer {wanted}, got {value!r}")
-    return value
-
-
 def image_params(
-    params: dict[str, Any],
+    params: Mapping[str, Any],
     *,
     steps: int,
     max_steps: int | None,
@@ -47,24 +37,17 @@ def image_params(
     pixels_per_token: int,
     max_tokens: int,
 ) -> ImageParams:
-    """The request's values (or the defaults given), each checked against its range
-    (``max_steps`` None: no upper bound checked here; the diffusion role has one)."""
-    seed = _integer(params, "seed", 0, 0, MAX_SEED)
-    steps = _integer(params, "steps", steps, 1, max_steps)
-    scale = params.get("cfg_scale", cfg_scale)
-    if isinstance(scale, str):
-        try:
-            scale = float(scale)
-        except ValueError:
-            pass
-    if (
-        not isinstance(scale, (int, float))
-        or isinstance(scale, bool)
-        or not 0.0 <= float(scale) <= 30.0
-    ):
-        raise BadRequest("cfg_scale", f"expected a number in [0, 30], got {scale!r}")
-    size = parse_size(params.get("size", "auto"), pixels_per_token, max_tokens)
-    return ImageParams(seed, steps, float(scale), size)
+    """The request's values (the role's ``steps`` and ``cfg_scale`` where it gives none):
+    types and ranges as ``TextToImageParams`` declares them (``read_params``), then this
+    role's own bounds: ``max_steps`` (None: none checked here; the diffusion role has one)
+    and the size's ``max_tokens``."""
+    given = read_params(TextToImageParams, params)
+    steps = given.steps if "steps" in params else steps
+    if max_steps is not None and steps > max_steps:
+        raise BadRequest("params.steps", f"{steps} is more than max_steps ({max_steps}) here")
+    scale = given.cfg_scale if "cfg_scale" in params else cfg_scale
+    size = parse_size(given.size, pixels_per_token, max_tokens)
+    return ImageParams(given.seed, steps, float(scale), size)
 
 
 def parse_size(value: Any, pixels_per_token: int, max_tokens: int) -> tuple[int, int] | None:
@@ -77,18 +60,19 @@ def parse_size(value: Any, pixels_per_token: int, max_tokens: int) -> tuple[int,
     elif isinstance(value, str) and (match := _SIZE.match(value)):
         width, height = int(match[1]), int(match[2])
     else:
-        raise BadRequest("size", f'expected "WxH" in pixels or "auto", got {value!r}')
+        raise BadRequest("params.size", f'expected "WxH" in pixels or "auto", got {value!r}')
     if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (width, height)):
-        raise BadRequest("size", f"expected positive integers, got {value!r}")
+        raise BadRequest("params.size", f"expected positive integers, got {value!r}")
     if width % pixels_per_token or height % pixels_per_token:
         raise BadRequest(
-            "size", f"{width}x{height}: width and height must be multiples of {pixels_per_token}"
+            "params.size",
+            f"{width}x{height}: width and height must be multiples of {pixels_per_token}",
         )
     tokens = (width // pixels_per_token) * (height // pixels_per_token)
     if tokens > max_tokens:
         largest = int(max_tokens**0.5) * pixels_per_token
         raise BadRequest(
-            "size",
+            "params.size",
             f"{width}x{height} is {tokens} image tokens, more than the {max_tokens} allowed "
             f"(about {largest}x{largest} at most)",
         )

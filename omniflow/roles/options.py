@@ -144,7 +144,17 @@ class AudioDecoderOptions(WeightsOptions, kw_only=True):
     ] = 512
 
 
-class HunyuanAROptions(WeightsOptions, kw_only=True):
+class BackboneOptions(WeightsOptions, kw_only=True):
+    share_weights: Annotated[
+        bool,
+        Meta(
+            description="map the backbone from the host pool, one copy with the other role "
+            "(false: load a private copy, laid out for this process)"
+        ),
+    ] = True
+
+
+class HunyuanAROptions(BackboneOptions, kw_only=True):
     threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
     kv_cache_mb: Annotated[
         int, Meta(ge=1, description="KV MiB in the host pool (lent to diffusion)")
@@ -163,9 +173,24 @@ class HunyuanAROptions(WeightsOptions, kw_only=True):
     lend_to: Annotated[
         str, Meta(min_length=1, description="the role the context KV is lent to")
     ] = "diffusion"
+    lend_kv: Annotated[
+        bool,
+        Meta(
+            description="lend the context KV to lend_to (false: send the context's ids and "
+            "rows; diffusion, with reuse_prefix = false, computes it)"
+        ),
+    ] = True
+    lease_claim_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="seconds: a lent KV that diffusion has not claimed by then (lost, or "
+            "still queued there) is revoked and that request fails",
+        ),
+    ] = 60.0
 
 
-class HunyuanDiffusionOptions(WeightsOptions, kw_only=True):
+class HunyuanDiffusionOptions(BackboneOptions, kw_only=True):
     threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
     steps: Annotated[
         int, Meta(ge=1, le=1000, description="denoising steps (a request's steps wins)")
@@ -176,6 +201,13 @@ class HunyuanDiffusionOptions(WeightsOptions, kw_only=True):
     ] = 2.5
     shift: Annotated[float, Meta(gt=0, description="flow-matching sigma shift")] = 3.0
     kv_cache_mb: Annotated[int, Meta(ge=1, description="KV MiB for the image rows")] = 32
+    reuse_prefix: Annotated[
+        bool,
+        Meta(
+            description="borrow ar's context KV (false: compute it here from the ids, as a "
+            "separate stage does; for ar on another host, with ar's lend_kv = false)"
+        ),
+    ] = True
 
 
 class VAEDecoderOptions(WeightsOptions, kw_only=True):

@@ -6,13 +6,14 @@ anything the code under test reports about itself.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from omniflow.cache import PagePool
 from omniflow.cache.mappings import mapping_at, mapping_of
@@ -232,3 +233,25 @@ def test_bad_requests_name_the_field(pool: PagePool, tiny: Path) -> None:
         load_decoder(tiny, device="cuda", place=SharedWeights(pool, tiny).place)
     with pytest.raises(FileNotFoundError, match="source"):
         share_checkpoint(pool, tiny / "absent")
+
+
+def test_share_checkpoint_reads_the_shards_its_index_names(pool: PagePool, tiny: Path) -> None:
+    """Shards by the index file: a stray .safetensors beside them (an old consolidated copy)
+    is not the model's and is never read."""
+    on_disk = load_file(str(tiny / "model.safetensors"))
+    names = sorted(on_disk)
+    half = len(names) // 2
+    save_file({n: on_disk[n] for n in names[:half]}, str(tiny / "model-00001-of-00002.safetensors"))
+    save_file({n: on_disk[n] for n in names[half:]}, str(tiny / "model-00002-of-00002.safetensors"))
+    weight_map = {
+        n: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, n in enumerate(names)
+    }
+    (tiny / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tiny / "model.safetensors").rename(tiny / "consolidated.safetensors")
+    save_file({"stray.weight": torch.ones(3)}, str(tiny / "consolidated.safetensors"))
+    with share_checkpoint(pool, tiny) as shared:
+        assert sorted(shared.tensors) == names
+        assert all(torch.equal(shared.tensors[n], on_disk[n]) for n in names)
+    (tiny / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="names shards that are absent"):
+        share_checkpoint(pool, tiny)

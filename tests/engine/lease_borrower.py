@@ -19,7 +19,11 @@ def serve(pool_name: str, conn: Any) -> None:
     while True:
         command, key, arg = conn.recv()
         if command == "open":
-            views[key] = KVLeaseView(pool, arg)
+            try:
+                views[key] = KVLeaseView(pool, arg)
+            except Exception as e:  # a revoked lease: the parent checks the message
+                conn.send(f"{type(e).__name__}: {e}")
+                continue
             conn.send(views[key].lease.num_tokens)
         elif command == "read":  # every layer's keys and values, copied out for the parent
             view = views[key]

@@ -3,6 +3,7 @@
 import multiprocessing as mp
 import os
 import signal
+import time
 import uuid
 
 import msgspec
@@ -11,6 +12,7 @@ import torch
 from conftest import random_prompts
 
 from omniflow.cache import PagePool
+from omniflow.cache.kv_share import revoke
 from omniflow.engine import LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
 from tests.engine.lease_borrower import serve
@@ -131,3 +133,97 @@ def test_lending_needs_the_kv_in_a_pool(tiny_models):
     engine = LLMEngine(tiny_models["llama-mha"], EngineConfig(device="cpu", num_pages=8))
     with pytest.raises(NotImplementedError, match="lend_kv_to needs the engine's KV in a host"):
         engine.add_request("a", [5, 6, 7], lend_kv_to=os.getpid())
+
+
+def reap_until_free(engine, seconds=10.0):
+    """Engine steps (each reaps the lease book) until every lent page is back."""
+    until = time.monotonic() + seconds
+    while engine.leases.open and time.monotonic() < until:
+        engine.step()
+        time.sleep(0.02)
+    usage = engine.allocator.usage()
+    return usage.free_pages == usage.total_pages
+
+
+def test_an_unclaimed_lease_is_revoked_while_the_borrower_lives(tiny_models, pool, borrower):
+    """The lease message is lost: the borrower lives on and never claims it. The lender takes
+    it back after the bound; the pool is then empty though the borrower process still runs."""
+    conn, pid, process = borrower
+    config = EngineConfig(
+        device="cpu", page_size=PAGE, num_pages=12, share_kv=True, lease_claim_s=0.3
+    )
+    engine = LLMEngine(tiny_models["llama-gqa"], config, kv_pool=pool)
+    [prompt] = random_prompts((18,), seed=54)
+    lease, _ = lend(engine, "lost", prompt, pid)
+    assert engine.allocator.usage().free_pages < engine.allocator.usage().total_pages
+    assert pool.holders(lease.tail.lease).get(pid) == 1  # the borrower's ref, unclaimed
+    assert reap_until_free(engine)
+    assert engine.leases.revoked == 1
+    assert pid not in pool.holders(lease.keys.lease)  # its refs dropped by the lender
+    conn.send(("open", 1, lease))  # the lost message turns up after all: too late
+    assert "revoked by its lender" in conn.recv()
+    engine.close()
+    assert process.is_alive()
+    stats = pool.stats()
+    assert (stats.used_pages, stats.live_leases) == (0, 0)
+
+
+def test_a_claimed_lease_is_not_revoked_after_the_bound(tiny_models, pool, borrower):
+    conn, pid, _ = borrower
+    config = EngineConfig(
+        device="cpu", page_size=PAGE, num_pages=12, share_kv=True, lease_claim_s=0.2
+    )
+    engine = LLMEngine(tiny_models["llama-mha"], config, kv_pool=pool)
+    [prompt] = random_prompts((13,), seed=55)
+    lease, _ = lend(engine, "kept", prompt, pid)
+    conn.send(("open", 1, lease))
+    assert conn.recv() == lease.num_tokens
+    assert not revoke(pool, lease, pid)  # claimed: the lender cannot take it back
+    time.sleep(0.3)
+    engine.step()
+    assert engine.leases.revoked == 0 and len(engine.leases.open) == 1
+    conn.send(("read", 1, None))
+    assert conn.recv()[0][0].shape[1] == lease.num_tokens
+    conn.send(("close", 1, None))
+    conn.recv()
+    assert reap_until_free(engine)
+    engine.close()
+    assert pool.stats().live_leases == 0
+
+
+def test_a_lease_revoked_at_once_cannot_be_claimed(tiny_models, pool, borrower):
+    """The lender learns the lease will never arrive (its send failed): revoke() takes it
+    back before the bound, and a claim racing it loses cleanly."""
+    conn, pid, _ = borrower
+    engine = engine_in(pool, tiny_models["llama-mha"])
+    [prompt] = random_prompts((9,), seed=56)
+    lease, _ = lend(engine, "failed", prompt, pid)
+    assert revoke(pool, lease, pid)
+    assert not revoke(pool, lease, pid)  # once
+    conn.send(("open", 1, lease))
+    assert "revoked by its lender" in conn.recv()
+    engine.step()
+    usage = engine.allocator.usage()
+    assert usage.free_pages == usage.total_pages and engine.leases.revoked == 0
+
+
+def test_an_unclaimed_lease_of_a_dead_borrower_is_reaped_past_the_bound(
+    tiny_models, pool, borrower
+):
+    """The borrower dies before claiming and is reclaimed; the bound passes before the
+    lender's next reap: the revocation finds no ref of it to drop, and the pages go back."""
+    _, pid, process = borrower
+    config = EngineConfig(
+        device="cpu", page_size=PAGE, num_pages=12, share_kv=True, lease_claim_s=0.2
+    )
+    engine = LLMEngine(tiny_models["llama-mha"], config, kv_pool=pool)
+    [prompt] = random_prompts((11,), seed=57)
+    lend(engine, "orphan", prompt, pid)
+    os.kill(pid, signal.SIGKILL)
+    process.join(10)
+    pool.reclaim([pid])
+    time.sleep(0.3)
+    assert reap_until_free(engine)
+    engine.close()
+    stats = pool.stats()
+    assert (stats.used_pages, stats.live_leases) == (0, 0)

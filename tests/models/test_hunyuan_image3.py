@@ -203,3 +203,23 @@ def test_flow_matching_sigmas_and_euler():
     torch.testing.assert_close(x, x0)
     with pytest.raises(ValueError, match="steps"):
         shifted_sigmas(0)
+
+
+def test_moe_runs_each_expert_on_its_rows_as_the_padded_batch_does(folder):
+    """CPU runs each routed expert over its own rows; the padded batched matmul (the GPU's
+    path) computes the same rows, whatever the routing's imbalance."""
+    model = load_decoder(folder, "cpu")
+    moe = model.model.layers[0].mlp
+    x = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        weights, ids = moe.route(x)
+        flat = ids.view(-1)
+        order = flat.argsort(stable=True)
+        experts = flat[order]
+        counts = torch.bincount(flat, minlength=moe.num_experts)
+        places = torch.arange(len(flat)) - (counts.cumsum(0) - counts)[experts]
+        grouped = x.index_select(0, order // moe.top_k)
+        padded = moe._experts(grouped, experts, places, int(counts.max()))
+        by_group = moe._experts_by_group(grouped, counts)
+    assert int(counts.max()) > int(counts.min())  # uneven: the padded path pads
+    torch.testing.assert_close(by_group, padded, atol=1e-5, rtol=1e-5)

@@ -166,11 +166,11 @@ def test_a_condition_image_enters_the_context(hunyuan):
 @pytest.mark.parametrize(
     "params, inputs, field",
     [
-        ({"steps": 0}, {}, "steps"),
-        ({"steps": 10_000}, {}, "steps"),
-        ({"cfg_scale": -1.0}, {}, "cfg_scale"),
-        ({"size": "7x13"}, {}, "size"),
-        ({"size": "4096x4096"}, {}, "size"),
+        ({"steps": 0}, {}, "params.steps"),
+        ({"steps": 10_000}, {}, "params.steps"),
+        ({"cfg_scale": -1.0}, {}, "params.cfg_scale"),
+        ({"size": "7x13"}, {}, "params.size"),
+        ({"size": "4096x4096"}, {}, "params.size"),
         ({}, {"image": b"certainly not an image"}, "image"),
     ],
 )
@@ -208,7 +208,7 @@ def test_a_killed_ar_leaves_no_lent_page_behind(hunyuan):
     # The borrower's refs kept the lent KV readable: the request finished.
     assert png_of(events[:-1]).startswith(b"\x89PNG")
     until = time.monotonic() + 60
-    while records(state).get("ar") is None or records(state)["ar"].pid == ar.pid:
+    while (found := records(state).get("ar")) is None or found.pid == ar.pid:
         assert time.monotonic() < until, "ar was not restarted"
         time.sleep(0.2)
     call(state, {"text": "after"}, params=SMALL)
