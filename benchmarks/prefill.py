@@ -4,7 +4,7 @@ The workload of benchmarks/engine.py on its tiny model: TTFT of a 1,024-token pr
 with prefix caching off (uncached) and on (cached), 32 prompts of 128 tokens until each has
 its first token (prefill), then their decode steps and tokens/s over --output-len tokens.
 
-Each variant is one long-lived worker process (this file with --worker), its engines loaded
+Each variant is one long-lived worker process (this file with --serve), its engines loaded
 once; the driver runs the rounds interleaved (A B A B ...) and reports medians. Variants:
 this checkout and, with --baseline PATH, another one (e.g. a worktree of main), and with
 --preload this checkout with the allocator and OpenMP runtime that workers preload
@@ -24,11 +24,13 @@ within the round; with --preload, "preload_speedup" alike, preload against this.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,11 +55,11 @@ def worker(folder: str, amx: bool, args) -> None:
     kernels = cpu_kernels()
     if kernels is not None and not amx:
         kernels.amx = False  # before any engine reads it (a baseline may lack the switch)
-    config = EngineConfig(device="cpu", dtype="bfloat16", max_num_seqs=64)
+    # 256 MB of pages (32k tokens of this model) an engine: six workers of two engines at
+    # the default 1 GB are more than a small machine holds.
+    config = EngineConfig(device="cpu", dtype="bfloat16", max_num_seqs=64, kv_cache_bytes=1 << 28)
     cached_engine = LLMEngine(folder, config)
-    uncached_engine = LLMEngine(
-        folder, EngineConfig(device="cpu", dtype="bfloat16", enable_prefix_caching=False)
-    )
+    uncached_engine = LLMEngine(folder, replace(config, enable_prefix_caching=False))
     vocab = cached_engine.vocab_size
     [prefix] = random_prompts(1, args.prefix_len, vocab, seed=1000)
     warm = random_prompts(4, 16, vocab, seed=99)
@@ -91,7 +93,7 @@ class Variant:
 
             env = worker_env(env)
             print(f"{name}: LD_PRELOAD={env.get('LD_PRELOAD', '')}")
-        command = [sys.executable, __file__, "--worker", folder, "--amx-on" if amx else ""]
+        command = [sys.executable, __file__, "--serve", folder, "--amx-on" if amx else ""]
         command += [f"--prefix-len={args.prefix_len}", f"--requests={args.requests}"]
         command += [f"--prompt-len={args.prompt_len}", f"--output-len={args.output_len}"]
         self.name = name
@@ -114,8 +116,11 @@ class Variant:
 
     def run(self, index: int) -> dict[str, float]:
         assert self.process.stdin is not None
-        self.process.stdin.write(f"round {index}\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(f"round {index}\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError(f"{self.name}: the worker exited ({self.process.wait()})") from None
         self.rounds.append(self._read())
         return self.rounds[-1]
 
@@ -124,7 +129,8 @@ class Variant:
 
     def close(self) -> None:
         assert self.process.stdin is not None
-        self.process.stdin.close()
+        with contextlib.suppress(BrokenPipeError):
+            self.process.stdin.close()
         self.process.wait(timeout=60)
 
 
@@ -148,11 +154,11 @@ def main() -> None:
         help="also this checkout with the libraries workers preload (runtime/preload.py, "
         "OMNIFLOW_PRELOAD choosing which); the other variants run in this environment as is",
     )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--amx-on", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.amx_on, args)
+    if args.serve:
+        worker(args.serve, args.amx_on, args)
         return
 
     import torch
