@@ -57,6 +57,8 @@ PACKAGES=()
 if [ $PRINT_PYTHON = 0 ]; then
   command -v etcd >/dev/null 2>&1 || PACKAGES+=(etcd-server)
   command -v cc >/dev/null 2>&1 || PACKAGES+=(gcc libc6-dev)
+  # tcmalloc, which the supervisor preloads into workers (omniflow/runtime/preload.py).
+  ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 || PACKAGES+=(libtcmalloc-minimal4)
   # The browser extra (OMNIFLOW_EXTRAS=...,browser; .ci/run asks for it): the playground
   # test drives Debian's chromium through Playwright from PyPI, since `playwright install`
   # downloads a browser of its own from outside the package registries.
@@ -133,6 +135,12 @@ case "${OMNIFLOW_SGLANG:-}" in
     ;;
   *) die "OMNIFLOW_SGLANG must be cpu or gpu, not ${OMNIFLOW_SGLANG}" ;;
 esac
+# Intel OpenMP (libiomp5 in $VENV/lib), which the supervisor preloads into workers with
+# tcmalloc (omniflow/runtime/preload.py; OMNIFLOW_PRELOAD=0 turns it off). x86-64 only.
+if [ "$(uname -m)" = x86_64 ]; then
+  "$VPY" -m pip install -q --disable-pip-version-check intel-openmp ||
+    echo "setup: intel-openmp did not install; workers keep libgomp" >&2
+fi
 # Build the CPU kernels now rather than in the first engine that wants them.
 KERNELS=$("$VPY" -c 'from omniflow.kernels import cpu_kernels, unavailable_reason as why
 print("built" if cpu_kernels() else f"off ({why()})")')

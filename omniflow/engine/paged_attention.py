@@ -203,7 +203,8 @@ class PagedAttention:
         # Decode attention's kernel, fixed by the cache (the mirror shares its dtype/device).
         self.sdpa_decode = sdpa_decode(cache.keys)
         self.kernels = kernels
-        self._amx: bool | None = None  # prefill attention on AMX (_amx_attention), once known
+        # Prefill attention on the kernels (_kernel_attention), once known.
+        self._on_kernels: bool | None = None
 
     def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         batch = self.batch
@@ -244,14 +245,15 @@ class PagedAttention:
             )
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _amx_attention(self, heads: int) -> CpuKernels | None:
-        """The kernels, where prefill attention runs on their AMX tiles for these heads."""
-        if self._amx is None:
+    def _kernel_attention(self, heads: int) -> CpuKernels | None:
+        """The kernels, where prefill attention runs on them for these heads (AMX tiles, or
+        AVX-512 BF16 without AMX)."""
+        if self._on_kernels is None:
             kernels, keys = self.kernels, self.cache.keys
-            self._amx = kernels is not None and kernels.context_attention_supported(
+            self._on_kernels = kernels is not None and kernels.context_attention_supported(
                 heads, keys.shape[1], keys.shape[-1]
             )
-        return self.kernels if self._amx else None
+        return self.kernels if self._on_kernels else None
 
     def _decode(self, q, layer_keys, layer_values) -> torch.Tensor:
         decodes, heads, head_dim = q.shape
@@ -311,7 +313,7 @@ class PagedAttention:
         if segment.context_pages is None:
             return self._prefill_fresh(segment, q, k, v)
         kv_heads, _, _, head_dim = layer_keys.shape
-        kernels = None if segment.bidirectional else self._amx_attention(q.shape[1])
+        kernels = None if segment.bidirectional else self._kernel_attention(q.shape[1])
         if kernels is not None:
             # Over the pages in place: no gathered copy of the context, no mask.
             start = segment.context_len - q.shape[0]
@@ -366,7 +368,7 @@ class PagedAttention:
 
     def _prefill_fresh(self, segment: PrefillSegment, q, k, v):
         chunks, tokens = segment.num_chunks, segment.context_len
-        kernels = self._amx_attention(q.shape[1])
+        kernels = self._kernel_attention(q.shape[1])
         if kernels is not None:
             return kernels.chunks_attention(q, k, v, chunks, self.scale)
         # [chunks * tokens, heads, dim] -> [chunks, heads, tokens, dim], as views.

@@ -45,6 +45,7 @@ FAST_MATH = [
 ]
 FLAGS = ["-O3", "-march=native", "-fopenmp", *FAST_MATH, "-shared", "-fPIC"]
 ENV_SWITCH = "OMNIFLOW_CPU_KERNELS"
+AMX_SWITCH = "OMNIFLOW_CPU_AMX"  # "0": the kernels' AMX paths off (the AVX-512 ones stay)
 MAX_HEAD_DIM = 512  # the rotary kernel's per-head buffer
 # What CpuKernels.decode_layers reads of each layer, in order (decode_layers.c: L_NORM ...).
 DECODE_LAYER_FIELDS = (
@@ -79,7 +80,7 @@ _SIGNATURES = {
     "omniflow_chunk_attention_bf16": (
         _INT,
         [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
-        + [_I64, _F32, _PTR, _INT],
+        + [_I64, _F32, _PTR, _INT, _INT],
     ),
     "omniflow_decode_layer_fields": (_INT, []),
     "omniflow_decode_layers_bf16": (
@@ -113,8 +114,9 @@ class CpuKernels:
         for name, (restype, argtypes) in _SIGNATURES.items():
             function = getattr(library, name)
             function.restype, function.argtypes = restype, argtypes
-        # Asks the OS for the AMX tile state once: true where the build and the kernel allow.
-        self.amx = bool(library.omniflow_amx_supported())
+        # Asks the OS for the AMX tile state once: true where the build and the kernel allow,
+        # unless OMNIFLOW_CPU_AMX=0 turns the AMX paths off (as on a CPU without AMX).
+        self.amx = os.environ.get(AMX_SWITCH, "1") != "0" and bool(library.omniflow_amx_supported())
         # Addresses per layer that decode_layers reads (see DECODE_LAYER_FIELDS).
         if library.omniflow_decode_layer_fields() != len(DECODE_LAYER_FIELDS):
             raise OSError("decode_layers.c and cpu.py disagree on the decode layer fields")
@@ -301,9 +303,9 @@ class CpuKernels:
         return out
 
     def context_attention_supported(self, heads: int, kv_heads: int, head_dim: int) -> bool:
-        return self.amx and bool(
-            self._lib.omniflow_context_attention_supported(heads, kv_heads, head_dim)
-        )
+        """Whether context_attention and chunks_attention run here for these heads: on AMX
+        tiles where `amx`, else on AVX-512 BF16 dot products."""
+        return bool(self._lib.omniflow_context_attention_supported(heads, kv_heads, head_dim))
 
     def context_attention(
         self,
@@ -314,7 +316,8 @@ class CpuKernels:
         start: int,
         scale: float,
     ) -> torch.Tensor:
-        """Attention of one sequence's chunk of new tokens over its context on AMX: q [chunk,
+        """Attention of one sequence's chunk of new tokens over its context (on AMX where
+        `amx`, else AVX-512 BF16): q [chunk,
         heads, head_dim] (rows strided) at positions start.., their own K/V already in the
         pages [kv_heads, pages, page_size, head_dim] (contiguous) listed by `pages` (int64,
         contiguous, enough for start + chunk tokens); causal. Returns [chunk, heads,
@@ -336,7 +339,7 @@ class CpuKernels:
     def chunks_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int, scale: float
     ) -> torch.Tensor:
-        """Causal attention within `chunks` equal prompts with no cached context, on AMX (as
+        """Causal attention within `chunks` equal prompts with no cached context (as
         context_attention): q [chunks * tokens, heads, head_dim], k/v [chunks * tokens,
         kv_heads, head_dim], rows strided (k and v alike). Returns [rows, heads, head_dim]."""
         rows, heads, head_dim = q.shape
@@ -392,7 +395,13 @@ class CpuKernels:
             start,
             rows // max(count, 1),
             count,
-            *_head_args(heads, kv_heads, head_dim, scale, out),
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+            out.data_ptr(),
+            int(self.amx),
+            torch.get_num_threads(),
         )
         _check_heads(status, "context_attention", heads, kv_heads, head_dim)
         return out

@@ -37,6 +37,7 @@ from omniflow.control.discovery import (
 )
 from omniflow.control.graph import INPUT, Plan
 from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
+from omniflow.runtime import preload
 from omniflow.runtime.config import Config, to_json
 from omniflow.runtime.holding import holding_path, read_held
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
@@ -219,6 +220,7 @@ class Supervisor:
         env["OMNIFLOW_GENERATION"] = self.generation
         env["OMNIFLOW_POOL"] = self.pool_name
         env["OMNIFLOW_RUN_DIR"] = str(self.run_dir)  # a role that opens a Client (gateway)
+        env = preload.worker_env(env)  # tcmalloc and Intel OpenMP, where installed
         log_path = self.run_dir / "logs" / f"{replica.role}-{replica.index}.log"
         with open(log_path, "ab") as log_file:
             replica.proc = subprocess.Popen(

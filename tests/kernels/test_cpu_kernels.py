@@ -112,6 +112,31 @@ needs_amx = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def attention_kernels(request, monkeypatch):
+    """The kernels with their AMX paths (where this CPU has AMX) or without (OMNIFLOW_CPU_AMX=0,
+    as on a CPU with AVX-512 BF16 but no AMX): prefill attention runs on either."""
+    if kernels is None:
+        pytest.skip(f"CPU kernels unavailable: {unavailable_reason()}")
+    if request.param == "amx":
+        if not kernels.amx:
+            pytest.skip("no AMX here")
+        return kernels
+    monkeypatch.setenv(cpu.AMX_SWITCH, "0")
+    without = cpu.CpuKernels(kernels._lib)
+    if not without.context_attention_supported(2, 1, 32):
+        pytest.skip("no AVX-512 BF16 here")
+    return without
+
+
+@needs_kernels
+def test_the_amx_switch_turns_the_amx_paths_off(monkeypatch):
+    monkeypatch.setenv(cpu.AMX_SWITCH, "0")
+    assert not cpu.CpuKernels(kernels._lib).amx
+    monkeypatch.setenv(cpu.AMX_SWITCH, "1")
+    assert cpu.CpuKernels(kernels._lib).amx == bool(kernels._lib.omniflow_amx_supported())
+
+
 @needs_amx
 @pytest.mark.parametrize(
     "rows,in_features,out_features",
@@ -231,12 +256,13 @@ def context_attention_reference(q, layer_keys, layer_values, pages, start, scale
     return out
 
 
-@needs_amx
 @pytest.mark.parametrize(
     "chunk,start,heads,kv_heads,dim,page_size",
     [(16, 1024, 8, 4, 64, 16), (5, 0, 4, 2, 32, 4), (37, 50, 6, 2, 128, 16), (1, 7, 2, 2, 64, 4)],
 )
-def test_context_attention_over_scattered_pages(chunk, start, heads, kv_heads, dim, page_size):
+def test_context_attention_over_scattered_pages(
+    attention_kernels, chunk, start, heads, kv_heads, dim, page_size
+):
     """A chunk of new tokens over its cached context (1,024 tokens; none; ragged blocks of 16
     tokens and keys), its pages out of order among others, q strided as in a fused q/k/v row."""
     count = (start + chunk + page_size - 1) // page_size
@@ -245,12 +271,14 @@ def test_context_attention_over_scattered_pages(chunk, start, heads, kv_heads, d
     pages = torch.randperm(2 * count + 3, generator=torch.Generator().manual_seed(32))[:count]
     qkv = bf16_randn(chunk, (heads + 2 * kv_heads) * dim, seed=33)
     q = qkv[:, : heads * dim].view(chunk, heads, dim)
-    out = kernels.context_attention(q, layer_keys, layer_values, pages, start, dim**-0.5)
+    out = attention_kernels.context_attention(q, layer_keys, layer_values, pages, start, dim**-0.5)
     expected = context_attention_reference(q, layer_keys, layer_values, pages, start, dim**-0.5)
     # float32 sums in another order, rounded once: within a bf16 step or two of the reference.
     torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2e-3)
     with pytest.raises(ValueError, match="do not hold"):
-        kernels.context_attention(q, layer_keys, layer_values, pages[:-1], start + 16, 0.1)
+        attention_kernels.context_attention(
+            q, layer_keys, layer_values, pages[:-1], start + 16, 0.1
+        )
 
 
 @needs_kernels
@@ -463,18 +491,26 @@ def test_decode_layers_refuses_inputs_that_do_not_fit():
         )
 
 
-@needs_amx
 @pytest.mark.parametrize(
-    "chunks,tokens,heads,kv_heads,dim", [(32, 128, 8, 4, 64), (3, 37, 6, 2, 128), (1, 1, 2, 1, 32)]
+    "chunks,tokens,heads,kv_heads,dim",
+    [
+        (32, 128, 8, 4, 64),
+        (3, 37, 6, 2, 128),
+        (1, 1, 2, 1, 32),
+        (1, 1040, 8, 4, 64),
+        (2, 50, 4, 4, 96),
+    ],
 )
-def test_chunks_attention_equals_causal_sdpa(chunks, tokens, heads, kv_heads, dim):
+def test_chunks_attention_equals_causal_sdpa(
+    attention_kernels, chunks, tokens, heads, kv_heads, dim
+):
     """Equal prompts with no cached context, q/k/v strided as in fused q/k/v rows: causal
     attention within each prompt, as float32 SDPA up to bf16 probabilities."""
     qkv = bf16_randn(chunks * tokens, (heads + 2 * kv_heads) * dim, seed=34)
     q = qkv[:, : heads * dim].view(-1, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
-    out = kernels.chunks_attention(q, k, v, chunks, dim**-0.5)
+    out = attention_kernels.chunks_attention(q, k, v, chunks, dim**-0.5)
 
     def split(x):
         return x.float().view(chunks, tokens, -1, dim).transpose(1, 2)
@@ -485,10 +521,10 @@ def test_chunks_attention_equals_causal_sdpa(chunks, tokens, heads, kv_heads, di
     expected = expected.transpose(1, 2).reshape(-1, heads, dim)
     torch.testing.assert_close(out.float(), expected, rtol=2**-6, atol=2e-2)
     with pytest.raises(ValueError, match="equal chunks"):
-        kernels.chunks_attention(q, k, v, chunks * tokens + 1, 0.1)
+        attention_kernels.chunks_attention(q, k, v, chunks * tokens + 1, 0.1)
     with pytest.raises(ValueError, match="equal chunks"):
         apart = torch.cat([v, v], dim=-1)[..., :dim]  # v's heads strided unlike k's
-        kernels.chunks_attention(q, k, apart, chunks, 0.1)
+        attention_kernels.chunks_attention(q, k, apart, chunks, 0.1)
 
 
 def assert_float32_picks(path, prompts, produced):
@@ -505,10 +541,18 @@ def assert_float32_picks(path, prompts, produced):
         assert (chosen.max(-1).values - picked).max() < 0.05, index
 
 
-@needs_amx
-def test_cached_prefix_chunks_attend_on_amx_and_pick_the_float32_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("amx", [True, False])
+def test_cached_prefix_chunks_attend_on_the_kernels_and_pick_the_float32_tokens(
+    tmp_path, monkeypatch, amx
+):
     """A second turn over a cached 60-token prefix: its new tokens attend over the pages on
-    AMX (context_attention), and every token is still the float32 model's pick."""
+    the kernels (context_attention; AMX tiles, or AVX-512 BF16 with the AMX paths off), and
+    every token is still the float32 model's pick."""
+    if kernels is None or (amx and not kernels.amx):
+        pytest.skip("no AMX here (or no CPU kernels)")
+    monkeypatch.setattr(kernels, "amx", amx)  # the engine's projections and decode too
+    if not kernels.context_attention_supported(2, 1, 32):
+        pytest.skip("no AVX-512 BF16 here")
     path = build_tiny_model(tmp_path / "m", KERNEL_SPEC, seed=19)
     engine = LLMEngine(path, EngineConfig(device="cpu", dtype="bfloat16", page_size=4))
     calls, context_attention = [], kernels.context_attention

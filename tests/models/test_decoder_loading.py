@@ -174,3 +174,31 @@ def test_models_package_imports_nothing_of_ours():
         for line in file.read_text().splitlines():
             if line.startswith(("import omniflow", "from omniflow")):
                 assert line.startswith("from omniflow.models"), f"{file.name}: {line}"
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0}])
+def test_rotary_rows_looked_up_equal_the_computed_ones(scaling):
+    """On CPU cos_sin reads rows of a table it grows as positions do: bit for bit what
+    computing them gives, in bf16 and float32, before and after a growth."""
+    from omniflow.models.rope import RotaryEmbedding
+
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 256,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 4096,
+    }
+    if scaling:
+        raw["rope_scaling"] = {**scaling, "original_max_position_embeddings": 1024}
+    rotary = RotaryEmbedding(DecoderConfig.from_dict(raw))
+    generator = torch.Generator().manual_seed(3)
+    for longest in (40, 1040, 3000):  # within the first table, then two growths
+        positions = torch.randint(0, longest, (300,), generator=generator)
+        for dtype in (torch.bfloat16, torch.float32):
+            looked_up = rotary.cos_sin(positions, dtype)
+            computed = rotary._computed(positions, dtype)
+            assert all(torch.equal(a, b) for a, b in zip(looked_up, computed, strict=True))
+    assert rotary._tables[torch.bfloat16][0].shape[0] == 4096
