@@ -179,6 +179,9 @@ class Cancel(msgspec.Struct, tag="cancel", **_WIRE):
 # ---------------------------------------------------------------- actor records
 
 
+LEAVING = "leaving"  # ActorRecord.state of a replica draining before it deregisters
+
+
 class ActorRecord(msgspec.Struct, omit_defaults=True, gc=False):
     """What the registry knows of one actor replica."""
 

@@ -73,6 +73,9 @@ def private_dir(path: str | os.PathLike[str]) -> None:
 class Inbox:
     """A bound ROUTER; ``on_message(identity, parts)`` gets ``[header, *frames]``.
 
+    ``endpoint`` is what peers dial: the bound address, or on tcp:// ``advertise`` (the
+    address other hosts reach) with the bound port.
+
     The header is ``bytes``; later frames are ``zmq.Frame``s viewing ZeroMQ's own
     buffers (no copy).
     """
@@ -84,6 +87,7 @@ class Inbox:
         on_message: Callable[[bytes, list[Any]], None],
         mandatory: bool = False,
         keys: Keys | None = None,
+        advertise: str = "",
     ) -> None:
         self._sock = ctx.socket(zmq.ROUTER)
         self._ctx = ctx
@@ -111,6 +115,9 @@ class Inbox:
                 os.unlink(path)  # a stale file from a killed process of the same name
             self._sock.bind(endpoint)
             self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if advertise and self.endpoint.startswith("tcp://"):
+                # Bound on a wildcard (or behind NAT): peers dial the address they can reach.
+                self.endpoint = f"tcp://{advertise}:{self.endpoint.rpartition(':')[2]}"
             self._path = ipc_path(self.endpoint)
             if self._path:
                 os.chmod(self._path, 0o600)

@@ -1,0 +1,170 @@
+"""A LongCat deployment over three network-namespace hosts on one etcd: a request through
+all three, every host's actors in one status, a host killed under load, down --all.
+
+The tests run in file order on one deployment: the host loss comes after the request
+that needs all three hosts, and `down --all` ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+import omniflow
+from omniflow.runtime.client import Output, RequestFailed, Result
+from tests.roles.media import image_bytes, wav_bytes
+from tests.scaleout.conftest import ROLES
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def longcat(cluster):
+    """Host a first (it builds the tiny models every host then loads), then b and c at
+    once; c joins with flags only."""
+    cluster.up("a")
+    c_flags = ("--roles", ",".join(ROLES["c"]), "--address", cluster.hosts.address["c"])
+    argv = [sys.executable, "-m", "omniflow.cli", "up", str(cluster.config), "--detach"]
+    started = {
+        "b": cluster.hosts.popen("b", [*argv, "--host-id", "b"], cwd=cluster.work,
+                                 env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
+        "c": cluster.hosts.popen("c", [*argv, "--host-id", "c", *c_flags], cwd=cluster.work,
+                                 env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
+    }  # fmt: skip
+    for host, proc in started.items():
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"[{host}] up failed:\n{out.decode(errors='replace')}"
+    return cluster
+
+
+def connect(cluster):
+    """A client in the root namespace: through etcd, replying on the bridge address."""
+    return omniflow.connect(
+        cluster.name, registry=cluster.etcd.url, address=cluster.hosts.bridge_address
+    )
+
+
+def status(cluster, host: str) -> dict:
+    args = ("status", "--json", "--name", cluster.name, "--host-id", host)
+    return json.loads(cluster.omniflow(host, *args).stdout)
+
+
+def test_a_request_crosses_all_three_hosts(longcat):
+    actors = status(longcat, "b")["actors"]
+    where = {(a["role"], a["replica"]): a["host"] for a in actors}
+    assert {a["host"] for a in actors} == {"a", "b", "c"}
+    # llm replicated once per host: three replica numbers claimed, one per host
+    assert sorted(r for role, r in where if role == "llm") == [0, 1, 2]
+    for a in actors:  # every actor listens where the other namespaces reach it
+        assert a["endpoint"].startswith(f"tcp://{longcat.hosts.address[a['host']]}:")
+
+    async def run():
+        async with await connect(longcat) as conn:
+            inputs = {"text": "describe", "image": image_bytes(64, 48, seed=5)}
+            inputs["audio"] = wav_bytes(0.5)
+            params = {"want": "text,audio", "audio_chunks": 2, "audio_chunk_tokens": 2}
+            return await conn.call(inputs, params=params, timeout=120)
+
+    outputs, result = asyncio.run(run())
+    ran = {t.role for t in result.timings}
+    assert {"vision_encoder", "audio_encoder", "llm", "audio_decoder"} <= ran
+    hosts_used = {h for (role, _), h in where.items() if role in ran - {"llm"}}
+    assert hosts_used == {"a", "b", "c"}
+    text = "".join(o.data.get("text", "") for o in outputs if o.role == "llm")
+    audio = [o for o in outputs if o.role == "audio_decoder"]
+    assert text and audio
+    assert result.usage["prompt_tokens"] > 0
+
+
+def test_status_from_any_host_and_through_etcd_lists_every_host(longcat):
+    local = status(longcat, "c")
+    assert local["host_id"] == "c"  # this host's run dir: c's supervisor
+    proc = subprocess.run(
+        [sys.executable, "-m", "omniflow.cli", "status", "--json", "--name", longcat.name,
+         "--registry", longcat.etcd.url],
+        capture_output=True, text=True, timeout=60, env=longcat.env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    remote = json.loads(proc.stdout)
+    key = lambda a: (a["role"], a["replica"], a["host"], a["pid"])  # noqa: E731
+    assert sorted(map(key, remote["actors"])) == sorted(map(key, local["actors"]))
+    assert {a["host"] for a in remote["actors"]} == {"a", "b", "c"}
+
+
+def test_a_host_killed_under_load_ends_every_request_once(longcat):
+    """kill -9 of every process of host b and its namespace deleted while requests stream:
+    each ends with exactly one terminal outcome (a result, or a clear failure), none waits
+    for b, and the survivors keep serving."""
+    n = 12
+
+    async def one(conn, i: int, events: list) -> None:
+        try:
+            async for event in conn.stream(
+                {"text": f"tell me a story {i}"}, params={"max_tokens": 48}, timeout=45
+            ):
+                events.append(event)
+        except RequestFailed as e:
+            events.append(e)
+
+    async def run():
+        async with await connect(longcat) as conn:
+            events: list[list] = [[] for _ in range(n)]
+            tasks = [asyncio.create_task(one(conn, i, events[i])) for i in range(n)]
+            # Kill b once its llm works on some of them (load spreads them over a, b, c).
+            view, deadline = conn.client.view, time.monotonic() + 60
+            while not any(r.host == "b" and r.inflight for r in view.replicas("llm")):
+                assert time.monotonic() < deadline, "b's llm never took a request"
+                await asyncio.sleep(0.05)
+            killed = time.monotonic()
+            longcat.hosts.kill("b")
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
+            ended = time.monotonic() - killed
+            after = await conn.call({"text": "still there?"}, params={"max_tokens": 4}, timeout=60)
+            left = dict(conn.client._pending)
+            return events, ended, after, left
+
+    events, ended, after, left = asyncio.run(run())
+    outcomes = []
+    for evs in events:
+        terminal = [e for e in evs if isinstance(e, Result | RequestFailed)]
+        assert len(terminal) == 1, evs
+        assert evs[-1] is terminal[0]  # nothing after the end
+        assert all(isinstance(e, Output) for e in evs[:-1])
+        outcomes.append(terminal[0])
+    for outcome in outcomes:
+        if isinstance(outcome, RequestFailed):
+            assert outcome.code in ("unavailable", "deadline"), outcome
+    assert any(isinstance(o, Result) for o in outcomes)
+    # what b held moved on (the llm resumes a request elsewhere) or failed: it was noticed
+    assert any(isinstance(o, RequestFailed) or o.migrations for o in outcomes)
+    assert not left  # the client holds nothing of the ended requests
+    assert after[1].usage["completion_tokens"] > 0  # served by a or c
+    print(
+        "outcomes:", [getattr(o, "code", None) or o.migrations for o in outcomes], f"{ended:.1f}s"
+    )
+    # b's leases expire within ttl_s of its death: then it left everyone's view
+    deadline = time.monotonic() + 10
+    while {a["host"] for a in status(longcat, "a")["actors"]} != {"a", "c"}:
+        assert time.monotonic() < deadline, "host b is still listed"
+        time.sleep(0.5)
+
+
+def test_down_all_stops_every_host(longcat):
+    out = longcat.omniflow("a", "down", "--all", "--name", longcat.name, "--timeout", "10")
+    assert "stopped" in out.stdout
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(longcat.hosts.pids(h) for h in ("a", "c")):
+        time.sleep(0.2)
+    assert not longcat.hosts.pids("a") and not longcat.hosts.pids("c")
+    proc = subprocess.run(
+        [sys.executable, "-m", "omniflow.cli", "status", "--json", "--name", longcat.name,
+         "--registry", longcat.etcd.url],
+        capture_output=True, text=True, timeout=60, env=longcat.env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["actors"] == []
