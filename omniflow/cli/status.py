@@ -113,7 +113,7 @@ def status(
         "served",
         "restarts",
     )
-    if len({a["host"] for a in actors}) > 1:  # several hosts: say which runs what
+    if len({a["host"] for a in actors if a["host"]}) > 1:  # several hosts: say which runs what
         columns = ("role", "replica", "host", *columns[2:])
     for col in columns:
         table.add_column(col)
