@@ -96,6 +96,20 @@ def test_status_from_any_host_and_through_etcd_lists_every_host(longcat):
     assert {a["host"] for a in remote["actors"]} == {"a", "b", "c"}
 
 
+def test_send_reaches_the_deployment_through_etcd_alone(longcat, tmp_path):
+    """From the root namespace, which runs no share: the config comes from etcd."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "omniflow.cli", "send", "--registry", longcat.etcd.url,
+         "--name", longcat.name, "--address", longcat.hosts.bridge_address,
+         "-t", "hello", "--max-tokens", "4", "--json", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=longcat.env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    reply = json.loads(proc.stdout.splitlines()[-1])
+    assert reply["text"] and reply["usage"]["completion_tokens"] == 4
+    assert set(reply["timings_ms"]) == {"llm"}
+
+
 def test_a_host_killed_under_load_ends_every_request_once(longcat):
     """kill -9 of every process of host b and its namespace deleted while requests stream:
     each ends with exactly one terminal outcome (a result, or a clear failure), none waits
