@@ -39,8 +39,9 @@ from omniflow.cli.keys import keys
 from omniflow.cli.progress import StartProgress
 from omniflow.cli.send import send
 from omniflow.cli.status import logs, status
-from omniflow.runtime.config import ConfigError, for_host, with_registry
+from omniflow.runtime.config import ConfigError
 from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, find_deployment
+from omniflow.runtime.hosts import for_host, with_registry
 from omniflow.runtime.supervisor import StartError, Supervisor, run_dir_for
 
 __all__ = ["app"]

@@ -353,48 +353,6 @@ def _check_hosts(config: Config, source: str) -> None:
                 )
 
 
-def for_host(
-    config: Config,
-    host_id: str,
-    roles: list[str] | None = None,
-    address: str | None = None,
-    registry: str | None = None,
-) -> Config:
-    """``config`` as host ``host_id`` runs its share: those ``roles`` (default: its [hosts]
-    entry's), its actors on tcp at ``address`` (default: its entry's), on ``registry``."""
-    where = config.source or "<config>"
-    raw = msgspec.to_builtins(config)
-    raw["runtime"] = {**raw.get("runtime", {}), "host_id": host_id}
-    if registry is not None:
-        raw["registry"] = registry
-    hosts = raw.setdefault("hosts", {})
-    if host_id not in hosts and roles is None and hosts:
-        raise ConfigError(
-            f"{where}: host {host_id!r} is not in [hosts] ({', '.join(hosts)}): name its roles "
-            "with --roles"
-        )
-    entry = hosts.setdefault(host_id, {})
-    if roles is not None:
-        entry["roles"] = roles
-    if address is not None:
-        entry["address"] = address
-    raw["runtime"]["transport"] = "tcp"  # the other hosts reach its actors over tcp
-    raw.pop("source", None)
-    shared = parse(raw, where)
-    shared.source = config.source
-    return shared
-
-
-def with_registry(config: Config, registry: str) -> Config:
-    """``config`` on another registry (``omniflow up --registry``), checked again."""
-    raw = msgspec.to_builtins(config)
-    raw["registry"] = registry
-    raw.pop("source", None)
-    moved = parse(raw, config.source or "<config>")
-    moved.source = config.source
-    return moved
-
-
 def _check_exposure(config: Config, source: str) -> None:
     """Off loopback, every socket is authenticated: CurveZMQ keys, the gateway's API key."""
     rt, security = config.runtime, config.security

@@ -13,8 +13,15 @@ import zmq
 from omniflow.control.discovery.etcd import EtcdRegistry
 from omniflow.control.routing import Router
 from omniflow.messages import ActorRecord
-from omniflow.runtime.config import ConfigError, for_host, parse
-from omniflow.runtime.hosts import HostRecord, HostShare, list_hosts, read_config, stop_all
+from omniflow.runtime.config import ConfigError, parse
+from omniflow.runtime.hosts import (
+    HostRecord,
+    HostShare,
+    for_host,
+    list_hosts,
+    read_config,
+    stop_all,
+)
 from omniflow.transport.endpoint import Inbox
 from tests.helpers import echo_config
 
