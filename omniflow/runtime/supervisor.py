@@ -31,6 +31,7 @@ from omniflow.cache import pid_alive, unlink_pool
 from omniflow.control.discovery import (
     EmbeddedRegistryServer,
     Registry,
+    RegistryError,
     actor_key,
     decode_record,
     open_registry,
@@ -171,7 +172,10 @@ class Supervisor:
             self.registry_address = self.registry_server.address
         self._registry = open_registry(self.registry_address)
         if is_multi_host(self.config):
-            await self._join_hosts(self._registry)
+            try:
+                await self._join_hosts(self._registry)
+            except RegistryError as e:
+                raise StartError(f"host {self.config.host_id} could not join: {e}") from None
         self.control = Inbox(self.ctx, f"ipc://{self.run_dir}/control.sock", self._on_control)
         self.control.start()
         for replica in self.replicas:

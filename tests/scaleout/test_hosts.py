@@ -179,3 +179,20 @@ def test_down_all_reaches_every_hosts_watch(etcd_url):
                 await r.close()
 
     uvloop.run(body())
+
+
+def test_up_on_an_etcd_nobody_serves_fails_naming_the_host(tmp_path, run_root):
+    from tests.etcd_server import free_port
+    from tests.helpers import cli
+
+    config = tmp_path / "spread.toml"
+    config.write_text(
+        'name = "spread"\n'
+        f'registry = "etcd://127.0.0.1:{free_port()}"\n'
+        f'[roles.upper]\nactor = "{ECHO}:Upper"\n'
+        '[graph]\nedges = [{ from = "input", to = "upper" }]\n'
+    )
+    proc = cli("up", str(config), "--host-id", "a", "--roles", "upper", check=False, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "host a could not join" in proc.stderr
+    assert not list(run_root.rglob("*.sock"))
