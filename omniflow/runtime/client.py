@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -226,9 +226,9 @@ class Client:
         assert self.ctx is not None
         self.ctx.term()
 
-    async def wait_ready(self, timeout: float = 10.0) -> None:
-        """Wait until every role has a live replica."""
-        for role in self.config.roles:
+    async def wait_ready(self, timeout: float = 10.0, roles: Collection[str] | None = None) -> None:
+        """Wait until every role (of ``roles``, if given) has a live replica."""
+        for role in self.config.roles if roles is None else roles:
             if not await self.view.wait_for(role, timeout):
                 raise RequestFailed(Code.UNAVAILABLE.value, "no live replica", role, "")
 

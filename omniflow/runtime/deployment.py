@@ -69,7 +69,10 @@ class Runtime:
         try:
             self.client = Client(self.config, self.supervisor.registry_address, self.run_dir)
             await self.client.start()
-            await self.client.wait_ready()
+            # One host's share of a deployment is started when its own roles are: the
+            # other hosts come up on their own.
+            local = self.config.local_processes()
+            await self.client.wait_ready(roles=[r for r in self.config.roles if r in local])
         except BaseException:
             await self.supervisor.stop()
             raise

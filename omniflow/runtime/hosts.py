@@ -20,7 +20,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TypeVar
 
 import msgspec
 
@@ -28,6 +30,7 @@ from omniflow.control.discovery import Registry, RegistryError, open_registry
 from omniflow.runtime.config import Config, ConfigError, from_json, parse, to_json
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 MAX_REPLICA_SLOTS = 4096  # a role's replica numbers searched for a free one
 _DOWN_RETRY_S = 1.0
 
@@ -83,6 +86,7 @@ class HostShare:
         """For each role, ``counts[role]`` replica numbers no other host holds (lowest
         first; numbers this host held before its restart are its own again)."""
         me, ttl = self.config.host_id.encode(), self.config.runtime.ttl_s
+        claim: Callable[[str, bytes, float], Awaitable[bytes]]
         claim = self.registry.claim  # type: ignore[attr-defined]  # checked in __init__
         taken: dict[str, list[int]] = {}
         for role, count in counts.items():
@@ -90,7 +94,8 @@ class HostShare:
             for index in range(MAX_REPLICA_SLOTS):
                 if len(mine) == count:
                     break
-                if await claim(slot_key(self.config.name, role, index), me, ttl) == me:
+                key = slot_key(self.config.name, role, index)
+                if await _retried(partial(claim, key, me, ttl)) == me:
                     mine.append(index)
             if len(mine) < count:
                 raise RegistryError(f"{role}: no free replica number below {MAX_REPLICA_SLOTS}")
@@ -98,11 +103,10 @@ class HostShare:
 
     async def announce(self, record: HostRecord) -> None:
         """Publish the config and this host's record; keep the lease alive from here."""
-        cfg = self.config
-        await self.registry.put(config_key(cfg.name), to_json(shared_config(cfg)))
-        await self.registry.put(
-            hosts_prefix(cfg.name) + cfg.host_id, msgspec.json.encode(record), ttl=cfg.runtime.ttl_s
-        )
+        cfg, put = self.config, self.registry.put
+        await _retried(lambda: put(config_key(cfg.name), to_json(shared_config(cfg))))
+        value, ttl = msgspec.json.encode(record), cfg.runtime.ttl_s
+        await _retried(lambda: put(hosts_prefix(cfg.name) + cfg.host_id, value, ttl=ttl))
         self._tasks.append(asyncio.create_task(self._keepalive(), name="host-keepalive"))
 
     def on_down(self, stop: Callable[[float | None], None]) -> None:
@@ -184,6 +188,18 @@ def with_registry(config: Config, registry: str) -> Config:
     moved = parse(raw, config.source or "<config>")
     moved.source = config.source
     return moved
+
+
+async def _retried(operation: Callable[[], Awaitable[T]], attempts: int = 3) -> T:
+    """``operation()``, again after a RegistryError (a timeout on a starved machine): each
+    one here is idempotent (a claim that did land is found to be this host's)."""
+    for attempt in range(attempts - 1):
+        try:
+            return await operation()
+        except RegistryError as e:
+            log.warning("registry operation failed (attempt %d): %s", attempt + 1, e)
+            await asyncio.sleep(0.5 * (attempt + 1))
+    return await operation()
 
 
 def shared_config(config: Config) -> Config:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import msgspec
 import pytest
 import uvloop
 import zmq
@@ -196,3 +197,37 @@ def test_up_on_an_etcd_nobody_serves_fails_naming_the_host(tmp_path, run_root):
     assert proc.returncode == 1, proc.stderr
     assert "host a could not join" in proc.stderr
     assert not list(run_root.rglob("*.sock"))
+
+
+@pytest.mark.etcd
+def test_two_hosts_embedded_in_one_program_serve_one_request_together(etcd_url, run_root):
+    """Two shares on loopback, each a Runtime: upper on host a, reverse on host b. One
+    machine and hostname, two host ids: two run dirs, two pools, frames between them."""
+    from omniflow.control.discovery import list_actors
+    from omniflow.runtime.deployment import Runtime
+    from tests.helpers import expected_echo
+
+    base = echo_config("pair", runtime={"ttl_s": 2.0})
+    raw = msgspec.to_builtins(base)
+    raw.update(registry=etcd_url)
+    raw["runtime"]["transport"] = "tcp"
+    config = parse(raw)
+
+    async def body():
+        a = await Runtime(for_host(config, "a", roles=["upper"])).start()
+        try:
+            b = await Runtime(for_host(config, "b", roles=["reverse"])).start()
+            try:
+                outputs, result = await a.call({"text": "across two hosts"}, timeout=30)
+                assert [o.data["text"] for o in outputs] == expected_echo("across two hosts")
+                assert {t.role for t in result.timings} == {"upper", "reverse"}
+                actors = await list_actors(a.client.registry, "pair")
+                assert {(r.role, r.host) for r in actors} == {("upper", "a"), ("reverse", "b")}
+                assert a.run_dir.name == "pair@a" and b.run_dir.name == "pair@b"
+                assert a.supervisor.pool_name != b.supervisor.pool_name
+            finally:
+                await b.close()
+        finally:
+            await a.close()
+
+    uvloop.run(body())
