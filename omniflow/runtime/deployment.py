@@ -45,6 +45,19 @@ class SeveralDeployments(DeploymentNotFound):
         self.names = names
 
 
+class SeveralHosts(SeveralDeployments):
+    """Several hosts' shares of one deployment run on this machine and none was named."""
+
+    def __init__(self, name: str, hosts: list[str]) -> None:
+        LookupError.__init__(
+            self,
+            f"{name} runs here as several hosts' shares ({', '.join(hosts)}); pick one with "
+            "--host-id (or stop them all with down --all)",
+        )
+        self.names = [name]
+        self.hosts = hosts
+
+
 class Runtime:
     def __init__(
         self,
@@ -179,10 +192,7 @@ def find_deployment(
         if len(names) == 1 and any_host:
             return states[0]
         if len(names) == 1:
-            hosts = ", ".join(sorted(s.get("host_id", "?") for s in states))
-            raise SeveralDeployments(
-                [f"{names[0]} on hosts {hosts}; pick one with --host-id, or --all"]
-            )
+            raise SeveralHosts(names[0], sorted(s.get("host_id", "?") for s in states))
         raise SeveralDeployments([s["name"] for s in states])
     return states[0]
 

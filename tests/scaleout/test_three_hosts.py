@@ -94,6 +94,11 @@ def test_status_from_any_host_and_through_etcd_lists_every_host(longcat):
     key = lambda a: (a["role"], a["replica"], a["host"], a["pid"])  # noqa: E731
     assert sorted(map(key, remote["actors"])) == sorted(map(key, local["actors"]))
     assert {a["host"] for a in remote["actors"]} == {"a", "b", "c"}
+    # the three shares' run dirs sit in one /tmp: a plain down must not guess which
+    argv = [sys.executable, "-m", "omniflow.cli", "down", "--name", longcat.name]
+    refused = longcat.hosts.run("a", argv, env=longcat.env, cwd=longcat.work)
+    assert refused.returncode == 2, refused.stderr
+    assert "several hosts' shares (a, b, c); pick one with --host-id" in refused.stderr
 
 
 def test_send_reaches_the_deployment_through_etcd_alone(longcat, tmp_path):
