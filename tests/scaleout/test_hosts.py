@@ -124,24 +124,31 @@ def test_hosts_claim_distinct_replica_numbers_and_free_them_with_their_lease(etc
     base = parse(two_roles(registry=etcd_url, runtime={"ttl_s": 2.0}))
 
     async def body():
-        registries = [EtcdRegistry.from_url(etcd_url) for _ in range(3)]
+        registries = [EtcdRegistry.from_url(etcd_url) for _ in range(4)]
+
+        def share(host: str, registry: EtcdRegistry) -> HostShare:
+            return HostShare(for_host(base, host, roles=["upper"]), registry)
+
         try:
-            shares = {h: HostShare(for_host(base, h, roles=["upper"]), r)
-                      for h, r in zip("abc", registries, strict=True)}  # fmt: skip
-            a = await shares["a"].claim_replicas({"upper": 2})
-            b = await shares["b"].claim_replicas({"upper": 1, "reverse": 1})
-            assert a == {"upper": [0, 1]} and b == {"upper": [2], "reverse": [0]}
-            # a host claiming again (its supervisor restarted) gets its own numbers back
-            assert await shares["a"].claim_replicas({"upper": 2}) == a
-            await shares["a"].announce(HostRecord("a", ["upper"], "127.0.0.1", 1))
-            assert [h.host for h in await list_hosts(registries[0], "spread")] == ["a"]
+            a, b, c = (share(h, r) for h, r in zip("abc", registries, strict=False))
+            assert await a.claim_replicas({"upper": 2}) == {"upper": [0, 1]}
+            taken = await b.claim_replicas({"upper": 1, "reverse": 1})
+            assert taken == {"upper": [2], "reverse": [0]}
+            assert await a.claim_replicas({"upper": 2}) == {"upper": [0, 1]}  # asked again
+            await a.announce(HostRecord("a", ["upper"], "127.0.0.1", 1))
+            assert [h.host for h in await list_hosts(registries[1], "spread")] == ["a"]
             published = await read_config(registries[2], "spread")
             assert published.runtime.host_id == "" and list(published.roles) == ["upper", "reverse"]
-            await shares["a"].close()
-            await registries[0].close()  # its lease revoked: its numbers are free again
-            c = await shares["c"].claim_replicas({"upper": 3})
-            assert c == {"upper": [0, 1, 3]}
-            assert await list_hosts(registries[1], "spread") == []
+            # a's supervisor restarts (a new lease) before its old lease expired: its
+            # numbers are its own again, and stay taken when the old lease goes
+            restarted = share("a", registries[3])
+            assert await restarted.claim_replicas({"upper": 2}) == {"upper": [0, 1]}
+            await a.close()
+            await registries[0].close()
+            assert await c.claim_replicas({"upper": 1}) == {"upper": [3]}
+            assert await list_hosts(registries[1], "spread") == []  # a's record went with it
+            await registries[3].close()  # now a's numbers are free
+            assert await c.claim_replicas({"upper": 3}) == {"upper": [0, 1, 3]}
             assert await stop_all(registries[1], "spread", timeout=1.0) == []
         finally:
             for r in registries:
