@@ -238,3 +238,21 @@ def test_two_hosts_embedded_in_one_program_serve_one_request_together(etcd_url, 
             await a.close()
 
     uvloop.run(body())
+
+
+def test_up_on_a_host_the_table_does_not_name_asks_for_its_roles(tmp_path, run_root):
+    from tests.helpers import cli
+
+    config = tmp_path / "spread.toml"
+    config.write_text(
+        'name = "spread"\nregistry = "etcd://127.0.0.1:2379"\n'
+        f'[roles.upper]\nactor = "{ECHO}:Upper"\n'
+        '[graph]\nedges = [{ from = "input", to = "upper" }]\n'
+        '[runtime]\ntransport = "tcp"\n'
+        '[hosts.gpu7]\nroles = ["upper"]\n'
+    )
+    proc = cli("up", str(config), check=False, timeout=60)  # this machine is not gpu7
+    assert proc.returncode == 2, proc.stderr
+    assert f"host '{socket.gethostname()}' is not in [hosts] (gpu7)" in proc.stderr
+    assert "--roles" in proc.stderr
+    assert not any(run_root.iterdir())
