@@ -41,6 +41,16 @@ class Cluster:
         self.hosts.omniflow(host, "up", str(self.config), "--detach", "--host-id", host, *extra,
                             cwd=self.work, env=self.env)  # fmt: skip
 
+    def logs(self, host: str, lines: int = 20) -> str:
+        """The end of each log of ``host``'s share: what a failed start leaves to read."""
+        run_dir = Path(self.env["OMNIFLOW_RUN_ROOT"]) / f"{self.name}@{host}"
+        found = sorted(run_dir.glob("logs/*.log")) + sorted(run_dir.glob("supervisor.log"))
+        return "\n".join(
+            f"==> {path.name} <==\n"
+            + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            for path in found
+        )
+
     def omniflow(self, host: str, *args: str, **kwargs: Any):
         return self.hosts.omniflow(host, *args, cwd=self.work, env=self.env, **kwargs)
 
@@ -52,6 +62,7 @@ def longcat_toml(name: str, registry: str, hosts: Hosts, keys: Path, on: Sequenc
     text = text[: text.index("[runtime]")]  # [runtime] and [gateway] come last
     text = re.sub(r"(?m)^name = .*$", f'name = "{name}"', text)
     text = re.sub(r"(?m)^registry = .*$", f'registry = "{registry}"', text)
+    text = re.sub(r"(?m)^max_tokens = .*$", "max_tokens = 512", text)  # requests that last
     text += """[runtime]
 transport = "tcp"
 heartbeat_s = 0.2

@@ -123,6 +123,12 @@ class Hosts:
         found = _ip("netns", "pids", self.namespace[name], check=False).stdout.split()
         return [int(p) for p in found]
 
+    def freeze(self, name: str) -> None:
+        """SIGSTOP every process of host ``name``: from here it does nothing at all."""
+        for pid in self.pids(name):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
     def kill(self, name: str) -> None:
         """The host dies: SIGKILL to every process in its namespace, then the namespace and
         its link are deleted (what it had in flight never gets an answer from it)."""
