@@ -242,6 +242,9 @@ KvPullReply = KvPrepared | KvPages | KvRefused
 # ---------------------------------------------------------------- actor records
 
 
+LEAVING = "leaving"  # ActorRecord.state of a replica draining before it deregisters
+
+
 class ActorRecord(msgspec.Struct, omit_defaults=True, gc=False):
     """What the registry knows of one actor replica."""
 

@@ -24,6 +24,7 @@ from omniflow.runtime.config import (  # noqa: E402
     DeviceGroup,
     EdgeConfig,
     GatewayConfig,
+    HostConfig,
     ResourcesConfig,
     RoleConfig,
     RuntimeConfig,
@@ -86,6 +87,7 @@ def reference() -> str:
         table("`[resources]`", ResourcesConfig),
         table("`[resources.groups.NAME]`", DeviceGroup),
         table("`[security]`", SecurityConfig),
+        table("`[hosts.NAME]`", HostConfig),
         table(
             "Every model role's `options`",
             options.WeightsOptions,

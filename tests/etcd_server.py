@@ -28,13 +28,13 @@ def etcd_binary() -> str | None:
 
 
 class EtcdServer:
-    """One etcd member on free loopback ports with its own data dir."""
+    """One etcd member on free ports (of ``host``: loopback unless told) with its own data dir."""
 
-    def __init__(self, binary: str, data_dir: Path):
+    def __init__(self, binary: str, data_dir: Path, host: str = "127.0.0.1"):
         self.client_port, self.peer_port = free_port(), free_port()
-        self.url = f"etcd://127.0.0.1:{self.client_port}"
+        self.url = f"etcd://{host}:{self.client_port}"
         self.log_path = data_dir / "etcd.log"
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        client, peer = f"http://{host}:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         self.argv = [
             binary,
             "--name", "omniflow-test",

@@ -11,6 +11,7 @@ import asyncio
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,11 +24,14 @@ from omniflow.cli.common import (
     EXIT_NOT_RUNNING,
     EXIT_START,
     EXIT_USAGE,
+    HostIdOpt,
     NameOpt,
+    RegistryOpt,
     RunDirOpt,
     app,
     err,
     fail,
+    find_running,
     load_config,
     out,
 )
@@ -35,9 +39,10 @@ from omniflow.cli.keys import keys
 from omniflow.cli.progress import StartProgress
 from omniflow.cli.send import send
 from omniflow.cli.status import logs, status
-from omniflow.runtime.config import load
+from omniflow.runtime.config import ConfigError
 from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, find_deployment
-from omniflow.runtime.supervisor import StartError, Supervisor, default_run_dir
+from omniflow.runtime.hosts import for_host, with_registry
+from omniflow.runtime.supervisor import StartError, Supervisor, run_dir_for
 
 __all__ = ["app"]
 
@@ -76,24 +81,55 @@ def up(
         max=65535,
         help="The HTTP gateway's port (0: any free one), over [gateway] port.",
     ),
+    registry: str | None = typer.Option(
+        None, "--registry", help="etcd://HOST:PORT, over the config's registry."
+    ),
+    host_id: str | None = HostIdOpt,
+    roles: str | None = typer.Option(
+        None, "--roles", help="Roles this host runs, comma-separated (over its [hosts] entry)."
+    ),
+    address: str | None = typer.Option(
+        None, "--address", help="Where the other hosts reach this host's actors (tcp)."
+    ),
     ready_fd: int = typer.Option(-1, hidden=True),
 ) -> None:
-    """Start a deployment and wait until every actor is ready."""
-    cfg = load_config(config)
-    run_dir = run_dir or Path(cfg.runtime.run_dir or default_run_dir(cfg.name))
+    """Start a deployment (or, with --host-id or [hosts], this host's share of one) and
+    wait until every actor here is ready."""
+    cfg = _share(load_config(config), registry, host_id, roles, address)
+    run_dir = run_dir or run_dir_for(cfg)
     if port is not None and cfg.gateway is not None:
         cfg.gateway.port = port
     if detach:
-        raise typer.Exit(_detach(config, run_dir, port))
+        share = ["--registry", registry] if registry else []
+        share += ["--host-id", host_id] if host_id else []
+        share += ["--roles", roles] if roles is not None else []
+        share += ["--address", address] if address else []
+        raise typer.Exit(_detach(config, cfg, run_dir, port, share))
     import uvloop
 
     raise typer.Exit(uvloop.run(_serve(cfg, run_dir, ready_fd)))
 
 
+def _share(
+    cfg: Any, registry: str | None, host_id: str | None, roles: str | None, address: str | None
+) -> Any:
+    """The config as this host runs it: its share when hosts are named, on ``registry``."""
+    try:
+        if host_id or roles is not None or address or cfg.hosts:
+            host = host_id or cfg.runtime.host_id or socket.gethostname()
+            names = None if roles is None else [r.strip() for r in roles.split(",") if r.strip()]
+            return for_host(cfg, host, names, address, registry)
+        if registry:
+            return with_registry(cfg, registry)
+    except ConfigError as e:
+        fail(f"config error: {e}", EXIT_USAGE)
+    return cfg
+
+
 async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     notify = os.fdopen(ready_fd, "w", buffering=1) if ready_fd >= 0 else None
 
-    total = sum(rc.replicas for rc in cfg.processes().values())
+    total = sum(rc.replicas for rc in cfg.local_processes().values())
     bar = StartProgress(total) if notify is None else None
 
     running = False  # ready: what follows are restarts, after the bar or the ready pipe
@@ -146,7 +182,7 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     return 0
 
 
-def _detach(config: Path, run_dir: Path, port: int | None = None) -> int:
+def _detach(config: Path, cfg: Any, run_dir: Path, port: int | None, share: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     read_end, write_end = os.pipe()
     log_path = run_dir / "supervisor.log"
@@ -163,6 +199,7 @@ def _detach(config: Path, run_dir: Path, port: int | None = None) -> int:
                 "--ready-fd",
                 str(write_end),
                 *(["--port", str(port)] if port is not None else []),
+                *share,
             ],
             pass_fds=(write_end,),
             stdin=subprocess.DEVNULL,
@@ -171,8 +208,7 @@ def _detach(config: Path, run_dir: Path, port: int | None = None) -> int:
             start_new_session=True,
         )
     os.close(write_end)
-    cfg = load(config)
-    bar = StartProgress(sum(rc.replicas for rc in cfg.processes().values()))
+    bar = StartProgress(sum(rc.replicas for rc in cfg.local_processes().values()))
     with os.fdopen(read_end) as lines, bar:
         for line in lines:
             kind, _, rest = line.rstrip("\n").partition(" ")
@@ -197,15 +233,23 @@ def down(
     timeout: float = typer.Option(
         30.0, "--timeout", help="Seconds in-flight requests may take to finish."
     ),
+    host_id: str | None = HostIdOpt,
+    every_host: bool = typer.Option(
+        False, "--all", help="Stop every host's share of a multi-host deployment."
+    ),
+    registry: str | None = RegistryOpt,
 ) -> None:
     """Stop a running deployment, letting the requests in flight finish.
 
     New requests are refused; those in flight finish through the whole graph (up to
-    --timeout); then every actor stops and its sockets are removed."""
+    --timeout); then every actor stops and its sockets are removed. On several hosts
+    this stops this host's share; --all stops every host's (through etcd)."""
     from omniflow.runtime.deployment import clean_dead, request_stop
 
+    if every_host:
+        raise typer.Exit(_down_all(name, run_dir, registry, timeout))
     try:
-        state = find_deployment(name, run_dir)
+        state = find_deployment(name, run_dir, host_id)
     except SeveralDeployments as e:
         fail(str(e), EXIT_USAGE)
     except DeploymentNotFound as e:
@@ -230,6 +274,30 @@ def down(
     if leftovers:
         fail(f"left behind: {', '.join(map(str, leftovers))}", EXIT_START)
     out.print(f"stopped {state['name']}")
+
+
+def _down_all(name: str | None, run_dir: Path | None, registry: str | None, timeout: float) -> int:
+    import uvloop
+
+    from omniflow.runtime.hosts import stop_everywhere
+
+    if registry is None:
+        state = find_running(name, run_dir, any_host=True)
+        name, registry = state["name"], state["registry"]
+    if name is None:
+        fail("--all with --registry needs the deployment's --name", EXIT_USAGE)
+    if not registry.startswith("etcd://"):
+        fail(f"{name} runs on one host (registry {registry}): use omniflow down", EXIT_USAGE)
+    try:
+        hosts = uvloop.run(stop_everywhere(registry, name, timeout))
+    except TimeoutError:
+        fail(f"not every host of {name} stopped within {timeout + 10:g}s", EXIT_START)
+    except Exception as e:  # the registry unreachable, most likely
+        fail(f"down --all {name}: {e}", EXIT_START)
+    if not hosts:
+        fail(f"no host of {name!r} is registered at {registry}", EXIT_NOT_RUNNING)
+    out.print(f"stopped {name} on hosts {', '.join(hosts)}")
+    return 0
 
 
 app.callback(help=__doc__)(_main)

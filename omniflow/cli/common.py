@@ -28,6 +28,18 @@ NameOpt = typer.Option(
     None, "--name", "-n", help="Deployment name (default: the only one running)."
 )
 RunDirOpt = typer.Option(None, "--run-dir", help="The deployment's run directory.")
+RegistryOpt = typer.Option(
+    None,
+    "--registry",
+    envvar="OMNIFLOW_REGISTRY_URL",
+    help="etcd://HOST:PORT of a multi-host deployment (with --name): no local run dir needed.",
+)
+HostIdOpt = typer.Option(
+    None,
+    "--host-id",
+    envvar="OMNIFLOW_HOST_ID",
+    help="This host's id in a multi-host deployment (default: the hostname).",
+)
 
 
 def load_config(config: Path) -> Any:
@@ -42,9 +54,11 @@ def fail(message: str, code: int) -> typing.NoReturn:
     raise typer.Exit(code)
 
 
-def find_running(name: str | None, run_dir: Path | None) -> dict[str, Any]:
+def find_running(
+    name: str | None, run_dir: Path | None, host_id: str | None = None, any_host: bool = False
+) -> dict[str, Any]:
     try:
-        return find_deployment(name, run_dir)
+        return find_deployment(name, run_dir, host_id, any_host)
     except SeveralDeployments as e:
         fail(str(e), EXIT_USAGE)
     except DeploymentNotFound as e:

@@ -11,9 +11,11 @@ from typing import Any
 import typer
 
 from omniflow.cli.common import (
+    EXIT_NOT_RUNNING,
     EXIT_REQUEST,
     EXIT_USAGE,
     NameOpt,
+    RegistryOpt,
     RunDirOpt,
     err,
     fail,
@@ -68,6 +70,10 @@ def send(
     ),
     name: str | None = NameOpt,
     run_dir: Path | None = RunDirOpt,
+    registry: str | None = RegistryOpt,
+    address: str | None = typer.Option(
+        None, "--address", help="Where the actors reach this client (tcp; another host's)."
+    ),
 ) -> None:
     """Send one request: stream text to the terminal, write images (PNG) and audio (WAV) to --out."""
     from omniflow.cli import params as checks
@@ -94,7 +100,9 @@ def send(
         fail(str(e), EXIT_USAGE)
     # Before anything is sent: a result must never be lost for want of a place to write it.
     out_dir = _out_dir(out_dir)
-    state = find_running(name, run_dir)
+    if registry is not None and name is None:
+        fail("--registry needs the deployment's --name", EXIT_USAGE)
+    state = None if registry is not None else find_running(name, run_dir, any_host=True)
     inputs: dict[str, Any] = {}
     if text is not None:
         inputs["text"] = text
@@ -110,16 +118,25 @@ def send(
     from omniflow.cli.outputs import OutputWriter
     from omniflow.runtime.client import Output, RequestFailed
     from omniflow.runtime.config import from_json
-    from omniflow.runtime.deployment import connect
+    from omniflow.runtime.deployment import DeploymentNotFound, config_in_registry, connect
 
-    config = from_json((Path(state["run_dir"]) / "deployment.json").read_bytes())
+    try:
+        if state is None:
+            config = uvloop.run(config_in_registry(registry or "", name or ""))
+        else:
+            config = from_json((Path(state["run_dir"]) / "deployment.json").read_bytes())
+    except DeploymentNotFound as e:
+        fail(str(e), EXIT_NOT_RUNNING)
     try:
         checks.check(params, config)
     except checks.ParamError as e:
         fail(str(e), EXIT_USAGE)
 
     async def run() -> int:
-        conn = await connect(run_dir=state["run_dir"])
+        if state is None:
+            conn = await connect(name, registry=registry, address=address)
+        else:
+            conn = await connect(run_dir=state["run_dir"], address=address)
         request_id = uuid.uuid4().hex
         writer = OutputWriter(out_dir, request_id, echo=not as_json)
         try:

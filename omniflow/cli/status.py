@@ -13,7 +13,9 @@ import typer
 from omniflow.cli.common import (
     EXIT_NOT_RUNNING,
     EXIT_USAGE,
+    HostIdOpt,
     NameOpt,
+    RegistryOpt,
     RunDirOpt,
     fail,
     find_running,
@@ -27,16 +29,28 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="One JSON object."),
     name: str | None = NameOpt,
     run_dir: Path | None = RunDirOpt,
+    registry: str | None = RegistryOpt,
+    host_id: str | None = HostIdOpt,
 ) -> None:
-    """List every actor of a running deployment, a replica being restarted included.
+    """List every actor of a running deployment, a replica being restarted included; on
+    several hosts, every host's (from etcd).
 
-    Columns: role, replica, pid, endpoint, state, requests in flight and served, restarts."""
-    state = find_running(name, run_dir)
+    Columns: role, replica, host, pid, endpoint, state, requests in flight and served,
+    restarts (this host's)."""
+    if registry is not None:
+        if name is None:
+            fail("--registry needs the deployment's --name", EXIT_USAGE)
+        state: dict = {"name": name, "pid": 0, "run_dir": "", "registry": registry}
+    else:
+        state = find_running(name, run_dir, host_id, any_host=True)
     import uvloop
 
     from omniflow.runtime.deployment import list_deployment_actors
 
-    records = uvloop.run(list_deployment_actors(state))
+    try:
+        records = uvloop.run(list_deployment_actors(state))
+    except Exception as e:  # the registry unreachable, most likely
+        fail(f"cannot list {state['name']}'s actors at {state['registry']}: {e}", EXIT_NOT_RUNNING)
     # The supervisor's view (state.json) names what the registry cannot: a replica being
     # restarted has no record there, and only the supervisor counts restarts.
     supervised = {(a["role"], a["replica"]): a for a in state.get("actors", [])}
@@ -77,6 +91,7 @@ def status(
                     "supervisor_pid": state["pid"],
                     "run_dir": state["run_dir"],
                     "registry": state["registry"],
+                    "host_id": state.get("host_id", ""),
                     "actors": actors,
                 }
             )
@@ -84,8 +99,22 @@ def status(
         return
     from rich.table import Table
 
-    table = Table(title=f"{state['name']} (supervisor pid {state['pid']})")
-    columns = ("role", "replica", "pid", "endpoint", "state", "inflight", "served", "restarts")
+    title = (
+        state["name"] if not state["pid"] else f"{state['name']} (supervisor pid {state['pid']})"
+    )
+    table = Table(title=title)
+    columns: tuple[str, ...] = (
+        "role",
+        "replica",
+        "pid",
+        "endpoint",
+        "state",
+        "inflight",
+        "served",
+        "restarts",
+    )
+    if len({a["host"] for a in actors if a["host"]}) > 1:  # several hosts: say which runs what
+        columns = ("role", "replica", "host", *columns[2:])
     for col in columns:
         table.add_column(col)
     for a in actors:

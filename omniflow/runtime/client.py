@@ -12,10 +12,9 @@ import contextlib
 import itertools
 import logging
 import os
-import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -28,6 +27,7 @@ from omniflow.control.discovery.view import RegistryView
 from omniflow.control.graph import INPUT
 from omniflow.control.routing import FULL_CREDIT, Fanout, RouteError, Router
 from omniflow.messages import (
+    LEAVING,
     ActorRecord,
     Call,
     Cancel,
@@ -199,11 +199,12 @@ class Client:
     async def start(self) -> None:
         self.ctx = zmq.Context()
         if self.config.runtime.transport == "tcp":
-            address = f"tcp://{self.config.runtime.bind_host}:*"
+            address = f"tcp://{self.config.addresses()[0]}:*"
         else:
             address = f"ipc://{self.run_dir}/client-{os.getpid()}-{next(_client_ids)}.sock"
         keys = self.config.security.load_keys()
-        self.inbox = Inbox(self.ctx, address, self._on_message, keys=keys)
+        advertise = self.config.addresses()[1]
+        self.inbox = Inbox(self.ctx, address, self._on_message, keys=keys, advertise=advertise)
         self.inbox.start()
         self.registry = open_registry(self.registry_address)
         self.view = RegistryView(self.registry, self.config.name)
@@ -215,7 +216,7 @@ class Client:
         }
         idempotent = frozenset(n for n, rc in self.config.roles.items() if rc.idempotent)
         self.router = Router(
-            self.config.plan(), self.view, self.outbox, policies, idempotent, socket.gethostname()
+            self.config.plan(), self.view, self.outbox, policies, idempotent, self.config.host_id
         )
 
     async def close(self) -> None:
@@ -233,9 +234,9 @@ class Client:
         assert self.ctx is not None
         self.ctx.term()
 
-    async def wait_ready(self, timeout: float = 10.0) -> None:
-        """Wait until every role has a live replica."""
-        for role in self.config.roles:
+    async def wait_ready(self, timeout: float = 10.0, roles: Collection[str] | None = None) -> None:
+        """Wait until every role (of ``roles``, if given) has a live replica."""
+        for role in self.config.roles if roles is None else roles:
             if not await self.view.wait_for(role, timeout):
                 raise RequestFailed(Code.UNAVAILABLE.value, "no live replica", role, "")
 
@@ -273,14 +274,19 @@ class Client:
                 )
                 pending.push(result)
         elif isinstance(msg, Fail):
-            if msg.code == Code.UNAVAILABLE.value:  # branches orphaned by the death
-                self._cancel_after(pending, msg.replica.rpartition("/")[0] or msg.role)
-                why = self._cannot_migrate(pending, msg)
-                if why is None:
-                    return self._migrate(pending, msg)
-                if why:
-                    msg.message = f"{msg.message}; {why}"
+            if msg.code == Code.UNAVAILABLE.value:
+                return self._lost(pending, msg)
             pending.push(RequestFailed(msg.code, msg.message, msg.role, pending.request_id))
+
+    def _lost(self, pending: _Pending, fail: Fail) -> None:
+        """A replica died holding the request: it moves on elsewhere, or fails once."""
+        # branches orphaned by the death
+        self._cancel_after(pending, fail.replica.rpartition("/")[0] or fail.role)
+        why = self._cannot_migrate(pending, fail)
+        if why is None:
+            return self._migrate(pending, fail)
+        message = f"{fail.message}; {why}" if why else fail.message
+        pending.push(RequestFailed(fail.code, message, fail.role, pending.request_id))
 
     # ------------------------------------------------------------------ migration
 
@@ -339,9 +345,43 @@ class Client:
             for p in self._pending.values()
             if p.migratable and not p.heard and p.fanout is not None and _sent_to(p.fanout, record)
         ]
+        # What it was working on for this client: its supervisor answers for those when the
+        # replica dies, but not when the whole host went (its leases expired), so they end
+        # here too, as that notice would (the first wins). Known from its record's holding
+        # (as of its last heartbeat, which lags under load) and, for the role streaming a
+        # request's text to this client, from the replica this client sent it to.
+        if record.state == LEAVING:  # it drains what it holds before it goes
+            held = {}
+        else:
+            held = self._held_by(record)
+        loop = asyncio.get_running_loop()
         if suspects:
-            asyncio.get_running_loop().call_later(
-                _GONE_GRACE_S, self._lost_in_queue, record, suspects
+            loop.call_later(_GONE_GRACE_S, self._lost_in_queue, record, suspects)
+        if held:
+            lost = [(p, attempt) for attempt, p in held.items()]
+            loop.call_later(_GONE_GRACE_S, self._lost_with_replica, record, lost)
+
+    def _held_by(self, record: ActorRecord) -> dict[str, _Pending]:
+        held = {
+            attempt: p
+            for attempt, reply_to in record.holding
+            if reply_to == self.inbox.endpoint and (p := self._pending.get(attempt)) is not None
+        }
+        for p in self._pending.values():
+            streaming = p.token_role == record.role and not p.text_done
+            if streaming and p.fanout is not None and _sent_to(p.fanout, record):
+                held[p.attempt] = p
+        return held
+
+    def _lost_with_replica(self, record: ActorRecord, held: list[tuple[_Pending, str]]) -> None:
+        for pending, attempt in held:
+            if self._pending.get(attempt) is not pending:
+                continue  # ended, or moved on by a death notice meanwhile
+            where = f" on host {record.host}" if record.host != self.config.host_id else ""
+            message = f"{record.actor_id}{where} left the registry while handling it"
+            self._lost(
+                pending,
+                Fail(Code.UNAVAILABLE.value, message, record.role, attempt, record.actor_id),
             )
 
     def _lost_in_queue(self, record: ActorRecord, suspects: list[tuple[_Pending, str]]) -> None:

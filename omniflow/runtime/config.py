@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
+import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,6 +26,7 @@ from omniflow.transport.security import Keys, KeysError, load_keys
 from omniflow.transport.security import generate_keys as generate_keys  # for `omniflow keys`
 
 _STRICT = {"forbid_unknown_fields": True, "omit_defaults": True}
+re_host_id = re.compile(r"^[A-Za-z0-9_.-]{1,63}$")
 
 
 class ConfigError(ValueError):
@@ -106,6 +109,27 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
         int,
         Meta(ge=1, description="messages an actor queues per sender unread (then it waits)"),
     ] = 1000
+    host_id: Annotated[
+        str,
+        Meta(
+            pattern=r"^[A-Za-z0-9_.-]{0,63}$",
+            description="this host's id in the registry; one id, shared memory (default: hostname)",
+        ),
+    ] = ""
+
+
+class HostConfig(msgspec.Struct, **_STRICT):
+    """[hosts.NAME]: one host of a deployment spread over several on one etcd."""
+
+    roles: Annotated[
+        list[str], Meta(description="roles this host runs (`omniflow up --roles` overrides)")
+    ] = []
+    address: Annotated[
+        str, Meta(description="where the other hosts reach this host's actors (tcp)")
+    ] = ""
+    bind: Annotated[
+        str, Meta(description='address its sockets bind (default: address; "0.0.0.0" behind NAT)')
+    ] = ""
 
 
 class DeviceGroup(msgspec.Struct, **_STRICT):
@@ -196,7 +220,33 @@ class Config(msgspec.Struct, **_STRICT):
     security: Annotated[SecurityConfig, Meta(description="[security] CurveZMQ keys")] = (
         msgspec.field(default_factory=SecurityConfig)
     )
+    hosts: Annotated[
+        dict[str, HostConfig], Meta(description="[hosts.NAME] (absent: one host runs it all)")
+    ] = {}
     source: str = ""  # the file this came from (filled by load)
+
+    @property
+    def host_id(self) -> str:
+        """This host's id: what the registry records and locality compare (same id: the
+        same shared memory). Processes in different network namespaces of one machine
+        share a hostname, so a multi-host deployment names its hosts explicitly."""
+        return self.runtime.host_id or socket.gethostname()
+
+    def local_processes(self) -> dict[str, RoleConfig]:
+        """The roles this host runs: those its [hosts] entry names, or all of them."""
+        host = self.hosts.get(self.host_id)
+        processes = self.processes()
+        if host is None or not host.roles:
+            return processes
+        return {name: rc for name, rc in processes.items() if name in host.roles}
+
+    def addresses(self) -> tuple[str, str]:
+        """(bind, advertise) of this host's tcp sockets: its [hosts] entry's, else
+        [runtime] bind_host for both."""
+        host = self.hosts.get(self.host_id)
+        if host is None or not host.address:
+            return self.runtime.bind_host, self.runtime.bind_host
+        return host.bind or host.address, host.address
 
     def plan(self) -> Plan:
         return build_plan(self, self.source or "<config>")
@@ -266,6 +316,7 @@ def validate(config: Config, source: str) -> None:
     if rt.ttl_s <= rt.heartbeat_s:
         raise ConfigError(f"{source}: [runtime] ttl_s: must exceed heartbeat_s")
     _check_resources(config, source)
+    _check_hosts(config, source)
     _check_exposure(config, source)
     build_plan(config, source)
 
@@ -280,9 +331,43 @@ def is_loopback(host: str) -> bool:
         return False  # a hostname, "*", an interface name: reachable from elsewhere
 
 
+def _check_hosts(config: Config, source: str) -> None:
+    """[hosts]: known roles, one etcd, tcp between hosts. A role no entry names may run
+    on a host that joins with ``omniflow up --host-id H --roles ...`` alone."""
+    if not config.hosts:
+        return
+    if not config.registry.startswith("etcd://"):
+        raise ConfigError(
+            f"{source}: [hosts]: hosts find each other through etcd: set registry = "
+            '"etcd://HOST:PORT"'
+        )
+    if config.runtime.transport != "tcp":
+        raise ConfigError(
+            f'{source}: [hosts]: actors on several hosts need [runtime] transport = "tcp"'
+        )
+    processes = config.processes()
+    for name, host in config.hosts.items():
+        if not re_host_id.match(name):
+            raise ConfigError(f"{source}: [hosts.{name}]: a host id is letters, digits, _ . -")
+        for role in host.roles:
+            if role not in processes:
+                known = ", ".join(processes)
+                raise ConfigError(
+                    f"{source}: [hosts.{name}] roles: unknown role {role!r} ({known})"
+                )
+
+
 def _check_exposure(config: Config, source: str) -> None:
     """Off loopback, every socket is authenticated: CurveZMQ keys, the gateway's API key."""
     rt, security = config.runtime, config.security
+    for name, host in config.hosts.items():
+        for address in filter(None, (host.address, host.bind)):
+            if not is_loopback(address) and not security.keys:
+                raise ConfigError(
+                    f"{source}: [hosts.{name}] {address!r} is not a loopback address: set "
+                    "[security] keys = DIR (make them with `omniflow keys DIR`, copy them to "
+                    "every host) so that peers must hold the deployment's CurveZMQ keys"
+                )
     if rt.transport == "tcp" and not is_loopback(rt.bind_host) and not security.keys:
         raise ConfigError(
             f"{source}: [runtime] bind_host = {rt.bind_host!r} is not a loopback address: "

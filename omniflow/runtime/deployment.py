@@ -13,12 +13,16 @@ program's loop runs the supervisor and the client as ordinary tasks.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import signal
+import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from omniflow.cache import pid_alive
 from omniflow.messages import ActorRecord
@@ -39,6 +43,19 @@ class SeveralDeployments(DeploymentNotFound):
             f"several deployments are running ({', '.join(names)}); pick one with --name"
         )
         self.names = names
+
+
+class SeveralHosts(SeveralDeployments):
+    """Several hosts' shares of one deployment run on this machine and none was named."""
+
+    def __init__(self, name: str, hosts: list[str]) -> None:
+        LookupError.__init__(
+            self,
+            f"{name} runs here as several hosts' shares ({', '.join(hosts)}); pick one with "
+            "--host-id (or stop them all with down --all)",
+        )
+        self.names = [name]
+        self.hosts = hosts
 
 
 class Runtime:
@@ -65,7 +82,10 @@ class Runtime:
         try:
             self.client = Client(self.config, self.supervisor.registry_address, self.run_dir)
             await self.client.start()
-            await self.client.wait_ready()
+            # One host's share of a deployment is started when its own roles are: the
+            # other hosts come up on their own.
+            local = self.config.local_processes()
+            await self.client.wait_ready(roles=[r for r in self.config.roles if r in local])
         except BaseException:
             await self.supervisor.stop()
             raise
@@ -127,42 +147,107 @@ def run_root() -> Path:
     return default_run_dir("x").parent
 
 
-def _states(name: str | None, run_dir: str | Path | None) -> list[dict[str, Any]]:
+def _states(
+    name: str | None, run_dir: str | Path | None, host_id: str | None = None
+) -> list[dict[str, Any]]:
+    root = run_root()
     if run_dir is not None:
         candidates = [Path(run_dir)]
-    elif name is not None:
-        candidates = [default_run_dir(name)]
+    elif name is not None:  # NAME, and NAME@HOST: one host's share of it
+        shares = sorted(root.glob(f"{glob.escape(name)}@*")) if root.exists() else []
+        candidates = [default_run_dir(name), *shares]
     else:
-        root = run_root()
         candidates = sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
     states = []
     for path in candidates:
         state_file = path / "state.json"
         if state_file.exists():
-            states.append(json.loads(state_file.read_text()))
+            state = json.loads(state_file.read_text())
+            if host_id is None or state.get("host_id") == host_id:
+                states.append(state)
     return states
 
 
-def find_deployment(name: str | None = None, run_dir: str | Path | None = None) -> dict[str, Any]:
-    """The state of a running deployment: by run dir, by name, or the only one running."""
-    states = [s for s in _states(name, run_dir) if pid_alive(s.get("pid", 0))]
+def find_deployment(
+    name: str | None = None,
+    run_dir: str | Path | None = None,
+    host_id: str | None = None,
+    any_host: bool = False,
+) -> dict[str, Any]:
+    """The state of a running deployment: by run dir, by name, or the only one running.
+
+    Where several hosts' shares of one deployment run on this machine (network
+    namespaces, containers sharing /tmp), ``host_id`` picks one; with ``any_host`` the
+    first does (they share one registry: for a client or a status, any will do)."""
+    states = [s for s in _states(name, run_dir, host_id) if pid_alive(s.get("pid", 0))]
     if not states:
         what = f"run dir {run_dir}" if run_dir else f"name {name!r}" if name else "any name"
+        if host_id is not None:
+            what += f", host {host_id!r}"
         raise DeploymentNotFound(
             f"no running omniflow deployment ({what}); start one with `omniflow up`"
         )
     if len(states) > 1:
+        names = sorted({s["name"] for s in states})
+        if len(names) == 1 and any_host:
+            return states[0]
+        if len(names) == 1:
+            raise SeveralHosts(names[0], sorted(s.get("host_id", "?") for s in states))
         raise SeveralDeployments([s["name"] for s in states])
     return states[0]
 
 
-async def connect(name: str | None = None, run_dir: str | Path | None = None) -> Connection:
-    """Attach to a running deployment (started by ``omniflow up``)."""
-    state = find_deployment(name, run_dir)
-    config = from_json((Path(state["run_dir"]) / "deployment.json").read_bytes())
-    client = Client(config, state["registry"], Path(state["run_dir"]))
+async def connect(
+    name: str | None = None,
+    run_dir: str | Path | None = None,
+    *,
+    registry: str | None = None,
+    address: str | None = None,
+    keys: str | None = None,
+) -> Connection:
+    """Attach to a running deployment: one started on this machine by ``omniflow up``, or,
+    with ``registry`` (``etcd://H:P``) and ``name``, one on other hosts. ``address`` is
+    where its actors reach this client (tcp: another host's actors need a routable one);
+    ``keys`` the CurveZMQ keys folder where it differs from the config's."""
+    if registry is not None:
+        if name is None:
+            raise DeploymentNotFound("connecting through a registry needs the deployment's name")
+        config = await config_in_registry(registry, name)
+        state: dict[str, Any] = {"name": name, "registry": registry, "run_dir": "", "pid": 0}
+        run_dir = Path(tempfile.gettempdir())  # ipc only: a multi-host deployment is tcp
+    else:
+        state = find_deployment(name, run_dir, any_host=True)
+        config = from_json((Path(state["run_dir"]) / "deployment.json").read_bytes())
+        run_dir = Path(state["run_dir"])
+    config = client_config(config, address, keys)
+    client = Client(config, state["registry"], run_dir)
     await client.start()
     return Connection(state, client)
+
+
+def client_config(config: Config, address: str | None, keys: str | None) -> Config:
+    """``config`` for a client that replies on ``address`` with ``keys`` (each: if given)."""
+    if address is not None:
+        runtime = msgspec.structs.replace(config.runtime, bind_host=address)
+        config = msgspec.structs.replace(config, runtime=runtime)
+    if keys is not None:
+        security = msgspec.structs.replace(config.security, keys=keys)
+        config = msgspec.structs.replace(config, security=security)
+    return config
+
+
+async def config_in_registry(address: str, name: str) -> Config:
+    """The config deployment ``name`` published at the registry ``address`` (etcd)."""
+    from omniflow.control.discovery import open_registry
+    from omniflow.runtime.hosts import read_config
+
+    registry = open_registry(address)
+    try:
+        return await read_config(registry, name)
+    except LookupError as e:
+        raise DeploymentNotFound(str(e)) from None
+    finally:
+        await registry.close()
 
 
 def clean_dead(name: str | None = None, run_dir: str | Path | None = None) -> list[str]:

@@ -36,7 +36,9 @@ async def budget_after_barrier(
         return None
     name, group = found
     if config.resources.kv_barrier:
-        members = sum(config.roles[r].replicas for r in group.fractions)
+        # A device is one host's: on several hosts, only this host's share meets here.
+        local = config.local_processes()
+        members = sum(local[r].replicas for r in group.fractions if r in local)
         await registry.barrier(
             f"{config.name}/{generation}/kv/{name}",
             members,

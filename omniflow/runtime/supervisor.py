@@ -31,6 +31,7 @@ from omniflow.cache import pid_alive, unlink_pool
 from omniflow.control.discovery import (
     EmbeddedRegistryServer,
     Registry,
+    RegistryError,
     actor_key,
     decode_record,
     open_registry,
@@ -40,6 +41,7 @@ from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime import preload
 from omniflow.runtime.config import Config, to_json
 from omniflow.runtime.holding import holding_path, read_held
+from omniflow.runtime.hosts import HostRecord, HostShare, is_multi_host
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, private_dir
 
@@ -54,9 +56,17 @@ class StartError(RuntimeError):
     """The deployment could not start; the message names the replica and why."""
 
 
-def default_run_dir(name: str) -> Path:
+def default_run_dir(name: str, host_id: str = "") -> Path:
+    """RUN_ROOT/NAME, or RUN_ROOT/NAME@HOST for one host's share of a multi-host deployment
+    (network namespaces, containers sharing /tmp: each host holds its own run dir's lock)."""
     base = os.environ.get("OMNIFLOW_RUN_ROOT") or f"/tmp/omniflow-{os.getuid()}"
-    return Path(base) / name
+    return Path(base) / (f"{name}@{host_id}" if host_id else name)
+
+
+def run_dir_for(config: Config) -> Path:
+    if config.runtime.run_dir:
+        return Path(config.runtime.run_dir)
+    return default_run_dir(config.name, config.runtime.host_id if is_multi_host(config) else "")
 
 
 def stop_order(plan: Plan) -> list[set[str]]:
@@ -106,11 +116,15 @@ class Supervisor:
         on_progress: Callable[[str, str], None] | None = None,
     ) -> None:
         self.config = config
-        self.run_dir = Path(run_dir or config.runtime.run_dir or default_run_dir(config.name))
+        self.run_dir = Path(run_dir or run_dir_for(config))
         self.on_progress = on_progress or (lambda actor_id, state: None)
+        # On several hosts, replica numbers are claimed in etcd at start (see runtime.hosts).
         self.replicas = [
-            Replica(role, i) for role, rc in config.processes().items() for i in range(rc.replicas)
+            Replica(role, i)
+            for role, rc in config.local_processes().items()
+            for i in range(rc.replicas)
         ]
+        self.share: HostShare | None = None
         self.ctx = zmq.Context()
         self.outbox = Outbox(self.ctx, send_timeout=1.0)
         self.registry_server: EmbeddedRegistryServer | None = None
@@ -162,11 +176,41 @@ class Supervisor:
             await self.registry_server.start()
             self.registry_address = self.registry_server.address
         self._registry = open_registry(self.registry_address)
+        if is_multi_host(self.config):
+            try:
+                await self._join_hosts(self._registry)
+            except RegistryError as e:
+                raise StartError(f"host {self.config.host_id} could not join: {e}") from None
         self.control = Inbox(self.ctx, f"ipc://{self.run_dir}/control.sock", self._on_control)
         self.control.start()
         for replica in self.replicas:
             self._spawn(replica)
         await self._wait_ready(self.replicas)
+
+    async def _join_hosts(self, registry: Registry) -> None:
+        """This host's share: replica numbers no other host holds, then the host record,
+        the shared config, and a watch for `omniflow down --all`."""
+        cfg = self.config
+        self.share = HostShare(cfg, registry)
+        counts: dict[str, int] = {}
+        for r in self.replicas:
+            counts[r.role] = counts.get(r.role, 0) + 1
+        numbers = await self.share.claim_replicas(counts)
+        for role, indices in numbers.items():
+            for replica, index in zip(
+                (r for r in self.replicas if r.role == role), indices, strict=True
+            ):
+                replica.index = index
+        record = HostRecord(
+            cfg.host_id,
+            sorted(counts),
+            cfg.addresses()[1],
+            os.getpid(),
+            str(self.run_dir),
+            time.time(),
+        )
+        await self.share.announce(record)
+        self.share.on_down(self.request_stop)
 
     def _lock_run_dir(self) -> None:
         """Hold the run dir's lock for this supervisor's life: a second start of the same
@@ -439,8 +483,10 @@ class Supervisor:
                 os.close(r.pidfd)
                 r.pidfd = None
             r.state = "stopped"
+        if self.share is not None:
+            await self.share.close()
         if self._registry is not None:
-            await self._registry.close()
+            await self._registry.close()  # the host record and the claims go with the lease
         self.outbox.close()
         if self.control is not None:
             self.control.close()
@@ -512,6 +558,7 @@ class Supervisor:
             "config": self.config.source,
             "pool": self.pool_name,
             "started": time.time(),
+            "host_id": self.config.host_id,
             # What the registry cannot say: a replica restarting has no record there.
             "actors": [
                 {

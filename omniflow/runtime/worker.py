@@ -16,7 +16,6 @@ import gc
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -29,7 +28,7 @@ from omniflow.control.balance import make_policy
 from omniflow.control.discovery import Registry, actor_key, encode_record, open_registry
 from omniflow.control.discovery.view import RegistryView
 from omniflow.control.routing import Router
-from omniflow.messages import ActorRecord, Hello, Ready, SetupFailed, Shutdown
+from omniflow.messages import LEAVING, ActorRecord, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.actor import Actor
 from omniflow.runtime.config import Config, from_json
 from omniflow.runtime.holding import HoldingFile, holding_path
@@ -50,7 +49,7 @@ _control_decoder = decoder_for(Shutdown)
 
 def endpoint_for(config: Config, run_dir: Path, role: str, replica: int) -> str:
     if config.runtime.transport == "tcp":
-        return f"tcp://{config.runtime.bind_host}:*"
+        return f"tcp://{config.addresses()[0]}:*"
     return f"ipc://{run_dir}/{role}-{replica}.sock"
 
 
@@ -129,7 +128,7 @@ class Worker:
         idempotent = frozenset(n for n, rc in cfg.roles.items() if rc.idempotent)
         keys = cfg.security.load_keys()
         outbox = Outbox(self.ctx, cfg.runtime.send_timeout_s, max_peers=WORKER_PEERS, keys=keys)
-        router = Router(cfg.plan(), view, outbox, policies, idempotent, socket.gethostname())
+        router = Router(cfg.plan(), view, outbox, policies, idempotent, cfg.host_id)
         rc = self.role_config
         holding = HoldingFile(
             holding_path(self.run_dir, self.role, self.replica),
@@ -147,6 +146,7 @@ class Worker:
             host.on_message,
             keys=keys,
             hwm=rt.inbox_hwm,
+            advertise=cfg.addresses()[1],
         )
         host.reply = inbox.reply
         inbox.start()
@@ -162,7 +162,7 @@ class Worker:
             self.replica,
             os.getpid(),
             inbox.endpoint,
-            socket.gethostname(),
+            cfg.host_id,
             list(self.role_config.gpus),
             "ready",
             started=time.time(),
@@ -182,12 +182,12 @@ class Worker:
             # stays listed while it drains, so new requests get a quick shutting_down.
             listed = self.intake_closed
             if not listed:
-                with contextlib.suppress(Exception):
-                    await registry.delete(key)
+                await self._leaving(registry, key, record)
             drained = await host.drain(rt.drain_timeout_s)
             if listed:
-                with contextlib.suppress(Exception):
-                    await registry.delete(key)
+                await self._leaving(registry, key, record)
+            with contextlib.suppress(Exception):
+                await registry.delete(key)
             if not drained:
                 log.warning(
                     "%s/%d: in-flight requests cancelled at shutdown", self.role, self.replica
@@ -202,6 +202,14 @@ class Worker:
             outbox.close(linger_ms=1000)  # the last hops of drained requests still leave
             holding.close()
         return 0
+
+    async def _leaving(self, registry: Registry, key: str, record: ActorRecord) -> None:
+        """Leave routing in order: a record that is no longer ready and holds nothing, so
+        that no client takes this leaving for a loss (a replica gone with its host ends
+        what it was working on; one leaving drains it first)."""
+        record.state, record.holding = LEAVING, []
+        with contextlib.suppress(Exception):
+            await registry.put(key, encode_record(record), ttl=self.config.runtime.ttl_s)
 
     async def _heartbeat(
         self, registry, key: str, record: ActorRecord, host: ActorHost, actor: Actor

@@ -77,6 +77,9 @@ def private_dir(path: str | os.PathLike[str]) -> None:
 class Inbox:
     """A bound ROUTER; ``on_message(identity, parts)`` gets ``[header, *frames]``.
 
+    ``endpoint`` is what peers dial: the bound address, or on tcp:// ``advertise`` (the
+    address other hosts reach) with the bound port.
+
     The header is ``bytes``; later frames are ``zmq.Frame``s viewing ZeroMQ's own
     buffers (no copy). At most ``hwm`` messages wait per peer: a flood cannot grow this
     process past that while its loop is busy; the senders wait instead.
@@ -90,6 +93,7 @@ class Inbox:
         mandatory: bool = False,
         keys: Keys | None = None,
         hwm: int = INBOX_HWM,
+        advertise: str = "",
     ) -> None:
         self._sock = ctx.socket(zmq.ROUTER)
         self._ctx = ctx
@@ -117,6 +121,9 @@ class Inbox:
                 os.unlink(path)  # a stale file from a killed process of the same name
             self._sock.bind(endpoint)
             self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if advertise and self.endpoint.startswith("tcp://"):
+                # Bound on a wildcard (or behind NAT): peers dial the address they can reach.
+                self.endpoint = f"tcp://{advertise}:{self.endpoint.rpartition(':')[2]}"
             self._path = ipc_path(self.endpoint)
             if self._path:
                 os.chmod(self._path, 0o600)

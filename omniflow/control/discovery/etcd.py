@@ -78,6 +78,29 @@ class EtcdRegistry:
                     return
             self._saw(reply.header.revision)
 
+    async def claim(self, key: str, value: bytes, ttl: float) -> bytes:
+        """Put ``value`` at ``key`` on this client's lease unless the key exists (one
+        transaction); the value there afterwards: ``value`` when this client took it.
+
+        A key that already holds ``value`` (put by an earlier incarnation of this owner,
+        whose lease has yet to expire) moves onto this client's lease: it stays taken."""
+        async with self._errors(f"claim {key!r}"):
+            lease = await self._lease_for(ttl)
+            tx, raw = self._client.transactions, key.encode()
+            took, replies = await self._client.transaction(
+                compare=[tx.version(raw) == 0],
+                success=[tx.put(raw, value, lease=lease)],
+                failure=[tx.get(raw)],
+            )
+            if took:
+                self._leased[key] = value
+                return value
+            found = replies[0] if replies else []
+            held = found[0][0] if found else b""
+        if held == value:
+            await self.put(key, value, ttl)
+        return held
+
     async def delete(self, key: str) -> None:
         self._leased.pop(key, None)
         async with self._errors(f"delete {key!r}"):
