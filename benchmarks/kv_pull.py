@@ -193,6 +193,7 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--serve", metavar="BIND", help="run as the holder, bound at BIND")
+    parser.add_argument("--pull", metavar="ENDPOINT", help="measure against a holder there")
     parser.add_argument("--model", help="model folder (default: built in a scratch folder)")
     parser.add_argument("--tokens", type=int, default=TOKENS)
     parser.add_argument("--rounds", type=int, default=5)
@@ -204,6 +205,9 @@ def main() -> None:
         asyncio.run(_serve(Path(args.model), args.serve, args.tokens, args.keys))
         return
     model = build_model(args.model)
+    if args.pull:  # the puller alone (scaleout.py runs it in another network namespace)
+        emit(measure(args.pull, model, args.tokens, args.rounds, args.keys))
+        return
     holder, endpoint = start_holder(model, tokens=args.tokens, keys=args.keys)
     try:
         result = measure(endpoint, model, args.tokens, args.rounds, args.keys)

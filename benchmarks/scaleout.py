@@ -14,9 +14,11 @@ figure is the median of its measurements on the way up and down. On a machine of
 those cores: the figures show the overhead of spreading, not a speed-up — that needs
 hosts with cores (or GPUs) of their own.
 
-``kv_pull_ms_2048`` and ``recompute_ms_2048`` (pull a 2,048-token prefix's KV from another
-host vs recompute it) belong to the cross-host KV pull; they are null here until that
-work fills them in (see ``kv_pull_figures``).
+    kv_pull_ms_2048  a puller in namespace A takes a 2,048-token prefix's KV pages from a
+                     holder in namespace B (prepare, then fetch with a one-time token, over
+                     tcp with CurveZMQ; benchmarks/kv_pull.py)
+    recompute_ms_2048  the puller's engine prefilling the same prefix instead; rounds
+                     interleaved with the pulls
 
 The CPU it ran on is printed first; the last line is one JSON object.
 """
@@ -310,10 +312,40 @@ def rps_by_hosts(hosts: Any, etcd_url: str, keys: Path, work: Path, n: int) -> d
     return {str(k): round(median(v), 3) for k, v in samples.items()}
 
 
-def kv_pull_figures() -> dict[str, float | None]:
-    """Pulling a 2,048-token prefix's KV from another host vs recomputing it: measured by
-    the cross-host KV pull, which is not part of this change. Null, not a guess."""
-    return {"kv_pull_ms_2048": None, "recompute_ms_2048": None}
+def kv_pull_figures(hosts: Any, keys: Path, work: Path, rounds: int) -> dict[str, Any]:
+    """Pulling a 2,048-token prefix's KV from a holder in namespace b into a puller in
+    namespace a, over tcp with CurveZMQ, against prefilling it there
+    (benchmarks/kv_pull.py: the same model and engine settings, interleaved rounds)."""
+    script = str(ROOT / "benchmarks" / "kv_pull.py")
+    model = work / "kv-model"
+    proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+                           f"import kv_pull; kv_pull.build_model({str(model)!r})"],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the KV pull model failed:\n{proc.stderr}")
+    bind = f"tcp://{hosts.address['b']}:*"
+    serve = [sys.executable, script, "--serve", bind, "--model", str(model), "--keys", str(keys)]
+    holder = hosts.popen("b", serve, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        line = holder.stdout.readline().strip()
+        if not line.startswith("ENDPOINT "):
+            raise RuntimeError(f"the KV holder in namespace b did not start: {line!r}")
+        pull = [sys.executable, script, "--pull", line.split(" ", 1)[1], "--model", str(model),
+                "--keys", str(keys), "--rounds", str(rounds)]  # fmt: skip
+        run = hosts.run("a", pull, timeout=900)
+        if run.returncode != 0:
+            raise RuntimeError(f"the KV puller in namespace a failed:\n{run.stderr}")
+        figures = json.loads(run.stdout.strip().splitlines()[-1])
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        holder.wait(60)
+    return {
+        "kv_pull_ms_2048": round(figures["kv_pull_ms_2048"], 1),
+        "recompute_ms_2048": round(figures["recompute_ms_2048"], 1),
+        "kv_pull_link_gbps": round(figures["link_gbps"], 3),
+    }
 
 
 def main() -> None:
@@ -351,8 +383,7 @@ def main() -> None:
         }
         result["frame_vs_tcp"] = round(result["frame_gbps"] / result["tcp_gbps"], 3)
         print(f"throughput rounds (Gbit/s): {json.dumps(samples)}", file=sys.stderr)
-        # Filled by the cross-host KV pull's measurement when that work is merged.
-        result.update(kv_pull_figures())
+        result.update(kv_pull_figures(hosts, keys, work, min(args.rounds, 5)))
         if not args.skip_rps:
             binary = etcd_binary()
             if binary is None:

@@ -43,8 +43,10 @@ class KVPeers:
         role: str,
         replica: int,
         host: str,
+        advertise: str = "",
     ) -> None:
         self.ctx, self.keys, self.view = ctx, keys, view
+        self.advertise = advertise  # the address other hosts dial (tcp: the bind may be 0.0.0.0)
         self.role, self.replica, self.host = role, replica, host
         self._bind = endpoint
         self.server: KVPullServer | None = None
@@ -53,7 +55,9 @@ class KVPeers:
     def serve(self, source: PrefixSource, ttl_s: float = 10.0) -> str:
         """Start serving ``source``'s pages; the endpoint to publish under KV_PULL_META."""
         if self.server is None:
-            self.server = KVPullServer(self.ctx, self._bind, source, self.keys, ttl_s)
+            self.server = KVPullServer(
+                self.ctx, self._bind, source, self.keys, ttl_s, advertise=self.advertise
+            )
             self.server.start()
         return self.server.endpoint
 

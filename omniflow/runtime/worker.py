@@ -154,7 +154,14 @@ class Worker:
         if hasattr(actor, "use_kv_peers"):  # serves and pulls prefix KV pages (the llm role)
             kv_endpoint = endpoint_for(cfg, self.run_dir, f"{self.role}-kv", self.replica)
             kv_peers = KVPeers(
-                self.ctx, kv_endpoint, keys, view, self.role, self.replica, socket.gethostname()
+                self.ctx,
+                kv_endpoint,
+                keys,
+                view,
+                self.role,
+                self.replica,
+                cfg.host_id,
+                advertise=cfg.addresses()[1],
             )
             await actor.use_kv_peers(kv_peers)
         record = ActorRecord(

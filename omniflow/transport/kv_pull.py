@@ -131,6 +131,7 @@ class KVPullServer:
         keys: Keys | None = None,
         ttl_s: float = 10.0,
         chunk_bytes: int = CHUNK_BYTES,
+        advertise: str = "",
     ) -> None:
         self.source = source
         self.tokens = PullTokens(ttl_s)
@@ -139,7 +140,9 @@ class KVPullServer:
         self.pinned = 0  # grants whose pages are still pinned
         self._tasks: set[asyncio.Task] = set()
         self._timers: set[asyncio.TimerHandle] = set()
-        self._inbox = Inbox(ctx, endpoint, self._on_message, mandatory=True, keys=keys)
+        self._inbox = Inbox(
+            ctx, endpoint, self._on_message, mandatory=True, keys=keys, advertise=advertise
+        )
         self.endpoint = self._inbox.endpoint
 
     def start(self) -> None:
