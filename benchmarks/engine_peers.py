@@ -91,15 +91,19 @@ class Peer:
         self.timeout = timeout
         env = {**os.environ, **manifest.get("env", {})}
         self.log = open(log, "w")
-        self.process = subprocess.Popen(
-            [manifest["python"], str(WORKER), name, model, dtype],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            env=env,
-            text=True,
-            bufsize=1,
-        )
+        try:
+            self.process = subprocess.Popen(
+                [manifest["python"], str(WORKER), name, model, dtype],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.log,
+                env=env,
+                text=True,
+                bufsize=1,
+            )
+        except OSError as error:
+            self.log.close()
+            raise PeerFailed(f"cannot run {manifest['python']}: {error}") from None
         ready = self._read()
         if not ready.get("ready"):
             raise PeerFailed(f"did not load: {ready.get('error')}; log {log}")
