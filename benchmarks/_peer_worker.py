@@ -27,6 +27,17 @@ import time
 import traceback
 
 
+def die_with_parent() -> None:
+    """Linux: end this process when engine_peers.py ends, however it ends (an OOM kill too)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def protocol_stdout():
     """A private copy of stdout for the protocol; fd 1 then points at stderr, so the peer's
     own prints and logs cannot break a line."""
@@ -266,6 +277,7 @@ PEERS = {"vllm_cpu": VllmPeer, "llama_cpp": LlamaCppPeer}
 def main() -> None:
     if len(sys.argv) != 4 or sys.argv[1] not in PEERS:
         raise SystemExit(f"usage: _peer_worker.py {{{','.join(PEERS)}}} MODEL DTYPE")
+    die_with_parent()
     out = protocol_stdout()
     name, model, dtype = sys.argv[1:]
     try:

