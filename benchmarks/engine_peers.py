@@ -432,7 +432,8 @@ def main() -> None:
         print(
             f"round {round_index}: "
             + "; ".join(
-                f"{name} {s['tokens_per_s'][-1]:.0f} tok/s, ttft {s['ttft_uncached_ms'][-1]:.1f}"
+                f"{name} {s['tokens_per_s'][-1]:.0f} tok/s, prefill {s['prefill_ms'][-1]:.0f} ms,"
+                f" ttft {s['ttft_uncached_ms'][-1]:.1f}"
                 f"/{s['ttft_cached_ms'][-1]:.1f} ms"
                 for name, s in samples.items()
                 if s.get("tokens_per_s") and len(s["tokens_per_s"]) == round_index + 1
