@@ -92,7 +92,7 @@ class Peer:
         self.name = name
         self.log_path = log
         self.timeout = timeout
-        env = {**os.environ, **manifest.get("env", {})}
+        env = {**peer_environ(), **manifest.get("env", {})}
         self.log = open(log, "w")
         try:
             self.process = subprocess.Popen(
@@ -291,6 +291,39 @@ def rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
+PRELOADED = "OMNIFLOW_PEERS_PRELOADED"  # set once this process re-ran itself with preloads
+
+
+def peer_environ() -> dict[str, str]:
+    """This process's environment as it was before omniflow's preloads were added: a peer
+    gets what its own install asks for (its manifest's env), not omniflow's."""
+    env = dict(os.environ)
+    if PRELOADED in env:
+        env.pop(PRELOADED)
+        for key in ("LD_PRELOAD", "KMP_BLOCKTIME", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"):
+            env.pop(key, None)
+        saved = json.loads(os.environ[PRELOADED])
+        env.update(saved)
+    return env
+
+
+def preload_omniflow() -> None:
+    """Run omniflow's engine as a deployment's worker runs it: with the allocator and OpenMP
+    runtime the supervisor preloads (omniflow/runtime/preload.py; OMNIFLOW_PRELOAD=0 or
+    --no-preload measures without). LD_PRELOAD acts at exec, so this process runs itself
+    again with them."""
+    if PRELOADED in os.environ:
+        return
+    from omniflow.runtime.preload import worker_env
+
+    env = worker_env(dict(os.environ))
+    if env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD"):
+        return  # nothing to preload here
+    keys = ("LD_PRELOAD", "KMP_BLOCKTIME", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD")
+    env[PRELOADED] = json.dumps({k: os.environ[k] for k in keys if k in os.environ})
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -334,7 +367,14 @@ def main() -> None:
     parser.add_argument(
         "--load-timeout", type=float, default=1800, help="seconds a peer may take to answer"
     )
+    parser.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="run omniflow without the libraries its workers preload (runtime/preload.py)",
+    )
     args = parser.parse_args()
+    if not args.no_preload:
+        preload_omniflow()
     names = [name.strip() for name in args.engines.split(",") if name.strip()]
     unknown = sorted(set(names) - set(ENGINES))
     if unknown:
@@ -350,6 +390,9 @@ def main() -> None:
     folder = build_tiny_model(scratch_dir("omniflow-peers-"), args.model)
     logs = scratch_dir("omniflow-peers-logs-") if not args.peers_dir.is_dir() else args.peers_dir
     print(f"cpu: {cpu_name()}, amx={has_amx()}, dtype={args.dtype}, model {folder}")
+    print(
+        f"omniflow LD_PRELOAD={os.environ.get('LD_PRELOAD', '') if PRELOADED in os.environ else ''}"
+    )
 
     engines: dict = {"omniflow": Omniflow(folder, args.dtype, args.kv_cache_mb << 20)}
     versions = {"omniflow": Omniflow.version}
@@ -490,6 +533,7 @@ def main() -> None:
             "cpu": cpu_name(),
             "amx": has_amx(),
             "threads": torch.get_num_threads(),
+            "omniflow_preload": os.environ.get("LD_PRELOAD", "") if PRELOADED in os.environ else "",
             "dtype": args.dtype,
             "gguf_dtype": {"bfloat16": "bf16", "float32": "f32"}[args.dtype],
             "engines": report,
