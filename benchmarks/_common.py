@@ -48,3 +48,18 @@ def have_ray() -> bool:
     except ImportError:
         return False
     return True
+
+
+def cpu_name() -> str:
+    """The CPU model and how many cores this process may use: every benchmark prints it."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({cores} cores)"
+    except OSError:
+        pass
+    import platform
+
+    return f"{platform.processor() or platform.machine()} ({cores} cores)"

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import sys
 import time
 import tomllib
@@ -42,7 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import emit, median, scratch_dir, short_run_root  # noqa: E402
+from _common import cpu_name, emit, median, scratch_dir, short_run_root  # noqa: E402
 
 import omniflow  # noqa: E402
 from omniflow.cache.mappings import mapping_at  # noqa: E402
@@ -95,17 +94,6 @@ WIDTHS: dict[str, dict[str, int]] = {
         "moe_topk": 8,
     },
 }
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
 def rows_of(parts, latent: torch.Tensor, t: float) -> torch.Tensor:

@@ -53,7 +53,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import scratch_dir  # noqa: E402
+from _common import cpu_name, scratch_dir  # noqa: E402
 
 from omniflow.engine import LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
@@ -201,19 +201,6 @@ def ttft_ms(engine: LLMEngine, prompt: list[int], tag: str) -> float:
             if delta.token_ids:
                 first = time.perf_counter()
     return (first - started) * 1000
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def compare_backends(args, folder) -> None:

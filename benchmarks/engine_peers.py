@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import emit, scratch_dir  # noqa: E402
-from engine import cpu_name, omniflow_throughput, random_prompts, ttft_ms  # noqa: E402
+from _common import cpu_name, emit, scratch_dir  # noqa: E402
+from engine import omniflow_throughput, random_prompts, ttft_ms  # noqa: E402
 
 from omniflow.engine import LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402

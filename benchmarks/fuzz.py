@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import emit, short_run_root  # noqa: E402
+from _common import cpu_name, emit, short_run_root  # noqa: E402
 
 from tests.security.fuzzing import (  # noqa: E402
     MediaChecker,
@@ -40,16 +39,6 @@ from tests.security.live import LiveDeployment, Probe, tensor_config  # noqa: E4
 SLICE_S = 5.0
 GATEWAY_KEY = "sk-fuzz"
 SHARES = {"wire": 0.4, "http": 0.3, "config": 0.15, "media": 0.15}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def gateway_deployment() -> tuple[LiveDeployment, str]:

@@ -17,14 +17,13 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import emit, median, pct, short_run_root  # noqa: E402
+from _common import cpu_name, emit, median, pct, short_run_root  # noqa: E402
 
 import omniflow  # noqa: E402
 from omniflow.runtime.config import parse  # noqa: E402
@@ -103,16 +102,6 @@ async def throughput(sends: list, n: int) -> float:
     started = time.perf_counter()
     await asyncio.gather(*(worker(s) for s in sends))
     return per_worker * len(sends) / (time.perf_counter() - started)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 async def main(args: argparse.Namespace) -> dict:

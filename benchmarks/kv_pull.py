@@ -31,7 +31,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import emit, median, scratch_dir  # noqa: E402
+from benchmarks._common import cpu_name, emit, median, scratch_dir  # noqa: E402
 from omniflow.cache.pull_cost import PullCost  # noqa: E402
 from omniflow.engine import AsyncEngine, LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.kv_transfer import EnginePrefixes  # noqa: E402
@@ -58,19 +58,6 @@ def prefix_tokens(tokens: int, vocab: int, seed: int = 0) -> list[int]:
 
 def engine_config() -> EngineConfig:
     return EngineConfig(device="cpu", max_model_len=4096, kv_cache_bytes=256 << 20)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 # ------------------------------------------------------------------ the holder

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import emit, scratch_dir  # noqa: E402
+from _common import cpu_name, emit, scratch_dir  # noqa: E402
 
 from omniflow.engine import LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.heads import Guidance, guided  # noqa: E402
@@ -64,17 +63,6 @@ class ImageHead:
 
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
         return self.embedder(codes)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
 def prompt_of(length: int, seed: int) -> list[int]:

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -42,22 +41,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import emit, median, scratch_dir  # noqa: E402
+from benchmarks._common import cpu_name, emit, median, scratch_dir  # noqa: E402
 
 MiB = 1 << 20
 TENSOR_MB = 16
 TENSORS_PER_ROUND = 16  # 256 MiB a round
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
 # ---------------------------------------------------------------- throughput: receiver

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit, median, scratch_dir  # noqa: E402
+from benchmarks._common import cpu_name, emit, median, scratch_dir  # noqa: E402
 
 
 def anonymous_bytes() -> int:
@@ -76,14 +76,6 @@ def pair(pool_name: str, path: Path, warm: Path, shared: bool) -> list[tuple]:
     for proc in procs:
         proc.join()
     return results
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as info:
-        for line in info:
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    return f"unknown ({os.cpu_count()} cores)"
 
 
 def main() -> None:

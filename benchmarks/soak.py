@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import emit, pct, scratch_dir, short_run_root  # noqa: E402
+from _common import cpu_name, emit, pct, scratch_dir, short_run_root  # noqa: E402
 
 import omniflow  # noqa: E402
 from omniflow.runtime.config import parse  # noqa: E402
@@ -317,16 +317,6 @@ async def pool_bytes_settled(rt, timeout: float) -> int:
 
 def shm_entries(name: str) -> list[str]:
     return sorted(e for e in os.listdir("/dev/shm") if f"-{name}-" in e or e.endswith(name))
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 async def main(args: argparse.Namespace) -> dict:
