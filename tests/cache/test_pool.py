@@ -78,7 +78,7 @@ def test_exhaustion_is_a_quick_clear_error(pool: PagePool) -> None:
     start = time.perf_counter()
     with pytest.raises(PoolExhausted, match="no run of 2 free pages") as info:
         pool.alloc(2 * pool.page_size)
-    assert time.perf_counter() - start < 0.1
+    assert time.perf_counter() - start < 1.0  # refused at once, not after a wait
     assert pool.name in str(info.value) and isinstance(info.value, MemoryError)
     held.release()
     pool.alloc(2 * pool.page_size).release()

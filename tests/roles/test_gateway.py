@@ -164,11 +164,11 @@ def test_413_too_large(gateway):
 
 def test_504_past_the_deadline(gateway):
     url, _ = gateway
-    body = chat_body(timeout=0.2, params={"delay_ms": 1000})
+    body = chat_body(timeout=0.2, params={"delay_ms": 5000})
     started = time.monotonic()
     response = httpx2.post(f"{url}/v1/chat/completions", json=body, headers=auth())
     assert _error(response, 504)["code"] == "deadline"
-    assert time.monotonic() - started < 0.9
+    assert time.monotonic() - started < 4.0  # at the deadline, not after the 5 s reply
 
 
 def test_429_past_max_inflight(gateway):

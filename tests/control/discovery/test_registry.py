@@ -165,7 +165,7 @@ def test_barrier_times_out_cleanly_and_counts_distinct_members(registry):
         for result in results:
             assert isinstance(result, RegistryError), result
             assert name in str(result)
-        assert 0.5 <= elapsed < 3.0
+        assert 0.5 <= elapsed < 10.0  # waited its timeout, then gave up
 
         # The clients stay usable after a timeout.
         other = f"kv-{uuid.uuid4().hex[:8]}"
