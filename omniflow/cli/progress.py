@@ -42,8 +42,9 @@ class StartProgress:
 
 
 class StepCounter:
-    """``denoising step k/n`` on one stderr line while a request runs, from the outputs whose
-    ``progress`` is ``{"step": k, "steps": n}`` (a diffusion role sends one per step)."""
+    """``denoising step k/n`` on one stderr line while a request runs (a line per step where
+    stderr is not a terminal), from the outputs whose ``progress`` is
+    ``{"step": k, "steps": n}`` (a diffusion role sends one per step)."""
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True)
@@ -56,9 +57,12 @@ class StepCounter:
         if not isinstance(step, int) or not isinstance(steps, int):
             return
         what = str(progress.get("stage", "denoising"))
-        self.console.file.write(f"\r{what} step {step}/{steps}")
+        if self.console.is_terminal:  # one line, rewritten in place
+            self.console.file.write(f"\r{what} step {step}/{steps}")
+            self.shown = True
+        else:  # a log or a pipe: a line per step, which \r would run together
+            self.console.file.write(f"{what} step {step}/{steps}\n")
         self.console.file.flush()
-        self.shown = True
 
     def done(self) -> None:
         if self.shown:
