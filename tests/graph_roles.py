@@ -125,3 +125,13 @@ class AsksPeer(Actor):
 class SaysPid(Actor):
     async def handle(self, request, ctx):
         return {"peer_pid": request.data["peer_pid"], "pid": os.getpid()}
+
+
+class SumsInParallel(Actor):
+    """Sums a tensor large enough that torch runs it in an OpenMP parallel region (which
+    starts the OpenMP runtime in this process); answers the sum and its pid."""
+
+    async def handle(self, request, ctx):
+        torch.set_num_threads(2)
+        total = torch.ones(1 << 22).sum().item()
+        return {"sum": total, "pid": os.getpid()}

@@ -16,6 +16,7 @@ set is kept, after these.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import sysconfig
@@ -88,3 +89,14 @@ def worker_env(env: dict[str, str]) -> dict[str, str]:
         # tcmalloc reports every allocation over 1 GB on stderr (a KV cache is one).
         out.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))
     return out
+
+
+def forget(pid: int) -> None:
+    """Remove what Intel OpenMP registered for ``pid``, which has exited: each process that
+    loads it makes ``/dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>`` (or a file of that name in
+    /tmp) and removes it only on a normal exit, so every worker killed with -9 would leave one
+    behind. The supervisor calls this when it reaps a worker."""
+    name = f"__KMP_REGISTERED_LIB_{pid}_{os.getuid()}"
+    for folder in ("/dev/shm", "/tmp"):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, name))

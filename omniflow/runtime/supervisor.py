@@ -351,6 +351,7 @@ class Supervisor:
             self.pool.reclaim({replica.proc.pid})
         self._fail_what_it_was_holding(replica)
         code = replica.proc.wait()
+        preload.forget(replica.proc.pid)  # Intel OpenMP's registration file, after a kill -9
         if replica.exited is not None and not replica.exited.done():
             replica.exited.set_result(code)
         if replica.ready is not None and not replica.ready.done():

@@ -5,14 +5,18 @@ the workers as before."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 import omniflow
 from omniflow.runtime import preload
+from omniflow.runtime.config import parse
 from tests.helpers import echo_config, expected_echo
 
 
@@ -93,3 +97,42 @@ def test_preload_keeps_what_ld_preload_held_and_sets_intel_openmps_spin(stand_in
 def test_a_bad_switch_value_names_the_variable():
     with pytest.raises(ValueError, match="OMNIFLOW_PRELOAD='jemalloc': unknown jemalloc"):
         preload.worker_env({preload.SWITCH: "jemalloc"})
+
+
+def test_a_killed_workers_intel_openmp_registration_is_removed(run_root, monkeypatch):
+    """Intel OpenMP registers each process in /dev/shm and removes it on a normal exit only:
+    the supervisor removes a killed worker's when it reaps it."""
+    if not preload.find(["iomp"], preload.search_dirs()):
+        pytest.skip("Intel OpenMP (pip's intel-openmp, which setup installs) is not installed")
+    monkeypatch.setenv(preload.SWITCH, "iomp")
+
+    def registration(pid: int) -> Path:
+        return Path(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_{os.getuid()}")
+
+    config = parse(
+        {
+            "name": "kmp",
+            "roles": {"sums": {"actor": "tests.graph_roles:SumsInParallel"}},
+            "graph": {"edges": [{"from": "input", "to": "sums"}]},
+            "runtime": {"heartbeat_s": 0.2, "ttl_s": 1.0, "restart_backoff_s": 0.1},
+        },
+        "<test>",
+    )
+
+    async def main():
+        async with omniflow.Runtime(config) as rt:
+            _, result = await rt.call({"x": 1})
+            victim = rt.supervisor.replicas[0]
+            old = victim.proc.pid
+            assert registration(old).exists()  # its OpenMP runtime registered itself
+            os.kill(old, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while victim.proc.pid == old or victim.state != "ready":
+                assert time.monotonic() < deadline, "the worker did not come back"
+                await asyncio.sleep(0.05)
+            await rt.call({"x": 2})
+            return old, victim.proc.pid
+
+    old, new = asyncio.run(main())
+    assert not registration(old).exists()
+    assert not registration(new).exists()  # it exited normally with the deployment
