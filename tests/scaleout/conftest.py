@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from omniflow.cache.segment import unlink_pool
 from omniflow.runtime.config import generate_keys
 from tests.etcd_server import EtcdServer, etcd_binary
 from tests.scaleout.netns import Hosts, namespaces_or_skip
@@ -50,6 +52,15 @@ class Cluster:
             + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
             for path in found
         )
+
+    def forget(self, host: str) -> None:
+        """What a killed host left on this machine, which a real host's memory and disk take
+        with them (namespaces share /dev/shm and /tmp): its pool segment and run dir."""
+        run_dir = Path(self.env["OMNIFLOW_RUN_ROOT"]) / f"{self.name}@{host}"
+        state = run_dir / "state.json"
+        if state.exists():
+            unlink_pool(json.loads(state.read_text())["pool"])
+        shutil.rmtree(run_dir, ignore_errors=True)
 
     def omniflow(self, host: str, *args: str, **kwargs: Any):
         return self.hosts.omniflow(host, *args, cwd=self.work, env=self.env, **kwargs)

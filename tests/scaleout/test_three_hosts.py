@@ -164,6 +164,7 @@ def test_a_host_killed_under_load_ends_every_request_once(longcat):
             longcat.hosts.freeze("b")
             on_b = {p.request_id for p in streaming_from(conn.client, "b")}
             longcat.hosts.kill("b")
+            longcat.forget("b")
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
             after = await conn.call({"text": "still there?"}, params={"max_tokens": 4}, timeout=60)
             left = dict(conn.client._pending)
