@@ -8,7 +8,6 @@ their values or names.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -17,33 +16,6 @@ from torch import nn
 if TYPE_CHECKING:
     from omniflow.kernels import CpuKernels
     from omniflow.models.decoder import DecoderLayer, DecoderLM
-
-
-# From how many rows the attention projections (ONEDNN_PROJECTIONS) run on oneDNN, over a
-# copy of their weight in its layout packed for that many rows, instead of the AMX kernel.
-# Measured by benchmarks/linear_rows.py on llama-bench-30m (2-core Sapphire Rapids VM): there
-# oneDNN's blocking wins for qkv and o (512 inputs) from 512-768 rows, the kernel's lower
-# per-call cost below; the kernel keeps down (1,408 inputs) and the fused gate/up with
-# silu * up at every row count, where it measured faster. Prefill blocks and long prompts
-# pass this; decode steps do not. OMNIFLOW_ONEDNN_MIN_ROWS overrides it; 0 keeps every
-# projection on the kernel (and makes no copy).
-ONEDNN_MIN_ROWS = 768
-ONEDNN_PROJECTIONS = ("qkv_proj", "o_proj")
-ONEDNN_MIN_ROWS_ENV = "OMNIFLOW_ONEDNN_MIN_ROWS"
-
-
-def onednn_min_rows() -> int:
-    """ONEDNN_MIN_ROWS, or $OMNIFLOW_ONEDNN_MIN_ROWS where set (0: never oneDNN)."""
-    value = os.environ.get(ONEDNN_MIN_ROWS_ENV, "").strip()
-    if not value:
-        return ONEDNN_MIN_ROWS
-    try:
-        rows = int(value)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise ValueError(f"{ONEDNN_MIN_ROWS_ENV}={value!r}: expected a row count >= 0")
-    return rows
 
 
 def packed_weights_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -78,11 +50,9 @@ class KernelLinear(nn.Module):
     dominates a decode step's small projections.
     gate_up > 0: a fused [gate; up] weight of gate_up rows each, packed so that `silu_mul`
     runs silu(gate) * up in the projection's own pass. Same parameter names; the weight is
-    [blocks, k-blocks, 2, 16, 16, 2] (``dense_weight()`` reads it back).
-    Calls of min_rows rows or more (onednn_min_rows(); 0: none) run on oneDNN instead, over
-    a second copy of the weight in its layout (not a parameter; not for gate_up weights)."""
+    [blocks, k-blocks, 2, 16, 16, 2] (``dense_weight()`` reads it back)."""
 
-    def __init__(self, linear: nn.Linear, kernels: CpuKernels, gate_up: int = 0, min_rows: int = 0):
+    def __init__(self, linear: nn.Linear, kernels: CpuKernels, gate_up: int = 0):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gate_up = gate_up
@@ -90,20 +60,10 @@ class KernelLinear(nn.Module):
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
         self._kernels = kernels
-        self.min_rows = 0 if gate_up else min_rows
-        self._onednn: torch.Tensor | None = None
-        if self.min_rows:
-            weight = linear.weight.detach()
-            self._onednn = torch.ops.mkldnn._reorder_linear_weight(weight, self.min_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self._onednn is not None and rows.shape[0] >= self.min_rows:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self._onednn, self.bias, "none", [], "")
-        else:
-            out = self._kernels.linear(
-                rows, self.weight, self.out_features, self.bias, self.gate_up
-            )
+        out = self._kernels.linear(rows, self.weight, self.out_features, self.bias, self.gate_up)
         return out.view(*x.shape[:-1], self.out_features)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +100,6 @@ def use_packed_weights(
     AMX, else PackedLinear. Returns the tied output projection's packed table and the kernels
     that multiply by it (None, None for an untied head, which is packed as a Linear)."""
     amx = kernels if kernels is not None and kernels.amx else None
-    min_rows = onednn_min_rows()
     for module in list(model.modules()):
         for name, child in module.named_children():
             if not isinstance(child, nn.Linear):
@@ -152,8 +111,7 @@ def use_packed_weights(
                 # runs silu(gate) * up in its own pass.
                 fused = name == "gate_up_proj" and hasattr(module, "intermediate_size")
                 gate_up = cast(int, module.intermediate_size) if fused else 0
-                rows = min_rows if name in ONEDNN_PROJECTIONS else 0
-                setattr(module, name, KernelLinear(child, amx, gate_up, rows))
+                setattr(module, name, KernelLinear(child, amx, gate_up))
     if model.lm_head is not None:
         return None, None
     table = model.model.embed_tokens.weight.detach()

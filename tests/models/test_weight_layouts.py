@@ -13,13 +13,7 @@ from omniflow.engine.llm_engine import EngineConfig
 from omniflow.engine.model_runner import CPU_BF16_ROW_BLOCK, CPU_KERNELS_ROW_BLOCK
 from omniflow.kernels import cpu_kernels
 from omniflow.models import build_tiny_model, load_decoder
-from omniflow.models.cpu_layouts import (
-    ONEDNN_MIN_ROWS_ENV,
-    KernelLinear,
-    PackedLinear,
-    onednn_min_rows,
-    packed_weights_supported,
-)
+from omniflow.models.cpu_layouts import KernelLinear, PackedLinear, packed_weights_supported
 from omniflow.models.decoder import causal_attention
 from omniflow.models.loader import iter_checkpoint_tensors
 
@@ -96,46 +90,6 @@ def test_packed_weights_give_the_plain_logits(tmp_path, preset, layout):
     torch.testing.assert_close(logits(model, tokens), expected, rtol=2e-2, atol=2e-2)
     with pytest.raises(RuntimeError, match="after use_packed_weights"):
         model.load_weights(iter_checkpoint_tensors(path))
-
-
-@needs_bf16_onednn
-def test_kernel_linear_hands_many_rows_to_onednn(tmp_path, monkeypatch):
-    """From min_rows rows a KernelLinear runs on oneDNN's copy of its weight, below on the
-    AMX kernel; a fused gate/up keeps the kernel. The env var sets min_rows at packing."""
-    if AMX is None:
-        pytest.skip("no AMX here (or no CPU kernels)")
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 80).bfloat16()
-    layer = KernelLinear(linear, AMX, min_rows=48)
-    onednn = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 48)
-    with torch.inference_mode():
-        for rows in (1, 47, 48, 200):
-            x = torch.randn(rows, 96).bfloat16()
-            if rows >= 48:
-                expected = torch.ops.mkldnn._linear_pointwise(
-                    x, onednn, linear.bias, "none", [], ""
-                )
-            else:
-                expected = AMX.linear(x, layer.weight, 80, linear.bias)
-            assert torch.equal(layer(x), expected), rows
-            reference = torch.nn.functional.linear(
-                x.float(), linear.weight.float(), linear.bias.float()
-            )
-            torch.testing.assert_close(layer(x).float(), reference, rtol=2e-2, atol=2e-2)
-    assert KernelLinear(torch.nn.Linear(96, 160).bfloat16(), AMX, 80, min_rows=48).min_rows == 0
-    monkeypatch.setenv(ONEDNN_MIN_ROWS_ENV, "7")
-    path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=4)
-    model = load_decoder(path, device="cpu", dtype="bfloat16")
-    model.use_packed_weights(kernels=AMX)
-    mlp = model.model.layers[0].mlp
-    attn = model.model.layers[0].self_attn
-    assert (attn.qkv_proj.min_rows, attn.o_proj.min_rows) == (7, 7)
-    assert (mlp.gate_up_proj.min_rows, mlp.down_proj.min_rows) == (0, 0)
-    monkeypatch.setenv(ONEDNN_MIN_ROWS_ENV, "0")
-    assert onednn_min_rows() == 0
-    monkeypatch.setenv(ONEDNN_MIN_ROWS_ENV, "many")
-    with pytest.raises(ValueError, match=ONEDNN_MIN_ROWS_ENV):
-        onednn_min_rows()
 
 
 @needs_bf16_onednn
