@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from omniflow.runtime import preload
+
 SUBNET = "198.18"  # 198.18.N.0/24 per harness; the bridge is .1, hosts .2, .3, ...
 
 
@@ -132,9 +134,12 @@ class Hosts:
     def kill(self, name: str) -> None:
         """The host dies: SIGKILL to every process in its namespace, then the namespace and
         its link are deleted (what it had in flight never gets an answer from it)."""
-        for pid in self.pids(name):
+        killed = self.pids(name)
+        for pid in killed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        for pid in killed:  # its supervisor died too: nobody reaps them to do this
+            preload.forget(pid)  # a worker's Intel OpenMP registration in the shared /dev/shm
         for kind, what in (("link", self._veth[name]), ("netns", self.namespace[name])):
             if (kind, what) in self._made:
                 self._undo(kind, what)
