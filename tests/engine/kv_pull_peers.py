@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from omniflow.engine import AsyncEngine, LLMEngine, SamplingParams
-from omniflow.engine.kv_transfer import EnginePrefixes
+from omniflow.engine.kv_transfer import EnginePrefixes, KVTransfer
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.messages import KvFetch, KvPrepare, KvPrepared
 from omniflow.transport.codec import decode, decoder_for, encode
@@ -79,3 +79,19 @@ def die_mid_pull(endpoint: str, tokens: list[int], conn: Any) -> None:
     sock.recv_multipart()
     conn.send(prepared.num_pages)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def prefix_pages(engine: LLMEngine, tokens):
+    """The K/V of the pages holding ``tokens``' prefix, read out, and that prefix's length."""
+    transfer = KVTransfer(engine)
+    pages, num_tokens = transfer.pin(tokens)
+    data = transfer.read(pages)
+    transfer.unpin(pages)
+    return data, num_tokens
+
+
+def greedy(engine: LLMEngine, request_id, prompt):
+    """8 greedy tokens of ``prompt``, and how many of its tokens were found cached."""
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    deltas = engine.run_to_completion()
+    return [t for d in deltas for t in d.token_ids], deltas[-1].num_cached_tokens

@@ -11,13 +11,13 @@ import zmq
 from conftest import random_prompts
 
 from omniflow.cache.pull_cost import PullCost
-from omniflow.engine import AsyncEngine, LLMEngine, SamplingParams
+from omniflow.engine import AsyncEngine, LLMEngine
 from omniflow.engine.kv_transfer import EnginePrefixes, KVTransfer
 from omniflow.messages import KvDrop, KvFetch, KvPrepare, KvPrepared, KvPullReply, KvRefused
 from omniflow.transport.codec import decode, decoder_for, encode
 from omniflow.transport.kv_pull import KVPuller, KVPullError
 from omniflow.transport.security import generate_keys, load_keys
-from tests.engine.kv_pull_peers import die_mid_pull, engine_config, hold
+from tests.engine.kv_pull_peers import die_mid_pull, engine_config, greedy, hold, prefix_pages
 
 SPAWN = mp.get_context("spawn")
 PAGE = 4
@@ -84,20 +84,6 @@ async def pull_into(engine, endpoint, tokens, cost=None, keys=None, force=True, 
         return result
     finally:
         ctx.term()
-
-
-def prefix_pages(engine: LLMEngine, tokens):
-    transfer = KVTransfer(engine)
-    pages, num_tokens = transfer.pin(tokens)
-    data = transfer.read(pages)
-    transfer.unpin(pages)
-    return data, num_tokens
-
-
-def greedy(engine: LLMEngine, request_id, prompt):
-    engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=8))
-    deltas = engine.run_to_completion()
-    return [t for d in deltas for t in d.token_ids], deltas[-1].num_cached_tokens
 
 
 def test_pulled_pages_are_bit_exact_and_continue_like_a_local_prefill(holder, llama_path):

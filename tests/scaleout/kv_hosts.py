@@ -21,33 +21,20 @@ import zmq
 
 from omniflow.cache.pull_cost import PullCost
 from omniflow.engine import AsyncEngine, LLMEngine, SamplingParams
-from omniflow.engine.kv_transfer import EnginePrefixes, KVTransfer
-from omniflow.engine.llm_engine import EngineConfig
+from omniflow.engine.kv_transfer import EnginePrefixes
 from omniflow.transport.kv_pull import KVPuller, KVPullServer
 from omniflow.transport.security import load_keys
+from tests.engine.kv_pull_peers import engine_config, greedy, prefix_pages
 
-PAGE = 4
-
-
-def engine_config() -> EngineConfig:
-    return EngineConfig(device="cpu", page_size=PAGE, num_pages=64)
+PAGE = 4  # engine_config's page size
 
 
 def pages_digest(engine: LLMEngine, tokens: list[int]) -> tuple[str, int]:
     """sha256 of the K/V bytes of the pages holding ``tokens``' prefix, and its length."""
-    transfer = KVTransfer(engine)
-    pages, num_tokens = transfer.pin(tokens)
-    data = transfer.read(pages)
-    transfer.unpin(pages)
+    data, num_tokens = prefix_pages(engine, tokens)
     return hashlib.sha256(data.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(), (
         num_tokens
     )
-
-
-def greedy(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], int]:
-    engine.add_request("continued", prompt, SamplingParams(temperature=0.0, max_tokens=8))
-    deltas = engine.run_to_completion()
-    return [t for d in deltas for t in d.token_ids], deltas[-1].num_cached_tokens
 
 
 async def hold(model: str, bind: str, keys: str, prompt: list[int]) -> None:
@@ -78,7 +65,7 @@ async def pull(model: str, endpoint: str, keys: str, prompt: list[int]) -> dict:
     finally:
         await engine.close()
         ctx.term()
-    tokens, cached = greedy(engine.backend, prompt)
+    tokens, cached = greedy(engine.backend, "continued", prompt)
     return {
         "pulled_tokens": result.pulled_tokens,
         "digest": digest,

@@ -14,7 +14,8 @@ import torch
 from omniflow.engine import LLMEngine
 from omniflow.models import build_tiny_model
 from omniflow.runtime.config import generate_keys
-from tests.scaleout.kv_hosts import PAGE, engine_config, greedy, pages_digest
+from tests.engine.kv_pull_peers import engine_config, greedy
+from tests.scaleout.kv_hosts import PAGE, pages_digest
 from tests.scaleout.netns import Hosts, namespaces_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +57,7 @@ def test_a_prefix_pulled_across_hosts_is_bit_exact(two_hosts, tmp_path):
         holder.wait(30)
 
     local = LLMEngine(model, engine_config())
-    expected_tokens, _ = greedy(local, prompt)
+    expected_tokens, _ = greedy(local, "local", prompt)
     digest, num_tokens = pages_digest(local, prompt[:-1])
     assert got["pulled_tokens"] == got["num_tokens"] == num_tokens == 8 * PAGE
     assert got["digest"] == digest  # the same K/V bytes as a local prefill
