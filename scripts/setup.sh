@@ -57,6 +57,8 @@ PACKAGES=()
 if [ $PRINT_PYTHON = 0 ]; then
   command -v etcd >/dev/null 2>&1 || PACKAGES+=(etcd-server)
   command -v cc >/dev/null 2>&1 || PACKAGES+=(gcc libc6-dev)
+  # iproute2's ip: the scale-out tests make network namespaces with it (as root).
+  [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || PACKAGES+=(iproute2)
   # tcmalloc, which the supervisor preloads into workers (omniflow/runtime/preload.py).
   ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 || PACKAGES+=(libtcmalloc-minimal4)
   # The browser extra (OMNIFLOW_EXTRAS=...,browser; .ci/run asks for it): the playground
