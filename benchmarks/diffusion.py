@@ -44,10 +44,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import cpu_name, emit, median, scratch_dir, short_run_root  # noqa: E402
 
 import omniflow  # noqa: E402
-from omniflow.cache.mappings import mapping_at  # noqa: E402
 from omniflow.control.discovery import list_actors  # noqa: E402
 from omniflow.engine import Guidance, LLMEngine  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
+from omniflow.memory.mappings import mapping_at  # noqa: E402
 from omniflow.models.flow_matching import initial_noise  # noqa: E402
 from omniflow.models.hunyuan_image3_parts import load_image_parts  # noqa: E402
 from omniflow.models.hunyuan_image3_tokens import (  # noqa: E402

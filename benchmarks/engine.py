@@ -59,7 +59,7 @@ from omniflow.engine import LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
 from omniflow.engine.paged_attention import KVCache  # noqa: E402
 from omniflow.models import build_tiny_model  # noqa: E402
-from omniflow.models.cpu_layouts import packed_weights_supported  # noqa: E402
+from omniflow.models.layers.cpu_layouts import packed_weights_supported  # noqa: E402
 
 # --model: the tiny preset each benchmarks.
 MODELS = {"llama": "llama-bench-30m", "deepseek_v2": "deepseek-v2-bench"}

@@ -52,7 +52,7 @@ from engine import omniflow_throughput, random_prompts, ttft_ms  # noqa: E402
 from omniflow.engine import LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
 from omniflow.models import build_tiny_model  # noqa: E402
-from omniflow.models.cpu_layouts import packed_weights_supported  # noqa: E402
+from omniflow.models.layers.cpu_layouts import packed_weights_supported  # noqa: E402
 
 PEERS = ("vllm_cpu", "llama_cpp")
 ENGINES = ("omniflow", *PEERS)

@@ -32,10 +32,10 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import cpu_name, emit, median, scratch_dir  # noqa: E402
-from omniflow.cache.pull_cost import PullCost  # noqa: E402
 from omniflow.engine import AsyncEngine, LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.kv_transfer import EnginePrefixes  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
+from omniflow.kv.pull_cost import PullCost  # noqa: E402
 from omniflow.models import build_tiny_model  # noqa: E402
 from omniflow.transport.kv_pull import KVPuller, KVPullServer  # noqa: E402
 from omniflow.transport.security import load_keys  # noqa: E402

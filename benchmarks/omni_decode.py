@@ -33,7 +33,7 @@ from omniflow.engine.heads import Guidance, guided  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
 from omniflow.models.omni import load_depth_head  # noqa: E402
 from omniflow.models.omni.loader import ensure_model, load_model  # noqa: E402
-from omniflow.models.tiny import build_tiny_model  # noqa: E402
+from omniflow.models.tiny.builder import build_tiny_model  # noqa: E402
 
 IMAGE_CODEBOOKS = [1024] * 8  # as roles/llm.py
 CFG_SCALE = 2.0

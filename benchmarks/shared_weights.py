@@ -37,7 +37,7 @@ def anonymous_bytes() -> int:
 def role(pool_name: str, path: str, warm: str, shared: bool, go, conn) -> None:
     import torch
 
-    from omniflow.cache import PagePool, SharedWeights
+    from omniflow.memory import PagePool, SharedWeights
     from omniflow.models.loader import load_decoder
 
     torch.set_num_threads(1)
@@ -83,8 +83,8 @@ def main() -> None:
     parser.add_argument("--model", default="llama-bench-30m")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from omniflow.cache import PagePool
-    from omniflow.models.tiny import build_tiny_model
+    from omniflow.memory import PagePool
+    from omniflow.models.tiny.builder import build_tiny_model
 
     root = scratch_dir("ofb-weights-")
     path = build_tiny_model(root / "model", args.model)

@@ -42,7 +42,7 @@ import zmq
 # Run as a script from a checkout: import this checkout's omniflow, not an installed one.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from omniflow.cache import PagePool, SsdStore, unlink_pool
+from omniflow.memory import PagePool, SsdStore, unlink_pool
 from omniflow.messages import Call, Hello, Shutdown
 from omniflow.transport.tensors import Link, attach_pool, export, materialize, release
 

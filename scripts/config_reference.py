@@ -17,7 +17,7 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from omniflow.cache.config import CacheConfig  # noqa: E402
+from omniflow.memory.config import CacheConfig  # noqa: E402
 from omniflow.roles import options  # noqa: E402
 from omniflow.runtime.config import (  # noqa: E402
     Config,

@@ -43,9 +43,10 @@ def test_the_tree_keeps_every_contract(tree_copy: Path) -> None:
 @pytest.mark.parametrize(
     ("module", "upward"),
     [
-        ("cache/errors.py", "import omniflow.runtime.client"),  # memory -> runtime
+        ("memory/errors.py", "import omniflow.runtime.client"),  # memory -> runtime
+        ("kv/radix.py", "import omniflow.engine.sampler"),  # kv -> compute
         ("engine/sampler.py", "import omniflow.transport.endpoint"),  # compute -> sockets
-        ("control/join.py", "import omniflow.cache.pool"),  # control -> memory, directly
+        ("control/join.py", "import omniflow.memory.pool"),  # control -> memory, directly
         ("runtime/actor.py", "import omniflow.cli.app"),  # anything -> cli
     ],
 )

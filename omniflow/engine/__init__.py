@@ -6,10 +6,10 @@ from omniflow.engine.heads import BlockRows, CodesHead, Guidance
 from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.engine.llm import LLM, GenerationOutput
 from omniflow.engine.llm_engine import EngineConfig, LLMEngine
-from omniflow.engine.page_allocator import OutOfPages, PageAllocator, PageUsage, PrefixMatch
 from omniflow.engine.protocol import EngineBackend, TokenDelta
 from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.sequence import EmbeddingSpan
+from omniflow.kv.allocator import OutOfPages, PageAllocator, PageUsage, PrefixMatch
 
 __all__ = [
     "LLM",

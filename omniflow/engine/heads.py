@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from omniflow.cache.kv_share import KVLease
     from omniflow.engine.sequence import EmbeddingSpan
+    from omniflow.kv.share import KVLease
 
 
 class CodesHead(Protocol):

@@ -1,4 +1,4 @@
-"""The engine's KVCache seen as whole pages, for the KV tiers below it (omniflow.cache.kv).
+"""The engine's KVCache seen as whole pages, for the KV tiers below it (omniflow.kv.tiers).
 
 A page's content is every layer's keys and values for its tokens: [2, layers, kv_heads,
 page_size, head_dim]. Demotion reads pages out to the host pool; promotion writes them back.

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from omniflow.cache.pages import OutOfPages
 from omniflow.engine.async_engine import AsyncEngine
 from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.llm_engine import LLMEngine
 from omniflow.engine.sequence import EmbeddingSpan, key_spans
+from omniflow.kv.pages import OutOfPages
 
 Keys = Sequence[Hashable | None] | None
 

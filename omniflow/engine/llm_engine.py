@@ -11,12 +11,6 @@ from pathlib import Path
 
 import torch
 
-from omniflow.cache.kv import KVTiers
-from omniflow.cache.kv_share import KVLease, KVLeaseView, LeaseBook
-from omniflow.cache.lease import Lease
-from omniflow.cache.pool import PagePool
-from omniflow.cache.prefix import RadixPrefixCache
-from omniflow.cache.pull_cost import RateMeter
 from omniflow.engine.heads import BlockRows, CodesHead, Guidance
 from omniflow.engine.intake import Limits, check_block, check_length, checked_spans, checked_tokens
 from omniflow.engine.kv_pages import KVCachePages
@@ -28,7 +22,6 @@ from omniflow.engine.outputs import (
     check_stop,
     delta_of,
 )
-from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.paged_attention import KVCache
 from omniflow.engine.protocol import TokenDelta
 from omniflow.engine.sampler import Sampler
@@ -36,6 +29,13 @@ from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.scheduler import Scheduler
 from omniflow.engine.sequence import EmbeddingSpan, Sequence, SequenceStatus
 from omniflow.engine.sglang_backend import UNSERVED, SGLangRunner, sglang_missing
+from omniflow.kv.allocator import PageAllocator
+from omniflow.kv.pull_cost import RateMeter
+from omniflow.kv.radix import RadixPrefixCache
+from omniflow.kv.share import KVLease, KVLeaseView, LeaseBook
+from omniflow.kv.tiers import KVTiers
+from omniflow.memory.lease import Lease
+from omniflow.memory.pool import PagePool
 from omniflow.models import DecoderLM, MLAConfig, TextTokenizer, load_decoder, load_tokenizer
 from omniflow.models.loader import load_config, resolve_device, resolve_dtype
 

@@ -9,15 +9,15 @@ from typing import NamedTuple
 
 import torch
 
-from omniflow.cache.kv_share import KVLeaseView
 from omniflow.engine.decode_mirror import DecodeMirror
 from omniflow.engine.latent_attention import LatentPagedAttention
 from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
 from omniflow.engine.scheduler import ScheduledChunk
 from omniflow.engine.sequence import Sequence
 from omniflow.kernels import CpuKernels, cpu_kernels
+from omniflow.kv.share import KVLeaseView
 from omniflow.models import DecoderLM, MLAConfig
-from omniflow.models.cpu_layouts import packed_weights_supported
+from omniflow.models.layers.cpu_layouts import packed_weights_supported
 
 # Rows per pass of a long bf16 prefill on CPU (DecoderLM.set_row_block): over the MLPs on
 # PyTorch ops, over every projection on the CPU kernels. Measured on llama-bench-30m, 32

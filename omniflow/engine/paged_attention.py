@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from omniflow.cache.kv_share import KVLeaseView
     from omniflow.kernels import CpuKernels
+    from omniflow.kv.share import KVLeaseView
 
 
 def sdpa_decode(cache: torch.Tensor) -> bool:

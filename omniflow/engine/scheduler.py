@@ -13,7 +13,7 @@ follower are admitted, scheduled, preempted and freed together, and sample in th
 step. A sequence with a block step (Sequence.block) runs its pending prefix, then the
 block's rows over scratch slots after it; the block never counts as computed.
 
-With KV tiers below the device (omniflow.cache.kv), a prefix hit may continue in host-pool or
+With KV tiers below the device (omniflow.kv.tiers), a prefix hit may continue in host-pool or
 SSD pages. The request then takes device pages for them and waits in ``promoting`` while the
 tiers' thread copies them up; other requests keep running. When the copy is done it goes
 back to the head of the queue holding its whole prefix, and is admitted like any other.
@@ -26,8 +26,8 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any, NamedTuple
 
-from omniflow.engine.page_allocator import PageAllocator
 from omniflow.engine.sequence import Sequence, SequenceStatus
+from omniflow.kv.allocator import PageAllocator
 
 
 class ScheduledChunk(NamedTuple):

@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from omniflow.models.decoder import (
+from omniflow.models.deepseek.config import MLAConfig
+from omniflow.models.deepseek.moe import MoE, MoEDecoderLM
+from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
+from omniflow.models.layers.rope import apply_rotary, compute_inv_freq
+from omniflow.models.llama.config import DecoderConfig
+from omniflow.models.llama.decoder import (
     Attention,
     AttentionFn,
     RMSNorm,
     SwiGLU,
 )
-from omniflow.models.decoder_config import DecoderConfig
-from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
-from omniflow.models.mla_config import MLAConfig
-from omniflow.models.moe import MoE, MoEDecoderLM
-from omniflow.models.rope import apply_rotary, compute_inv_freq
 
 if TYPE_CHECKING:
     from omniflow.kernels import CpuKernels

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omniflow.models.decoder_config import DecoderConfig
+from omniflow.models.llama.config import DecoderConfig
 
 HUNYUAN_IMAGE3_ARCHITECTURES = ("HunyuanImage3ForCausalMM",)
 HUNYUAN_IMAGE3_MODEL_TYPES = ("hunyuan_image_3_moe", "hunyuan_image3")

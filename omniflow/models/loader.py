@@ -13,18 +13,18 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from omniflow.models.cpu_layouts import packed_weights_supported
-from omniflow.models.decoder import DecoderLM
-from omniflow.models.decoder_config import DecoderConfig
+from omniflow.models.deepseek.config import MLA_ARCHITECTURES, MLAConfig
+from omniflow.models.deepseek.decoder import MLADecoderLM
 from omniflow.models.hunyuan_image3 import HunyuanImage3LM
 from omniflow.models.hunyuan_image3_config import (
     HUNYUAN_IMAGE3_ARCHITECTURES,
     HUNYUAN_IMAGE3_MODEL_TYPES,
     HunyuanImage3Config,
 )
-from omniflow.models.mla_config import MLA_ARCHITECTURES, MLAConfig
-from omniflow.models.mla_decoder import MLADecoderLM
-from omniflow.models.rope import compute_inv_freq
+from omniflow.models.layers.cpu_layouts import packed_weights_supported
+from omniflow.models.layers.rope import compute_inv_freq
+from omniflow.models.llama.config import DecoderConfig
+from omniflow.models.llama.decoder import DecoderLM
 from omniflow.models.text_tokenizer import TextTokenizer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -111,7 +111,7 @@ class WeightPlacer(Protocol):
     ) -> None:
         """Put ``model``'s tensors where they should live (keeping dtype, shape and strides),
         calling ``fill(select)`` to load the checkpoint tensors passing ``select`` (None: all)
-        that are not there already. omniflow.cache.weights.SharedWeights.place is one."""
+        that are not there already. omniflow.memory.weights.SharedWeights.place is one."""
         ...
 
 

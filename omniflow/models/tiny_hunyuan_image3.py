@@ -15,8 +15,14 @@ from omniflow.models.hunyuan_image3 import qkv_to_groups
 from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
 from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts
 from omniflow.models.hunyuan_image3_tokens import SPECIAL_TOKENS
-from omniflow.models.tiny import save_safetensors
-from omniflow.models.tiny_tokenizer import BOS, EOS, PAD, build_tiny_tokenizer, save_tiny_tokenizer
+from omniflow.models.tiny.builder import save_safetensors
+from omniflow.models.tiny.tokenizer import (
+    BOS,
+    EOS,
+    PAD,
+    build_tiny_tokenizer,
+    save_tiny_tokenizer,
+)
 
 TINY_HUNYUAN_IMAGE3: dict[str, Any] = {
     "architectures": ["HunyuanImage3ForCausalMM"],

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from omniflow.cache import CacheConfig, PagePool
+from omniflow.memory import CacheConfig, PagePool
 from omniflow.roles.options import ModelThreadOptions
 from omniflow.runtime.actor import Actor
 from omniflow.runtime.priority import lower_thread_priority

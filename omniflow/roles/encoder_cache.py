@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from omniflow.cache import (
+from omniflow.memory import (
     CacheConfig,
     PagePool,
     PoolError,

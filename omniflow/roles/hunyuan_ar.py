@@ -37,9 +37,9 @@ import msgspec
 import torch
 from PIL import Image
 
-from omniflow.cache.kv_share import revoke
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
 from omniflow.engine.hunyuan_prompt import condition_image_prompt
+from omniflow.kv.share import revoke
 from omniflow.models.hunyuan_image3_tokens import (
     ImageTokens,
     context_ids,

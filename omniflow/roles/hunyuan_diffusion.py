@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from omniflow.cache.kv_share import KVLeaseView
 from omniflow.engine import AsyncEngine, EngineConfig, Guidance, LLMEngine
 from omniflow.engine.denoise import Denoising, denoise_steps
+from omniflow.kv.share import KVLeaseView
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone, spans_of
 from omniflow.roles.image_params import ImageParams, image_params

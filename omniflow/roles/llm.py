@@ -53,7 +53,6 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from omniflow.cache.pull_cost import PullCost
 from omniflow.content import SUMMARY_META, summary_key
 from omniflow.engine import (
     AsyncEngine,
@@ -65,10 +64,11 @@ from omniflow.engine import (
 )
 from omniflow.engine.heads import codes_key
 from omniflow.engine.kv_transfer import EnginePrefixes, span_keys
+from omniflow.kv.pull_cost import PullCost
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
-from omniflow.models.tiny import build_tiny_model
+from omniflow.models.tiny.builder import build_tiny_model
 from omniflow.roles.base import ModelActor
 from omniflow.roles.options import LLMOptions, LLMParams, read_params
 from omniflow.runtime.actor import RESUMABLE_META, BadRequest, Context, Request

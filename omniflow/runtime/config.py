@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from omniflow.cache.config import CacheConfig
 from omniflow.control.graph import GraphError, Plan, graph_from_edges
+from omniflow.memory.config import CacheConfig
 from omniflow.runtime.tables import FieldError, decode
 from omniflow.transport.security import Keys, KeysError, load_keys
 from omniflow.transport.security import generate_keys as generate_keys  # for `omniflow keys`

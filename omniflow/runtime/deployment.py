@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from omniflow.cache import pid_alive
+from omniflow.memory import pid_alive
 from omniflow.messages import ActorRecord
 from omniflow.runtime.client import Client, Output, Result
 from omniflow.runtime.config import Config, from_json, load
@@ -256,7 +256,7 @@ def clean_dead(name: str | None = None, run_dir: str | Path | None = None) -> li
     Workers exit with their supervisor (PDEATHSIG), but a supervisor killed with -9
     cannot remove its files. Returns the names of the deployments cleaned.
     """
-    from omniflow.cache import unlink_pool
+    from omniflow.memory import unlink_pool
 
     cleaned = []
     for state in _states(name, run_dir):

@@ -15,9 +15,9 @@ from typing import Any
 
 import zmq
 
-from omniflow.cache.pull_cost import PullCost
 from omniflow.content import SUMMARY_META
 from omniflow.control.discovery.view import RegistryView
+from omniflow.kv.pull_cost import PullCost
 from omniflow.messages import ActorRecord
 from omniflow.transport.kv_pull import (
     KVPuller,

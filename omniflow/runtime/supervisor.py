@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 import omniflow
-from omniflow.cache import pid_alive, unlink_pool
 from omniflow.control.discovery import (
     EmbeddedRegistryServer,
     Registry,
@@ -37,6 +36,7 @@ from omniflow.control.discovery import (
     open_registry,
 )
 from omniflow.control.graph import INPUT, Plan
+from omniflow.memory import pid_alive, unlink_pool
 from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime import preload
 from omniflow.runtime.config import Config, to_json
@@ -46,7 +46,7 @@ from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, private_dir
 
 if TYPE_CHECKING:
-    from omniflow.cache import PagePool
+    from omniflow.memory import PagePool
 
 log = logging.getLogger("omniflow.runtime.supervisor")
 _control_decoder = decoder_for(Hello | Ready | SetupFailed | Shutdown)
@@ -166,7 +166,7 @@ class Supervisor:
         # One host page pool per deployment, mapped by every local process; a segment
         # left by a supervisor that was killed is replaced, not reused.
         unlink_pool(self.pool_name)
-        from omniflow.cache import PagePool  # torch: only a starting deployment pays for it
+        from omniflow.memory import PagePool  # torch: only a starting deployment pays for it
 
         self.pool = PagePool.from_config(self.pool_name, self.config.cache, create=True)
         if self.config.registry == "embedded":

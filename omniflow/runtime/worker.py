@@ -23,11 +23,11 @@ from pathlib import Path
 
 import zmq
 
-from omniflow.cache import PagePool
 from omniflow.control.balance import make_policy
 from omniflow.control.discovery import Registry, actor_key, encode_record, open_registry
 from omniflow.control.discovery.view import RegistryView
 from omniflow.control.routing import Router
+from omniflow.memory import PagePool
 from omniflow.messages import LEAVING, ActorRecord, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.actor import Actor
 from omniflow.runtime.config import Config, from_json

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from omniflow.cache.dtypes import nbytes_of
+from omniflow.memory.dtypes import nbytes_of
 from omniflow.messages import Frame, Message
 from omniflow.transport.links import Link
 

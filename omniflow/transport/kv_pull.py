@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import zmq
 
-from omniflow.cache.dtypes import dtype_name
-from omniflow.cache.pull_cost import Decision, PullCost
-from omniflow.cache.pull_tokens import PullRefused, PullTokens
+from omniflow.kv.pull_cost import Decision, PullCost
+from omniflow.kv.pull_tokens import PullRefused, PullTokens
+from omniflow.memory.dtypes import dtype_name
 from omniflow.messages import (
     Code,
     KvDrop,

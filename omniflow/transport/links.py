@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from omniflow.cache import PagePool
+    from omniflow.memory import PagePool
 
 FRAME_THRESHOLD = 64 << 10
 

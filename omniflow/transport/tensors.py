@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from omniflow.cache import PagePool, PoolError
-from omniflow.cache.dtypes import dtype_name as _dtype_name
-from omniflow.cache.dtypes import nbytes_of
-from omniflow.cache.dtypes import torch_dtype as _torch_dtype
+from omniflow.memory import PagePool, PoolError
+from omniflow.memory.dtypes import dtype_name as _dtype_name
+from omniflow.memory.dtypes import nbytes_of
+from omniflow.memory.dtypes import torch_dtype as _torch_dtype
 from omniflow.messages import CudaIpc, Frame, Shm, TensorRef
 from omniflow.transport.links import (  # re-exported: callers import them from here
     FRAME_THRESHOLD as FRAME_THRESHOLD,
@@ -142,7 +142,7 @@ def materialize(ref: TensorRef, frames: list[Any]) -> torch.Tensor:
         return view
     if isinstance(ref, CudaIpc):
         if _attached.opener is None:
-            from omniflow.cache.cuda_ipc import IpcOpener  # imports cupy: only when needed
+            from omniflow.memory.cuda_ipc import IpcOpener  # imports cupy: only when needed
 
             _attached.opener = IpcOpener(_require_pool(ref))
         try:

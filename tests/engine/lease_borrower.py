@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from omniflow.cache import PagePool
-from omniflow.cache.kv_share import KVLeaseView
+from omniflow.kv.share import KVLeaseView
+from omniflow.memory import PagePool
 
 
 def serve(pool_name: str, conn: Any) -> None:

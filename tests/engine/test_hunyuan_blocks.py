@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from omniflow.cache import PagePool
 from omniflow.engine import LLMEngine, SamplingParams
 from omniflow.engine.async_engine import AsyncEngine
 from omniflow.engine.denoise import denoise, denoise_async
 from omniflow.engine.heads import Guidance
 from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.engine.llm_engine import EngineConfig
+from omniflow.memory import PagePool
 from omniflow.models import load_decoder, load_tokenizer
 from omniflow.models.hunyuan_image3_parts import load_image_parts
 from omniflow.models.hunyuan_image3_tokens import (

@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from omniflow.cache import PagePool
-from omniflow.cache.kv_share import revoke
 from omniflow.engine import LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
+from omniflow.kv.share import revoke
+from omniflow.memory import PagePool
 from tests.engine.lease_borrower import serve
 
 SPAWN = mp.get_context("spawn")

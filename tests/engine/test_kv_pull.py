@@ -10,9 +10,9 @@ import torch
 import zmq
 from conftest import random_prompts
 
-from omniflow.cache.pull_cost import PullCost
 from omniflow.engine import AsyncEngine, LLMEngine
 from omniflow.engine.kv_transfer import EnginePrefixes, KVTransfer
+from omniflow.kv.pull_cost import PullCost
 from omniflow.messages import KvDrop, KvFetch, KvPrepare, KvPrepared, KvPullReply, KvRefused
 from omniflow.transport.codec import decode, decoder_for, encode
 from omniflow.transport.kv_pull import KVPuller, KVPullError

@@ -7,12 +7,13 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from omniflow.cache import OutOfPages, PagePool, RadixPrefixCache
-from omniflow.cache.kv import HOST, SSD, KVTiers
 from omniflow.engine import LLM, SamplingParams
 from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.paged_attention import KVCache
 from omniflow.engine.sequence import EmbeddingSpan
+from omniflow.kv import OutOfPages, RadixPrefixCache
+from omniflow.kv.tiers import HOST, SSD, KVTiers
+from omniflow.memory import PagePool
 from omniflow.models import DecoderConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -184,7 +185,7 @@ def test_random_workload_keeps_tiers_consistent(tmp_path):
     device = KVCachePages(cache)
     pool = PagePool.create(f"omniflow-test-tiers-{random.randrange(1 << 30)}", 16 * 4096, 4096)
     pool.unlink()
-    from omniflow.cache.ssd import SsdStore
+    from omniflow.memory.ssd import SsdStore
 
     tiers = KVTiers(device, pool, host_pages=5, ssd=SsdStore(str(tmp_path), 6 * 4096, 4096))
     tree = RadixPrefixCache(10, 2, tiers=tiers)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import hf_greedy, random_prompts
 
-from omniflow.cache import PagePool
-from omniflow.cache.kv_share import KVLeaseView
 from omniflow.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from omniflow.engine.kv_pages import KVCachePages
+from omniflow.kv.share import KVLeaseView
+from omniflow.memory import PagePool
 from omniflow.models import MLAConfig, build_tiny_model, load_config
-from omniflow.models.mla import latent_causal_attention
+from omniflow.models.deepseek.mla import latent_causal_attention
 
 # deepseek-v2-tiny: q_lora_rank, YaRN (mscale_all_dim 0.8), group-limited top-3 of 8 experts
 # in 4 groups, routed_scaling_factor 2.5, first_k_dense_replace 1. The lite one: no

@@ -5,11 +5,11 @@ hits, preemption and finished sequences whose rows are reused. Needs no SGLang."
 
 from conftest import random_prompts
 
-from omniflow.cache.prefix import RadixPrefixCache
 from omniflow.engine import SamplingParams
 from omniflow.engine.scheduler import ScheduledChunk, Scheduler
 from omniflow.engine.sequence import Sequence
 from omniflow.engine.sglang_backend import SlotRows
+from omniflow.kv.radix import RadixPrefixCache
 
 PAGE = 4
 

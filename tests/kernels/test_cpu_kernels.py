@@ -12,9 +12,9 @@ from omniflow.engine.llm_engine import EngineConfig
 from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
 from omniflow.kernels import cpu, cpu_kernels, unavailable_reason
 from omniflow.models import build_tiny_model, load_decoder
-from omniflow.models.decoder import causal_attention
-from omniflow.models.rope import apply_rotary
-from omniflow.models.tiny import TinySpec
+from omniflow.models.layers.rope import apply_rotary
+from omniflow.models.llama.decoder import causal_attention
+from omniflow.models.tiny.builder import TinySpec
 
 kernels = cpu_kernels()
 needs_kernels = pytest.mark.skipif(

@@ -14,8 +14,8 @@ from omniflow.models import (
     load_decoder,
     load_tokenizer,
 )
-from omniflow.models.decoder import causal_attention
-from omniflow.models.rope import compute_inv_freq
+from omniflow.models.layers.rope import compute_inv_freq
+from omniflow.models.llama.decoder import causal_attention
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -180,7 +180,7 @@ def test_models_package_imports_nothing_of_ours():
 def test_rotary_rows_looked_up_equal_the_computed_ones(scaling):
     """On CPU cos_sin reads rows of a table it grows as positions do: bit for bit what
     computing them gives, in bf16 and float32, before and after a growth."""
-    from omniflow.models.rope import RotaryEmbedding
+    from omniflow.models.layers.rope import RotaryEmbedding
 
     raw = {
         "architectures": ["LlamaForCausalLM"],

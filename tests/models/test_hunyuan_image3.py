@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from omniflow.models import load_decoder, load_tokenizer
-from omniflow.models.decoder import causal_attention
 from omniflow.models.flow_matching import euler_step, shifted_sigmas
 from omniflow.models.hunyuan_image3 import HunyuanImage3LM
 from omniflow.models.hunyuan_image3_parts import load_image_parts
@@ -25,6 +24,7 @@ from omniflow.models.hunyuan_image3_tokens import (
     ratio_of_size,
     unconditional_ids,
 )
+from omniflow.models.llama.decoder import causal_attention
 from omniflow.models.loader import checkpoint_files
 from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
 

@@ -3,7 +3,7 @@
 import pytest
 
 from omniflow.models import load_tokenizer
-from omniflow.models.tiny_tokenizer import build_tiny_tokenizer, save_tiny_tokenizer
+from omniflow.models.tiny.tokenizer import build_tiny_tokenizer, save_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from omniflow.engine.llm_engine import EngineConfig
 from omniflow.engine.model_runner import CPU_BF16_ROW_BLOCK, CPU_KERNELS_ROW_BLOCK
 from omniflow.kernels import cpu_kernels
 from omniflow.models import build_tiny_model, load_decoder
-from omniflow.models.cpu_layouts import KernelLinear, PackedLinear, packed_weights_supported
-from omniflow.models.decoder import causal_attention
+from omniflow.models.layers.cpu_layouts import KernelLinear, PackedLinear, packed_weights_supported
+from omniflow.models.llama.decoder import causal_attention
 from omniflow.models.loader import iter_checkpoint_tensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

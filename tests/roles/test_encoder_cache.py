@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-from omniflow.cache import CacheConfig, PagePool, unlink_pool
+from omniflow.memory import CacheConfig, PagePool, unlink_pool
 from omniflow.roles.encoder_cache import EncoderOutputCache
 from tests.roles.media import make_ctx
 

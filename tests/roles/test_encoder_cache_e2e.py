@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import omniflow
-from omniflow.cache import PagePool
+from omniflow.memory import PagePool
 from tests.helpers import vision_llm_config
 from tests.roles.media import image_bytes
 

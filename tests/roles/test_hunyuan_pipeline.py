@@ -21,9 +21,9 @@ import pytest
 from PIL import Image
 
 import omniflow
-from omniflow.cache import PagePool
-from omniflow.cache.mappings import mapping_at
 from omniflow.control.discovery import list_actors, open_registry
+from omniflow.memory import PagePool
+from omniflow.memory.mappings import mapping_at
 from tests.helpers import cli
 from tests.roles.media import image_bytes
 

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 import omniflow
-from omniflow.cache import pid_alive
+from omniflow.memory import pid_alive
 from tests.helpers import cli
 from tests.roles.media import image_bytes, png_claiming_size, wav_bytes
 

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import omniflow
-from omniflow.cache import pid_alive
+from omniflow.memory import pid_alive
 from tests.conftest import leftover_sockets
 from tests.helpers import echo_config, expected_echo
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import omniflow
-from omniflow.cache import PagePool
+from omniflow.memory import PagePool
 from omniflow.runtime.config import parse
 
 R = "tests.graph_roles"

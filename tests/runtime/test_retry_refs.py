@@ -7,7 +7,7 @@ import os
 import signal
 
 import omniflow
-from omniflow.cache import PagePool
+from omniflow.memory import PagePool
 from omniflow.runtime.config import parse
 from tests.transport.test_dataplane_e2e import expected_sum
 

@@ -13,8 +13,8 @@ import pytest
 import zmq
 
 import omniflow
-from omniflow.cache import pid_alive
 from omniflow.control.discovery import list_actors, open_registry
+from omniflow.memory import pid_alive
 from tests.conftest import leftover_sockets
 from tests.helpers import cli, expected_echo
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from omniflow.cache.segment import unlink_pool
+from omniflow.memory.segment import unlink_pool
 from omniflow.runtime.config import generate_keys
 from tests.etcd_server import EtcdServer, etcd_binary
 from tests.scaleout.netns import Hosts, namespaces_or_skip

@@ -19,9 +19,9 @@ import sys
 import torch
 import zmq
 
-from omniflow.cache.pull_cost import PullCost
 from omniflow.engine import AsyncEngine, LLMEngine, SamplingParams
 from omniflow.engine.kv_transfer import EnginePrefixes
+from omniflow.kv.pull_cost import PullCost
 from omniflow.transport.kv_pull import KVPuller, KVPullServer
 from omniflow.transport.security import load_keys
 from tests.engine.kv_pull_peers import engine_config, greedy, prefix_pages

@@ -23,7 +23,7 @@ import httpx2 as httpx
 import msgspec
 from hypothesis import strategies as st
 
-from omniflow.cache.dtypes import ITEMSIZE
+from omniflow.memory.dtypes import ITEMSIZE
 from omniflow.messages import Call, Cancel, Code, Done, Fail
 from omniflow.transport.codec import BadMessage, decode, encode
 

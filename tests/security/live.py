@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 
 import omniflow
-from omniflow.cache import PagePool
+from omniflow.memory import PagePool
 from omniflow.messages import Call, Frame
 from omniflow.runtime.config import Config, parse
 from omniflow.transport.codec import decode, encode

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import omniflow
-from omniflow.cache import PagePool
+from omniflow.memory import PagePool
 from omniflow.runtime.config import parse
 
 R = "tests.graph_roles"

@@ -11,12 +11,12 @@ import pytest
 import torch
 import zmq
 
-from omniflow.cache import PagePool, unlink_pool
+from omniflow.memory import PagePool, unlink_pool
 from omniflow.messages import Call, CudaIpc, Emit, Frame, Hello, Shm, Shutdown
 from omniflow.transport import tensors as T
 from omniflow.transport.tensors import Link, TensorError
-from tests.cache.handoff_workers import receive
-from tests.cache.pool_workers import SPAWN
+from tests.memory.handoff_workers import receive
+from tests.memory.pool_workers import SPAWN
 
 _encoder = msgspec.msgpack.Encoder()
 _hello = msgspec.msgpack.Decoder(Hello)
@@ -244,7 +244,7 @@ def test_frame_refs_are_checked_too() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs CUDA and cupy")
 def test_cuda_ipc_handoff_is_bit_exact_and_acknowledged(pool: PagePool, receiver) -> None:
-    from omniflow.cache.cuda_ipc import DevicePool
+    from omniflow.memory.cuda_ipc import DevicePool
 
     device_pool = DevicePool(pool, device=0, size=64 << 20)
     T.attach_device_pool(device_pool)

@@ -1,0 +1,136 @@
+"""The subset of a DeepSeek-V2 or LongCat-Flash config.json that the MLA + MoE decoder needs.
+
+`head_dim` is the rotary key's width (qk_rope_head_dim), as in transformers: the rotary
+tables are built for it alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from omniflow.models.llama.config import DecoderConfig, _rope_parameters
+
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "LongcatFlashForCausalLM")
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class MLAConfig(DecoderConfig):
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # MoE: routed experts (plus LongCat's zero-computation ones) and shared experts.
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    zero_expert_num: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+
+    @property
+    def is_longcat(self) -> bool:
+        return self.architecture == "LongcatFlashForCausalLM"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per attention layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def attention_layers(self) -> int:
+        """LongCat-Flash runs two attention sublayers per layer."""
+        return 2 * self.num_hidden_layers if self.is_longcat else self.num_hidden_layers
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """Latent pages: one kv head of half the latent width, in keys and in values
+        (engine/latent_attention.py)."""
+        return self.attention_layers, 1, -(-self.latent_dim // 2)
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times yarn_get_mscale(factor, mscale_all_dim)^2 under YaRN
+        (as transformers 5.24's `yarn_apply_mscale`)."""
+        scale = self.qk_head_dim**-0.5
+        mscale_all_dim = self.rope.get("mscale_all_dim") or 0
+        factor = float(self.rope.get("factor") or 1.0)
+        if self.rope_type != "default" and mscale_all_dim and factor > 1:
+            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale *= mscale * mscale
+        return scale
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> MLAConfig:
+        architecture = (raw.get("architectures") or [""])[0] or {
+            "deepseek_v2": "DeepseekV2ForCausalLM",
+            "longcat_flash": "LongcatFlashForCausalLM",
+        }.get(raw.get("model_type", ""), "")
+        if architecture not in MLA_ARCHITECTURES:
+            raise NotImplementedError(f"config.json architecture {architecture!r} is not MLA")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {raw['hidden_act']!r}: only 'silu' is supported")
+        longcat = architecture == "LongcatFlashForCausalLM"
+        topk_method = raw.get("topk_method", "greedy")
+        if topk_method not in TOPK_METHODS:
+            raise NotImplementedError(f"topk_method {topk_method!r}; supported: {TOPK_METHODS}")
+        if int(raw.get("moe_layer_freq", 1)) != 1:
+            raise NotImplementedError("moe_layer_freq != 1")
+        heads = int(raw["num_attention_heads"])
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        bias = bool(raw.get("attention_bias", False))
+        rope_dim = int(raw.get("qk_rope_head_dim", 64))
+        q_lora = raw.get("q_lora_rank")
+        return cls(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["ffn_hidden_size" if longcat else "intermediate_size"]),
+            num_hidden_layers=int(raw["num_layers" if longcat else "num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=rope_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bias,
+            o_bias=bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            rope=_rope_parameters(raw),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            kv_lora_rank=int(raw.get("kv_lora_rank", 512)),
+            qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=int(raw.get("v_head_dim", 128)),
+            n_routed_experts=int(raw.get("n_routed_experts") or 0),
+            n_shared_experts=int(raw.get("n_shared_experts") or 0),
+            zero_expert_num=int(raw.get("zero_expert_num") or 0),
+            num_experts_per_tok=int(raw.get("moe_topk" if longcat else "num_experts_per_tok") or 1),
+            moe_intermediate_size=int(
+                raw.get("expert_ffn_hidden_size" if longcat else "moe_intermediate_size") or 0
+            ),
+            first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+            topk_method=topk_method,
+            n_group=int(raw.get("n_group") or 1),
+            topk_group=int(raw.get("topk_group") or 1),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            router_bias=bool(raw.get("router_bias", False)),
+        )

@@ -1,0 +1,1 @@
+"""Layers shared by the model families: rotary embeddings and CPU weight layouts."""

@@ -1,0 +1,1 @@
+"""Llama-family decoders (Llama, Qwen2, Mistral layouts): config and model."""
