@@ -12,6 +12,7 @@ Leaving the `async for` early (break, cancellation) aborts the request.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -29,6 +30,12 @@ from omniflow.engine.sequence import EmbeddingSpan
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; every open and later request gets this."""
+
+
+# Test-only fault injection: with this set to N, the engine thread raises in its N-th step, as
+# a forward that fails (a CUDA out-of-memory, a kernel error) would. tests/roles/
+# test_engine_death.py sets it for a real deployment; nothing else reads it.
+FAIL_AFTER_STEPS_ENV = "OMNIFLOW_FAIL_ENGINE_AFTER_STEPS"
 
 
 class _Add(NamedTuple):
@@ -64,11 +71,21 @@ _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, backend: EngineBackend, thread_setup: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        backend: EngineBackend,
+        thread_setup: Callable[[], None] | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
+    ):
         """thread_setup: called on the engine thread before anything else (a role lowers the
-        thread's priority with it, see omniflow/runtime/priority.py)."""
+        thread's priority with it, see omniflow/runtime/priority.py). on_death: called on the
+        engine thread with the error that stopped it, before the open requests hear of it (a
+        role exits its worker there: a dead engine is a dead worker, and the supervisor
+        restarts it, see ModelActor.engine_died)."""
         self.backend = backend
         self._thread_setup = thread_setup
+        self._on_death = on_death
+        self._fail_after_steps = int(os.environ.get(FAIL_AFTER_STEPS_ENV) or 0)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._streams_lock = threading.Lock()
@@ -215,6 +232,12 @@ class AsyncEngine:
                 command.future.set_exception(error)
         return True
 
+    def _inject_failure(self) -> None:
+        if self._fail_after_steps:
+            self._fail_after_steps -= 1
+            if not self._fail_after_steps:
+                raise RuntimeError(f"injected engine failure ({FAIL_AFTER_STEPS_ENV})")
+
     def _run(self) -> None:
         if self._thread_setup is not None:
             self._thread_setup()
@@ -228,10 +251,13 @@ class AsyncEngine:
                     while not self._commands.empty():
                         if not self._apply(self._commands.get_nowait()):
                             return
+                    self._inject_failure()
                     for delta in self.backend.step():
                         self._deliver(delta.request_id, delta)
         except BaseException as error:  # noqa: BLE001 - every waiter must hear about it
             self._dead = error
+            if self._on_death is not None:
+                self._on_death(error)
             with self._streams_lock:
                 request_ids = list(self._streams)
             for request_id in request_ids:

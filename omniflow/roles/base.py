@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import sys
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
@@ -15,6 +19,11 @@ from omniflow.runtime.actor import Actor
 from omniflow.runtime.priority import lower_thread_priority
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+# A worker whose engine thread died exits with this (EX_SOFTWARE); the supervisor restarts it.
+ENGINE_DEAD_EXIT = 70
 
 
 class ModelActor(Actor):
@@ -59,6 +68,20 @@ class ModelActor(Actor):
             self.start_model_thread()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, *args)
+
+    def engine_died(self, error: BaseException) -> None:
+        """An AsyncEngine's on_death: a dead engine is a dead worker. The process exits at
+        once, before any request hears of the error, so the supervisor's death notices fail
+        (or migrate) what it held, exactly as after a kill, deletes its registry record (so
+        /health and `omniflow status` show the replica not serving) and restarts it."""
+        text = "".join(traceback.format_exception(error))
+        log.critical(
+            "%s/%d: engine thread died; exiting the worker\n%s", self.role, self.replica, text
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(ENGINE_DEAD_EXIT)
 
     async def close(self) -> None:
         if self._executor is not None:

@@ -158,6 +158,7 @@ class LLMRole(ModelActor):
         self.engine = AsyncEngine(
             LLMEngine(self.path, config, kv_pool=self.pool),
             thread_setup=functools.partial(lower_thread_priority, self.model_nice),
+            on_death=self.engine_died,
         )
         omni = self.path / "omni"
         self.hidden_size = self.engine.backend.model_config.hidden_size  # type: ignore[attr-defined]
