@@ -14,37 +14,17 @@ OpenMP runtime and threads rather than a second pool competing for the same core
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
+from omniflow.kernels.attention import AttentionKernels
+from omniflow.kernels.build import Unavailable, build
+
 log = logging.getLogger(__name__)
 
-# The kernels' shared header; the library is built from every .c file beside it.
-SOURCE = Path(__file__).with_name("cpu_kernels.h")
-# -ffast-math's parts, not the flag: with -ffast-math (or -funsafe-math-optimizations) GCC
-# links crtfastmath.o, whose constructor turns on flush-to-zero and denormals-are-zero for
-# the whole process that loads the library (torch and every Python float included).
-FAST_MATH = [
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fno-signed-zeros",
-    "-fassociative-math",
-    "-freciprocal-math",
-    "-ffinite-math-only",
-    "-fno-rounding-math",
-    "-fcx-limited-range",
-]
-FLAGS = ["-O3", "-march=native", "-fopenmp", *FAST_MATH, "-shared", "-fPIC"]
-ENV_SWITCH = "OMNIFLOW_CPU_KERNELS"
 AMX_SWITCH = "OMNIFLOW_CPU_AMX"  # "0": the kernels' AMX paths off (the AVX-512 ones stay)
 MAX_HEAD_DIM = 512  # the rotary kernel's per-head buffer
 # What CpuKernels.decode_layers reads of each layer, in order (decode_layers.c: L_NORM ...).
@@ -105,7 +85,7 @@ _SIGNATURES = {
 }
 
 
-class CpuKernels:
+class CpuKernels(AttentionKernels):
     """Typed entry points of the built library. Every tensor is bf16 on CPU (int64 for
     indices) with the layout each method states; the callers check what they pass."""
 
@@ -209,201 +189,6 @@ class CpuKernels:
         self._lib.omniflow_silu_mul_bf16(
             gate_up.data_ptr(), out.data_ptr(), rows, width // 2, self._threads(out.numel())
         )
-        return out
-
-    def decode_attention_supported(self, heads: int, kv_heads: int, head_dim: int) -> bool:
-        return heads % kv_heads == 0 and bool(
-            self._lib.omniflow_decode_attention_supported(heads // kv_heads, head_dim)
-        )
-
-    def decode_attention(
-        self,
-        q: torch.Tensor,
-        layer_keys: torch.Tensor,
-        layer_values: torch.Tensor,
-        tables: torch.Tensor,
-        lengths: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """One query token per row over its pages: q [rows, heads, head_dim] (rows strided),
-        pages [kv_heads, pages, page_size, head_dim] contiguous, tables [rows, width] and
-        lengths [rows] int64 contiguous. Returns [rows, heads, head_dim]."""
-        rows, heads, head_dim = q.shape
-        kv_heads, _, page_size, _ = layer_keys.shape
-        if q.stride()[1:] != (head_dim, 1) or not layer_keys.is_contiguous():
-            raise ValueError(f"decode_attention: q strides {q.stride()} or pages strided")
-        if not (tables.is_contiguous() and lengths.is_contiguous()):
-            raise ValueError("decode_attention: tables and lengths must be contiguous")
-        out = q.new_empty((rows, heads, head_dim))
-        status = self._lib.omniflow_decode_attention_bf16(
-            q.data_ptr(),
-            q.stride(0),
-            layer_keys.data_ptr(),
-            layer_values.data_ptr(),
-            layer_keys.stride(0),
-            layer_keys.stride(1),
-            page_size,
-            tables.data_ptr(),
-            tables.shape[1],
-            lengths.data_ptr(),
-            rows,
-            *_head_args(heads, kv_heads, head_dim, scale, out),
-        )
-        _check_heads(status, "decode_attention", heads, kv_heads, head_dim)
-        return out
-
-    def latent_decode_attention(
-        self,
-        q: torch.Tensor,
-        firsts: torch.Tensor,
-        seconds: torch.Tensor,
-        tables: torch.Tensor,
-        lengths: torch.Tensor,
-        rank: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """MLA decode attention over latent pages, read in place (latent_attention.c): q
-        [rows, heads, width] (rows strided), one layer's latent halves firsts/seconds [pages,
-        page_size, half] contiguous (a token's first `half` values, then the other
-        width - half), tables [rows, widest] and lengths [rows] int64 contiguous. Returns the
-        weighted latents' first `rank` values [rows, heads, rank]."""
-        rows, heads, width = q.shape
-        _, page_size, half = firsts.shape
-        if q.stride()[1:] != (width, 1) or not (firsts.is_contiguous() and seconds.is_contiguous()):
-            raise ValueError(f"latent_decode_attention: q strides {q.stride()} or pages strided")
-        if seconds.shape != firsts.shape:
-            raise ValueError(
-                f"latent_decode_attention: halves {tuple(firsts.shape)} != {tuple(seconds.shape)}"
-            )
-        if not (tables.is_contiguous() and lengths.is_contiguous()):
-            raise ValueError("latent_decode_attention: tables and lengths must be contiguous")
-        out = q.new_empty((rows, heads, rank))
-        status = self._lib.omniflow_latent_decode_attention_bf16(
-            q.data_ptr(),
-            q.stride(0),
-            heads,
-            width,
-            rank,
-            firsts.data_ptr(),
-            seconds.data_ptr(),
-            half,
-            page_size,
-            tables.data_ptr(),
-            tables.shape[1],
-            lengths.data_ptr(),
-            rows,
-            scale,
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if status != 0:
-            raise ValueError(
-                f"latent_decode_attention: width {width}, half {half}, rank {rank} unsupported"
-            )
-        return out
-
-    def context_attention_supported(self, heads: int, kv_heads: int, head_dim: int) -> bool:
-        """Whether context_attention and chunks_attention run here for these heads: on AMX
-        tiles where `amx`, else on AVX-512 BF16 dot products."""
-        return bool(self._lib.omniflow_context_attention_supported(heads, kv_heads, head_dim))
-
-    def context_attention(
-        self,
-        q: torch.Tensor,
-        layer_keys: torch.Tensor,
-        layer_values: torch.Tensor,
-        pages: torch.Tensor,
-        start: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """Attention of one sequence's chunk of new tokens over its context (on AMX where
-        `amx`, else AVX-512 BF16): q [chunk,
-        heads, head_dim] (rows strided) at positions start.., their own K/V already in the
-        pages [kv_heads, pages, page_size, head_dim] (contiguous) listed by `pages` (int64,
-        contiguous, enough for start + chunk tokens); causal. Returns [chunk, heads,
-        head_dim]. Needs context_attention_supported."""
-        chunk, heads, head_dim = q.shape
-        kv_heads, _, page_size, _ = layer_keys.shape
-        if q.stride()[1:] != (head_dim, 1) or not layer_keys.is_contiguous():
-            raise ValueError(f"context_attention: q strides {q.stride()} or pages strided")
-        if not pages.is_contiguous() or len(pages) * page_size < start + chunk:
-            raise ValueError(
-                f"context_attention: {len(pages)} pages of {page_size} do not hold "
-                f"{start} + {chunk} tokens"
-            )
-        strides = (layer_keys.stride(0), layer_keys.stride(1), page_size)
-        return self._chunk_attention(
-            q, layer_keys, layer_values, kv_heads, strides, pages, 0, start, 1, scale
-        )
-
-    def chunks_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int, scale: float
-    ) -> torch.Tensor:
-        """Causal attention within `chunks` equal prompts with no cached context (as
-        context_attention): q [chunks * tokens, heads, head_dim], k/v [chunks * tokens,
-        kv_heads, head_dim], rows strided (k and v alike). Returns [rows, heads, head_dim]."""
-        rows, heads, head_dim = q.shape
-        kv_heads = k.shape[1]
-        if (
-            rows % max(chunks, 1)
-            or k.shape != v.shape
-            or k.shape[0] != rows
-            or k.stride() != v.stride()
-            or k.stride()[1:] != (head_dim, 1)
-            or q.stride()[1:] != (head_dim, 1)
-        ):
-            raise ValueError(
-                f"chunks_attention: q {tuple(q.shape)} / k {tuple(k.shape)} strides "
-                f"{q.stride()} / {k.stride()} are not {chunks} equal chunks"
-            )
-        tokens = rows // max(chunks, 1)
-        rows_as_pages = (head_dim, k.stride(0), 1)  # a row a one-token page
-        identity = torch.arange(tokens)
-        return self._chunk_attention(
-            q, k, v, kv_heads, rows_as_pages, identity, tokens * k.stride(0), 0, chunks, scale
-        )
-
-    def _chunk_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        kv_heads: int,
-        strides: tuple[int, int, int],
-        table: torch.Tensor,
-        kv_step: int,
-        start: int,
-        count: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """omniflow_chunk_attention_bf16 over `count` equal chunks of q's rows. strides: of
-        keys/values, (between kv heads, between pages, tokens a page); kv_step: between
-        chunks' keys (elements)."""
-        rows, heads, head_dim = q.shape
-        out = q.new_empty((rows, heads, head_dim))
-        head_stride, page_stride, page_size = strides
-        status = self._lib.omniflow_chunk_attention_bf16(
-            q.data_ptr(),
-            q.stride(0),
-            keys.data_ptr(),
-            values.data_ptr(),
-            head_stride,
-            page_stride,
-            page_size,
-            table.data_ptr(),
-            kv_step,
-            start,
-            rows // max(count, 1),
-            count,
-            heads,
-            kv_heads,
-            head_dim,
-            scale,
-            out.data_ptr(),
-            int(self.amx),
-            torch.get_num_threads(),
-        )
-        _check_heads(status, "context_attention", heads, kv_heads, head_dim)
         return out
 
     def linear(
@@ -566,21 +351,6 @@ class CpuKernels:
         return grid.reshape(blocks * 32, kblocks * 32)[:out_features, :in_features]
 
 
-def _head_args(heads: int, kv_heads: int, head_dim: int, scale: float, out: torch.Tensor):
-    """The attention kernels' last arguments: heads, kv heads, head size, scale, out, threads."""
-    return heads, kv_heads, head_dim, scale, out.data_ptr(), torch.get_num_threads()
-
-
-def _check_heads(status: int, name: str, heads: int, kv_heads: int, head_dim: int) -> None:
-    """An attention kernel's refusal (status -1) as the error it is."""
-    if status != 0:
-        check = "decode" if name == "decode_attention" else "context"
-        raise ValueError(
-            f"{name}: {heads} heads over {kv_heads} kv heads of {head_dim} not supported by "
-            f"this build (check {check}_attention_supported first)"
-        )
-
-
 def _padded(weight: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     out = weight.new_zeros((rows, cols))
     out[: weight.shape[0], : weight.shape[1]] = weight
@@ -605,8 +375,8 @@ def cpu_kernels() -> CpuKernels | None:
         if not _tried:
             _tried = True
             try:
-                _loaded = CpuKernels(ctypes.CDLL(str(_build())))
-            except (_Unavailable, OSError) as error:  # OSError: an unwritable cache, a bad .so
+                _loaded = CpuKernels(ctypes.CDLL(str(build())))
+            except (Unavailable, OSError) as error:  # OSError: an unwritable cache, a bad .so
                 _reason = str(error)
                 log.info("CPU kernels off, PyTorch ops instead: %s", _reason)
         return _loaded
@@ -615,65 +385,3 @@ def cpu_kernels() -> CpuKernels | None:
 def unavailable_reason() -> str | None:
     cpu_kernels()
     return _reason
-
-
-class _Unavailable(Exception):
-    pass
-
-
-def _compiler() -> str:
-    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if candidate and shutil.which(candidate):
-            return candidate
-    raise _Unavailable("no C compiler (set CC, or install gcc)")
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "omniflow" / "kernels"
-
-
-def _cpu_flags() -> bytes:
-    try:
-        with open("/proc/cpuinfo", "rb") as info:
-            return next((line for line in info if line.startswith(b"flags")), b"")
-    except OSError:
-        return b""
-
-
-def _build() -> Path:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        raise _Unavailable(f"{ENV_SWITCH}=0")
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise _Unavailable(
-            f"built for x86-64 Linux only, not {platform.system()} {platform.machine()}"
-        )
-    compiler = _compiler()
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        raise _Unavailable(f"{compiler} --version failed: {error}") from error
-    sources = sorted(SOURCE.parent.glob("*.c"))
-    # Every file a build reads, headers included; -march=native: the build is only good for
-    # CPUs with these features.
-    key = hashlib.sha256(b"\0".join([" ".join(FLAGS).encode(), version.encode(), _cpu_flags()]))
-    for path in sorted([*sources, *SOURCE.parent.glob("*.h")]):
-        key.update(b"\0%s\0%s" % (path.name.encode(), path.read_bytes()))
-    target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: processes building at once never load a half file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        command = [compiler, *FLAGS, *map(str, sources), "-o", str(built), "-lm"]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as error:
-            raise _Unavailable(f"{' '.join(command)}: {error}") from error
-        if done.returncode != 0:
-            raise _Unavailable(f"{' '.join(command)} failed:\n{done.stderr.strip()[-2000:]}")
-        os.replace(built, target)
-    return target

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from omniflow.engine import LLMEngine, SamplingParams
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
-from omniflow.kernels import cpu, cpu_kernels, unavailable_reason
+from omniflow.kernels import build, cpu, cpu_kernels, unavailable_reason
 from omniflow.models import build_tiny_model, load_decoder
 from omniflow.models.layers.rope import apply_rotary
 from omniflow.models.llama.decoder import causal_attention
@@ -336,26 +336,26 @@ def test_float32_models_refuse_the_kernels(tmp_path):
 
 def test_unavailable_compiler_or_switch_gives_a_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv(cpu.ENV_SWITCH, "0")
-    with pytest.raises(cpu._Unavailable, match="OMNIFLOW_CPU_KERNELS=0"):
-        cpu._build()
-    monkeypatch.delenv(cpu.ENV_SWITCH)
+    monkeypatch.setenv(build.ENV_SWITCH, "0")
+    with pytest.raises(build.Unavailable, match="OMNIFLOW_CPU_KERNELS=0"):
+        build.build()
+    monkeypatch.delenv(build.ENV_SWITCH)
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang either
-    with pytest.raises(cpu._Unavailable, match="no C compiler"):
-        cpu._build()
+    with pytest.raises(build.Unavailable, match="no C compiler"):
+        build.build()
     assert not any(tmp_path.iterdir())  # nothing half-built left behind
 
 
 def test_a_failing_build_gives_the_compiler_output(monkeypatch, tmp_path):
-    if cpu.platform.machine() not in ("x86_64", "AMD64") or not cpu.shutil.which("cc"):
+    if build.platform.machine() not in ("x86_64", "AMD64") or not build.shutil.which("cc"):
         pytest.skip("needs x86-64 and a C compiler")
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C;\n")
-    monkeypatch.setattr(cpu, "SOURCE", broken)
+    monkeypatch.setattr(build, "SOURCE", broken)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    with pytest.raises(cpu._Unavailable, match="failed"):
-        cpu._build()
+    with pytest.raises(build.Unavailable, match="failed"):
+        build.build()
     assert not list((tmp_path / "cache").rglob("*.so"))
 
 
