@@ -39,7 +39,7 @@ from omniflow.control.balance import PickKey, make_policy  # noqa: E402
 from omniflow.engine import AsyncEngine, LLMEngine, SamplingParams  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
 from omniflow.engine.sequence import EmbeddingSpan  # noqa: E402
-from omniflow.kv.radix import chain_hashes  # noqa: E402
+from omniflow.kv.keys import chain_hashes  # noqa: E402
 from omniflow.messages import ActorRecord  # noqa: E402
 from omniflow.models import build_tiny_model  # noqa: E402
 

@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
-from omniflow.engine.heads import BlockRows, CodesHead, Guidance
-from omniflow.engine.intake import Limits, check_block, check_length, checked_spans, checked_tokens
+from omniflow.engine.heads import CodesHead, Guidance
+from omniflow.engine.intake import Limits
+from omniflow.engine.kept import KeptContexts, close_lent
 from omniflow.engine.kv_pages import KVCachePages
 from omniflow.engine.model_runner import ModelRunner, StepOutput
 from omniflow.engine.outputs import (
@@ -32,7 +33,8 @@ from omniflow.engine.sglang_backend import UNSERVED, SGLangRunner, sglang_missin
 from omniflow.kv.allocator import PageAllocator
 from omniflow.kv.pull_cost import RateMeter
 from omniflow.kv.radix import RadixPrefixCache
-from omniflow.kv.share import KVLease, KVLeaseView, LeaseBook
+from omniflow.kv.share import LeaseBook
+from omniflow.kv.sizing import pages_for_bytes
 from omniflow.kv.tiers import KVTiers
 from omniflow.memory.lease import Lease
 from omniflow.memory.pool import PagePool
@@ -120,7 +122,63 @@ def _kv_tiers(config: EngineConfig, cache: KVCache, pool: PagePool | None) -> KV
     )
 
 
-class LLMEngine:
+def _share_kv(
+    config: EngineConfig,
+    cache: KVCache,
+    kv_pool: PagePool | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[LeaseBook | None, list[Lease]]:
+    """With share_kv: the cache's K/V moved into the deployment's pool, where other roles on
+    this host can read leased pages; the lease book and the pool blocks."""
+    if config.share_kv and kv_pool is None:
+        raise ValueError("engine config field share_kv needs a kv_pool to put the K/V in")
+    if not (config.share_kv and kv_pool is not None and device.type == "cpu"):
+        return None, []
+    blocks = []
+    for name in ("keys", "values"):
+        block = kv_pool.empty(getattr(cache, name).shape, dtype)
+        block.tensor.zero_()
+        setattr(cache, name, block.tensor)
+        blocks.append(block.lease)
+    return LeaseBook(kv_pool, config.lease_claim_s), blocks
+
+
+def _load(
+    model: str | Path | DecoderLM, config: EngineConfig, tokenizer: TextTokenizer | None
+) -> tuple[DecoderLM | None, TextTokenizer | None, Any, torch.dtype, torch.device, Path | None]:
+    """The model (None with backend "sglang": SGLang holds the weights, self.runner.model),
+    its tokenizer, config, dtype, device and folder."""
+    path: Path | None = None
+    sglang = config.backend == "sglang"
+    if isinstance(model, (str, Path)):
+        path = Path(model)
+        if tokenizer is None and (path / "tokenizer.json").is_file():
+            tokenizer = load_tokenizer(model)
+        if not sglang:
+            model = load_decoder(model, config.device, config.dtype)
+    elif sglang:
+        raise ValueError("engine backend 'sglang' loads its model itself: pass a model folder")
+    loaded: DecoderLM | None = None if sglang else cast(DecoderLM, model)
+    if loaded is not None:
+        model_config = loaded.config
+        parameter = next(loaded.parameters())
+        dtype, device = parameter.dtype, parameter.device
+    else:
+        assert path is not None
+        model_config = load_config(path)
+        if isinstance(model_config, MLAConfig):
+            raise ValueError(
+                f"engine config field backend 'sglang' serves Llama/Qwen2 checkpoints; "
+                f"{model_config.architecture} in {path} keeps latent (MLA) pages, which "
+                "SGLang lays out differently: use backend 'torch'"
+            )
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, model_config, device)
+    return loaded, tokenizer, model_config, dtype, device, path
+
+
+class LLMEngine(KeptContexts):
     def __init__(
         self,
         model: str | Path | DecoderLM,
@@ -134,66 +192,26 @@ class LLMEngine:
                 f"engine config field prefix_cache must be one of {PREFIX_CACHES}, "
                 f"not {config.prefix_cache!r}"
             )
-        sglang = config.backend == "sglang"
-        if isinstance(model, (str, Path)):
-            path = Path(model)
-            if tokenizer is None and (path / "tokenizer.json").is_file():
-                tokenizer = load_tokenizer(model)
-            if not sglang:
-                model = load_decoder(model, config.device, config.dtype)
-        elif sglang:
-            raise ValueError("engine backend 'sglang' loads its model itself: pass a model folder")
-        # None with backend "sglang": SGLang holds the weights (self.runner.model).
-        self.model: DecoderLM | None = None if sglang else model  # type: ignore[assignment]
-        self.tokenizer = tokenizer
-        if self.model is not None:
-            model_config = self.model.config
-            parameter = next(self.model.parameters())
-            dtype, device = parameter.dtype, parameter.device
-        else:
-            model_config = load_config(path)
-            if isinstance(model_config, MLAConfig):
-                raise ValueError(
-                    f"engine config field backend 'sglang' serves Llama/Qwen2 checkpoints; "
-                    f"{model_config.architecture} in {path} keeps latent (MLA) pages, which "
-                    "SGLang lays out differently: use backend 'torch'"
-                )
-            device = resolve_device(config.device)
-            dtype = resolve_dtype(config.dtype, model_config, device)
+        self.model, self.tokenizer, model_config, dtype, device, path = _load(
+            model, config, tokenizer
+        )
         self.model_config = model_config
         self.vocab_size = model_config.vocab_size
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.eos_token_ids = set(model_config.eos_token_ids)
-        if tokenizer is not None:
-            self.eos_token_ids |= set(tokenizer.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
         kv_layers, kv_heads, kv_head_dim = model_config.kv_layout
-        per_page = KVCache.bytes_per_page(kv_layers, config.page_size, kv_heads, kv_head_dim, dtype)
-        pages_for_all = config.max_num_seqs * -(-self.max_model_len // config.page_size)
-        num_pages = config.num_pages or max(
-            1, min(config.kv_cache_bytes // per_page, pages_for_all)
+        num_pages = config.num_pages or pages_for_bytes(
+            config.kv_cache_bytes,
+            KVCache.bytes_per_page(kv_layers, config.page_size, kv_heads, kv_head_dim, dtype),
+            config.max_num_seqs * -(-self.max_model_len // config.page_size),
         )
         self.cache = KVCache(
-            kv_layers,
-            num_pages,
-            config.page_size,
-            kv_heads,
-            kv_head_dim,
-            dtype,
-            device,
+            kv_layers, num_pages, config.page_size, kv_heads, kv_head_dim, dtype, device
         )
-        self.leases: LeaseBook | None = None
         self.kv_pool = kv_pool  # also where lent contexts' pages are read (keep_context)
-        self._kv_blocks: list[Lease] = []
-        if config.share_kv and kv_pool is None:
-            raise ValueError("engine config field share_kv needs a kv_pool to put the K/V in")
-        if config.share_kv and kv_pool is not None and device.type == "cpu":
-            # K/V in the deployment's pool: other roles on this host can read leased pages.
-            for name in ("keys", "values"):
-                block = kv_pool.empty(getattr(self.cache, name).shape, dtype)
-                block.tensor.zero_()
-                setattr(self.cache, name, block.tensor)
-                self._kv_blocks.append(block.lease)
-            self.leases = LeaseBook(kv_pool, config.lease_claim_s)
+        self.leases, self._kv_blocks = _share_kv(config, self.cache, kv_pool, dtype, device)
         self.tiers = _kv_tiers(config, self.cache, kv_pool)
         self.allocator: PageAllocator = RadixPrefixCache(
             num_pages, config.page_size, tiers=self.tiers
@@ -204,23 +222,20 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.enable_prefix_caching,
         )
-        self.runner: ModelRunner | SGLangRunner = (
-            SGLangRunner(path, self.cache)
-            if self.model is None
-            else ModelRunner(
-                self.model,
-                self.cache,
-                kernels=config.cpu_kernels,
-                relayout=config.relayout_weights,
-            )
-        )
+        self.runner: ModelRunner | SGLangRunner
+        if self.model is None:
+            assert path is not None  # _load: backend sglang loads from a folder
+            self.runner = SGLangRunner(path, self.cache)
+        else:
+            kernels, relayout = config.cpu_kernels, config.relayout_weights
+            self.runner = ModelRunner(self.model, self.cache, kernels=kernels, relayout=relayout)
         self.limits = Limits(
             self.vocab_size,
             model_config.hidden_size,
             self.max_model_len,
             self.capacity_tokens,
             config.max_num_batched_tokens,
-            bool(getattr(model, "positions_2d", False)),
+            bool(getattr(self.model, "positions_2d", False)),
         )
         self.sampler = Sampler(config.seed)
         self.sequences: dict[str, Sequence] = {}
@@ -240,7 +255,7 @@ class LLMEngine:
             self.tiers.close()
             self.tiers = None
         for sequence in [*self.kept.values(), *self.sequences.values()]:
-            _close_lent(sequence)  # borrowed prefixes: the lenders may free their pages
+            close_lent(sequence)  # borrowed prefixes: the lenders may free their pages
         if self.leases is not None:
             self.leases.close()  # lent prefixes: unclaimed ones taken back
         for block in self._kv_blocks:
@@ -329,200 +344,12 @@ class LLMEngine:
         else:
             self.scheduler.add(sequence)
 
-    def _check_served(self, request_id: str, **used: object) -> None:
-        """Requests that need what backend "sglang" does not run are refused, named."""
-        if self.model is None:
-            fields = [name for name, value in used.items() if value]
-            if fields:
-                raise ValueError(
-                    f"request {request_id}: field {fields[0]} is not served by engine backend "
-                    "'sglang' (text outputs only)"
-                )
-
-    def _check_unused(self, request_id: str) -> None:
-        if request_id in self.sequences or request_id in self.kept:
-            raise ValueError(f"request {request_id}: request_id is already in use")
-
-    def _checked(
-        self,
-        request_id: str,
-        kept: Sequence | None,
-        token_ids: SequenceOf[int],
-        embeddings: list[EmbeddingSpan] | None,
-        params: SamplingParams,
-    ) -> tuple[list[int], list[EmbeddingSpan]]:
-        """A new prompt, or the tokens that extend a kept sequence, and their spans."""
-        base = 0 if kept is None else len(kept)
-        tokens = checked_tokens(request_id, token_ids, self.limits, allow_empty=kept is not None)
-        check_length(request_id, base + len(tokens), params.max_tokens, self.limits)
-        spans = checked_spans(request_id, embeddings or [], base + len(tokens), self.limits)
-        return tokens, spans
-
-    def _guide(
-        self,
-        sequence: Sequence,
-        unconditional: tuple[list[int], list[EmbeddingSpan]] | None,
-        scale: float | None,
-    ) -> None:
-        """Pair a sequence with its unconditional follower (checked prompt or extension): a
-        kept one extended, or a new one. None: no guidance (a kept follower is freed)."""
-        follower = sequence.partner
-        if unconditional is None or scale is None:
-            if follower is not None:  # a kept pair continued without guidance: drop that half
-                sequence.partner = None
-                self.scheduler.finish(follower, "abort")
-            return
-        rid = f"{sequence.request_id}/uncond"
-        tokens, spans = unconditional
-        if follower is not None:
-            follower.continue_with(rid, tokens, sequence.params, spans)
-        else:
-            follower = Sequence(rid, tokens, sequence.params, spans)
-            follower.partner, follower.follows = sequence, True
-            sequence.partner = follower
-        follower.head = sequence.head
-        sequence.guidance_scale = follower.guidance_scale = float(scale)
-
-    def keep_context(
-        self,
-        context_id: str,
-        prompt_token_ids: SequenceOf[int],
-        embeddings: list[EmbeddingSpan] | None = None,
-        guidance: Guidance | None = None,
-        lease: KVLease | dict | None = None,
-    ) -> None:
-        """Hold a prompt (and its unconditional half) as a kept context for block steps,
-        without running it: the first block step computes it, the next ones reuse it.
-
-        lease (and guidance.lease for the unconditional half): the prompt's K/V, lent by
-        another process on this host (a `KVLease` for this pid, from the deployment's
-        kv_pool given to this engine). That half is never computed nor copied here: block
-        steps read the lent pages in place (rows_forwarded counts their rows alone), and
-        `release` or `close` hands the lease back. prompt_token_ids must be the lent
-        tokens (as many as the lease holds); embeddings do not apply to a lent half."""
-        uncond_lease = None if guidance is None else guidance.lease
-        halves = [(context_id, prompt_token_ids, embeddings, lease)]
-        if guidance is not None:
-            halves.append(
-                (
-                    f"{context_id}/uncond",
-                    guidance.prompt_token_ids,
-                    guidance.embeddings,
-                    uncond_lease,
-                )
-            )
-        params = SamplingParams(max_tokens=1)
-        views: list[KVLeaseView | None] = []
-        try:  # refused, every lease given goes back (none is left for `release` to free)
-            self._check_unused(context_id)
-            self._check_served(context_id, block_steps=True)
-            checked = []
-            for rid, tokens, spans, half_lease in halves:
-                if half_lease is None:
-                    checked.append(self._checked(rid, None, tokens, spans, params))
-                else:  # lent: the tokens take none of this engine's pages
-                    checked.append((checked_tokens(rid, tokens, self.limits), []))
-            for (rid, _, spans, half_lease), (tokens, _) in zip(halves, checked, strict=True):
-                # _open_lease closes what it opened if it refuses it
-                views.append(None if half_lease is None else self._open_lease(rid, half_lease))
-                if half_lease is not None and spans:
-                    raise ValueError(f"request {rid}: embeddings do not apply to a lent prompt")
-                view = views[-1]
-                if view is not None and view.lease.num_tokens != len(tokens):
-                    raise ValueError(
-                        f"request {rid}: lease holds {view.lease.num_tokens} tokens, "
-                        f"prompt_token_ids {len(tokens)}"
-                    )
-        except BaseException:
-            for view in views:
-                if view is not None:
-                    view.close()
-            self._give_back([half[3] for half in halves[len(views) :]])
-            raise
-        tokens, spans = checked[0]
-        sequence = Sequence(context_id, [] if views[0] else tokens, params, spans)
-        sequence.lent = views[0]
-        unconditional = None
-        if guidance is not None:
-            uncond_tokens, uncond_spans = checked[1]
-            unconditional = ([] if views[1] else uncond_tokens, uncond_spans)
-        self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
-        sequence.combine_halves = guidance is None or guidance.combine
-        if sequence.partner is not None:
-            sequence.partner.lent = views[1]
-        for member in (sequence, sequence.partner):
-            if member is not None:
-                member.status = SequenceStatus.KEPT
-        self.kept[context_id] = sequence
-
-    def _give_back(self, leases: list[KVLease | dict | None]) -> None:
-        """Leases never opened here, handed back unread (the lender unlocks the pages)."""
-        if self.kv_pool is None:
-            return
-        for lease in leases:
-            if lease is not None:
-                with contextlib.suppress(Exception):  # not a lease of this pool: nothing held
-                    KVLeaseView(self.kv_pool, lease).close()
-
-    def _open_lease(self, request_id: str, lease: KVLease | dict) -> KVLeaseView:
-        """A view of lent K/V, checked against this engine's cache layout."""
-        if self.kv_pool is None:
-            raise ValueError(
-                f"request {request_id}: lease needs the engine built with the deployment's kv_pool"
-            )
-        view = KVLeaseView(self.kv_pool, lease)
-        layers, heads, _, _, dim = self.cache.keys.shape
-        got = (view.keys.shape[0], view.keys.shape[1], view.keys.shape[-1], view.keys.dtype)
-        if got != (layers, heads, dim, self.cache.keys.dtype):
-            view.close()
-            raise ValueError(
-                f"request {request_id}: lease K/V (layers, kv heads, head dim, dtype) {got} "
-                f"differ from this engine's {(layers, heads, dim, self.cache.keys.dtype)}"
-            )
-        return view
-
-    def block_step(
-        self,
-        request_id: str,
-        context_id: str,
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-        causal_rows: int = 0,
-    ) -> None:
-        """Queue a block step over the kept request context_id: rows [N, hidden] at rotary
-        positions [N] ([N, 2] (y, x) for a model with 2D positions, `positions_2d`) attend
-        bidirectionally among themselves and causally to the context's tokens (computed
-        once, or lent, and reused by every block step). Its one delta carries the rows'
-        final hidden states (before the final norm on a model with `block_rows_unnormed`;
-        guided: combined with the context's unconditional half, which
-        runs the same rows, or stacked [cond; uncond] with Guidance.combine False); the
-        context is kept again under context_id. The first causal_rows rows attend causally
-        (the context, themselves and the rows before them), not to the later rows."""
-        sequence = self.kept.get(context_id)
-        if sequence is None:
-            raise ValueError(f"request {request_id}: context {context_id!r} is not kept")
-        self._check_unused(request_id)
-        halves = 2 if sequence.partner is not None else 1
-        check_block(request_id, rows, positions, halves, len(sequence), self.limits)
-        if not 0 <= causal_rows <= rows.shape[0]:
-            raise ValueError(
-                f"request {request_id}: causal_rows={causal_rows} outside [0, {rows.shape[0]}]"
-            )
-        del self.kept[context_id]
-        block = BlockRows(rows.to(self.cache.keys.dtype), positions.to(torch.long), causal_rows)
-        for member in (sequence, sequence.partner):
-            if member is not None:
-                member.block = block
-        sequence.request_id, sequence.keep_as = request_id, context_id
-        self.sequences[request_id] = sequence
-        self.scheduler.requeue(sequence)
-
     def release(self, request_id: str) -> None:
         """Free a kept request's pages (and its unconditional half's)."""
         sequence = self.kept.pop(request_id, None)
         if sequence is not None:
             self.scheduler.finish(sequence, "stop")
-            _close_lent(sequence)
+            close_lent(sequence)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (with its unconditional half). An aborted block step leaves its
@@ -606,45 +433,9 @@ class LLMEngine:
             self._park(sequence)
         return deltas
 
-    def _lend(self, sequence: Sequence, borrower_pid: int) -> KVLease:
-        """Lease the KV of a finishing sequence's computed tokens: full pages by reference
-        (held in the prefix cache until the borrower lets go), the rest copied."""
-        assert self.leases is not None
-        size, computed = self.cache.page_size, sequence.num_computed_tokens
-        full = computed // size * size
-        extra = None if sequence.extra_keys is None else sequence.extra_keys[:full]
-        self.allocator.insert(sequence.token_ids[:full], sequence.page_ids, extra)
-        match = self.allocator.match_prefix(sequence.token_ids[:full], extra)
-        if match.lower:
-            self.allocator.cancel_promotion(match.lower)  # type: ignore[attr-defined]
-        slots = torch.tensor(
-            self.cache.slots(sequence.page_ids, match.num_tokens, computed),
-            dtype=torch.long,
-            device=self.cache.keys.device,
-        )
-        layers, heads, pages, _, dim = self.cache.keys.shape
-        flat = (layers, heads, pages * size, dim)
-        tail = torch.stack(
-            [
-                self.cache.keys.view(flat).index_select(2, slots),
-                self.cache.values.view(flat).index_select(2, slots),
-            ]
-        )
-        return self.leases.lend(
-            self.cache.keys, self.cache.values, match.page_ids, size, tail, borrower_pid
-        )
-
     @torch.inference_mode()
     def run_to_completion(self) -> list[TokenDelta]:
         deltas: list[TokenDelta] = []
         while self.has_unfinished_requests():
             deltas += self.step()
         return deltas
-
-
-def _close_lent(sequence: Sequence) -> None:
-    """Hand back the leases a context (and its unconditional half) borrowed."""
-    for member in (sequence, sequence.partner):
-        if member is not None and member.lent is not None:
-            member.lent.close()
-            member.lent = None

@@ -24,10 +24,13 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from omniflow.engine.sequence import Sequence, SequenceStatus
 from omniflow.kv.allocator import PageAllocator
+
+if TYPE_CHECKING:
+    from omniflow.kv.radix import PendingPromotion
 
 
 class ScheduledChunk(NamedTuple):
@@ -85,7 +88,7 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.promoting: dict[Sequence, Any] = {}  # sequence -> its PendingPromotion
+        self.promoting: dict[Sequence, PendingPromotion] = {}
 
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -195,7 +198,7 @@ class Scheduler:
         promoted for pairs (both halves start together): they are recomputed."""
         match = self.allocator.match_prefix(sequence.token_ids[:-1], self._extra_keys(sequence))
         if match.lower:
-            self.allocator.cancel_promotion(match.lower)  # type: ignore[attr-defined]
+            self.allocator.cancel_promotion(match.lower)
         sequence.page_ids = match.page_ids
         sequence.num_computed_tokens = match.num_tokens
 
@@ -223,15 +226,14 @@ class Scheduler:
 
     def _start_promotion(self, sequence: Sequence, nodes: list[Any]) -> bool:
         """Take device pages for a lower-tier continuation of the prefix and start copying."""
-        allocator: Any = self.allocator  # only the radix cache returns lower-tier nodes
         wanted = sum(len(node.page_keys) for node in nodes)
         # Keep room for the rest of the prompt's first chunk, or promoting would only stall.
         if self.allocator.usage().free_pages < wanted + 1:
-            allocator.cancel_promotion(nodes)
+            self.allocator.cancel_promotion(nodes)
             return False
         pages = self.allocator.allocate(wanted)
         sequence.page_ids += pages
-        self.promoting[sequence] = allocator.start_promotion(nodes, pages)
+        self.promoting[sequence] = self.allocator.start_promotion(nodes, pages)
         return True
 
     def _finish_promotions(self) -> None:
@@ -242,8 +244,7 @@ class Scheduler:
 
     def _finish_promotion(self, sequence: Sequence) -> None:
         pending = self.promoting.pop(sequence)
-        allocator: Any = self.allocator
-        if allocator.finish_promotion(pending):
+        if self.allocator.finish_promotion(pending):
             sequence.num_computed_tokens += pending.num_pages * self.page_size
         # On failure the pages stay with the sequence, to be filled by computing them.
 

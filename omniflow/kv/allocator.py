@@ -8,9 +8,12 @@ omniflow/kv/pages.py so the cache layer need not import the engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omniflow.kv.pages import ExtraKeys, OutOfPages, PageUsage, PrefixMatch
+
+if TYPE_CHECKING:
+    from omniflow.kv.radix import PendingPromotion
 
 __all__ = ["ExtraKeys", "OutOfPages", "PageAllocator", "PageUsage", "PrefixMatch"]
 
@@ -39,3 +42,15 @@ class PageAllocator(Protocol):
         ...
 
     def usage(self) -> PageUsage: ...
+
+    def start_promotion(self, nodes: list[Any], device_pages: list[int]) -> PendingPromotion:
+        """Copy lower-tier nodes (a match's ``lower``) into device_pages the caller holds."""
+        ...
+
+    def finish_promotion(self, pending: PendingPromotion) -> bool:
+        """After the copy: True if the nodes hold the device pages now."""
+        ...
+
+    def cancel_promotion(self, nodes: Sequence[Any]) -> None:
+        """Give back a match's ``lower`` nodes unpromoted."""
+        ...

@@ -18,7 +18,6 @@ the request waits for admission) or gives them back (``cancel_promotion``).
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 from collections import deque
@@ -26,11 +25,16 @@ from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
+from omniflow.kv.keys import (
+    PageKey,
+    _chain,
+    _common_length,
+    _namespace_hash,
+    page_keys,
+)
 from omniflow.kv.pages import ExtraKeys, OutOfPages, PageUsage, PrefixMatch
 from omniflow.kv.tiers import HOST, SSD, KVTiers, Promotion
 
-TokenKey = tuple[int, Hashable | None]  # (token id, content hash of its media span or None)
-PageKey = tuple[TokenKey, ...]  # page_size token keys
 DEVICE = "device"
 
 
@@ -476,46 +480,3 @@ class RadixPrefixCache:
         if self.ref_counts[page] == 0:
             self.num_unreferenced_cached -= 1
             self.blank_pages.append(page)
-
-
-def page_keys(
-    token_ids: Sequence[int], extra_keys: ExtraKeys | None, page_size: int
-) -> list[PageKey]:
-    """The keys of the full pages of token_ids: one (token id, extra key) per position."""
-    num_tokens = len(token_ids) // page_size * page_size
-    if extra_keys is not None and len(extra_keys) < num_tokens:
-        raise ValueError(f"extra_keys has {len(extra_keys)} entries for {num_tokens} tokens")
-    extras = itertools.repeat(None) if extra_keys is None else extra_keys
-    flat = list(zip((int(t) for t in token_ids[:num_tokens]), extras, strict=False))
-    return [tuple(flat[start : start + page_size]) for start in range(0, num_tokens, page_size)]
-
-
-def chain_hashes(
-    token_ids: Sequence[int],
-    extra_keys: ExtraKeys | None,
-    page_size: int,
-    namespace: Hashable = "omniflow",
-) -> list[int]:
-    """The chained hashes of a prompt's full pages: hash i names pages 0..i together."""
-    running, hashes = _namespace_hash(namespace), []
-    for page_key in page_keys(token_ids, extra_keys, page_size):
-        running = _chain(running, page_key)
-        hashes.append(int.from_bytes(running[:8], "little"))
-    return hashes
-
-
-def _namespace_hash(namespace: Hashable) -> bytes:
-    return hashlib.blake2b(repr(namespace).encode(), digest_size=16).digest()
-
-
-def _chain(previous: bytes, page_key: PageKey) -> bytes:
-    return hashlib.blake2b(previous + repr(page_key).encode(), digest_size=16).digest()
-
-
-def _common_length(page_keys: list[PageKey], keys: list[PageKey], start: int) -> int:
-    shared = 0
-    for edge_key, key in zip(page_keys, keys[start:], strict=False):
-        if edge_key != key:
-            break
-        shared += 1
-    return shared

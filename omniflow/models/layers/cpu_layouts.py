@@ -41,7 +41,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return packed_linear(x, self.weight, self.bias)
 
 
 class KernelLinear(nn.Module):
@@ -150,3 +150,11 @@ def decode_layer_table(model: DecoderLM, keys: torch.Tensor, values: torch.Tenso
             ]
         )
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) with a weight oneDNN packed (PackedLinear.pack): the one place a
+    model calls oneDNN's private linear op; a model whose weights are not packed never does."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

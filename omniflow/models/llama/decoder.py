@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from omniflow.models.layers import cpu_layouts
+from omniflow.models.layers.attention import causal_attention
 from omniflow.models.layers.cpu_layouts import KernelLinear, PackedLinear
 from omniflow.models.layers.rope import RotaryEmbedding, apply_rotary
 from omniflow.models.llama.config import DecoderConfig
@@ -222,7 +223,7 @@ class DecoderLM(nn.Module):
         if self._packed_output is not None:
             if self._output_kernels is not None:
                 return self._output_kernels.linear(x, self._packed_output, self.config.vocab_size)
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed_output, None, "none", [], "")
+            return cpu_layouts.packed_linear(x, self._packed_output)
         return nn.functional.linear(x, self.model.embed_tokens.weight)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -487,17 +488,3 @@ class DecoderLM(nn.Module):
             else:
                 names.add(name)
         return names
-
-
-def causal_attention(
-    layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> torch.Tensor:
-    """Causal attention over one sequence; q [T, H, d], k/v [T, KV, d] (GQA repeats k/v)."""
-    repeat = q.shape[1] // k.shape[1]
-    if repeat > 1:
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-    out = nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-    )
-    return out.transpose(0, 1)

@@ -1,0 +1,77 @@
+"""Size rules for omniflow/: no .py file over 500 lines, no function over 80 lines, fewer than
+5 `type: ignore` comments. The allowlists name what is still over, each with who owns the
+split; they only shrink (an entry that is no longer over fails too, so it gets removed)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "omniflow"
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+MAX_TYPE_IGNORES = 5  # fewer than this, outside the allowlisted files
+
+# Files over MAX_FILE_LINES that others are splitting.
+LONG_FILES = {
+    "roles/llm.py": "owned by issue 36 (prompt building) / role split pending",
+    "runtime/client.py": "owned by issue 38 / runtime split pending (issue 33)",
+    "runtime/host.py": "runtime split pending (issue 33)",
+    "runtime/supervisor.py": "owned by issue 38 / runtime split pending (issue 33)",
+}
+
+# Functions over MAX_FUNCTION_LINES, as "file:function".
+LONG_FUNCTIONS = {
+    "cli/send.py:send": "owned by issue 38 (cli)",
+    "cli/status.py:status": "owned by issue 38 (cli)",
+    "roles/llm.py:handle": "owned by issue 36 / role split pending",
+    "runtime/worker.py:_serve": "runtime split pending (issue 33)",
+    "engine/model_runner.py:execute": "issue 33: typed attention metadata pending",
+}
+
+# Files whose `type: ignore` comments are not counted: others own them.
+IGNORES_ELSEWHERE = {
+    "roles/llm.py": "owned by issue 36",
+    "roles/hunyuan_ar.py": "owned by issue 35",
+    "roles/hunyuan_diffusion.py": "owned by issue 35",
+    "models/hunyuan_image3.py": "owned by issue 35",
+    "models/omni/loader.py": "owned by issue 34",
+    "runtime/hosts.py": "runtime split pending (issue 33)",
+    "transport/endpoint.py": "owned by issue 39",
+    "transport/tensors.py": "owned by issue 39",
+}
+
+
+def sources() -> list[tuple[str, str]]:
+    return [
+        (path.relative_to(PACKAGE).as_posix(), path.read_text())
+        for path in sorted(PACKAGE.rglob("*.py"))
+    ]
+
+
+def test_no_file_is_too_long():
+    lengths = {name: text.count("\n") for name, text in sources()}
+    over = {name for name, lines in lengths.items() if lines > MAX_FILE_LINES}
+    assert over - LONG_FILES.keys() == set(), {n: lengths[n] for n in over - LONG_FILES.keys()}
+    assert LONG_FILES.keys() - over == set(), "no longer over: take them off LONG_FILES"
+
+
+def test_no_function_is_too_long():
+    over: dict[str, int] = {}
+    for name, text in sources():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    over[f"{name}:{node.name}"] = lines
+    assert over.keys() - LONG_FUNCTIONS.keys() == set(), over
+    assert LONG_FUNCTIONS.keys() - over.keys() == set(), "no longer over: take them off"
+
+
+def test_few_type_ignores():
+    counted = {
+        name: text.count("type: ignore")
+        for name, text in sources()
+        if name not in IGNORES_ELSEWHERE and "type: ignore" in text
+    }
+    assert sum(counted.values()) < MAX_TYPE_IGNORES, counted
