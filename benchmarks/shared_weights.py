@@ -1,5 +1,5 @@
 """Two processes holding one model: resident weight memory with shared pool weights
-(cache/weights.py) vs each loading its own copy; and the load time of the second process.
+(memory/weights.py) vs each loading its own copy; and the load time of the second process.
 
 Each round runs a private pair then a shared pair (A B A B ...), two spawned processes at
 a time. A process's weight memory is the growth of its anonymous memory over the load

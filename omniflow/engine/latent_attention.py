@@ -6,7 +6,7 @@ A latent page holds, per token and attention layer, only MLA's [latent ‖ rotar
 one shape, pages of latents are pages like any other to the prefix cache, preemption, the
 host/SSD tiers (kv_pages.py) and KV leases; only attention reads them differently.
 
-Attention is MQA in the absorbed form (models/mla.py): the query [rows, heads, D] scores
+Attention is MQA in the absorbed form (models/deepseek/mla.py): the query [rows, heads, D] scores
 against the whole latent vector and the output is the weighted latent [rows, heads, rank].
 With omniflow's CPU kernels (a bf16 model on CPU), decode rows read the pages in place on
 them (kernels/latent_attention.c) instead of gathering them.

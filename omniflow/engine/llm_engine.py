@@ -53,7 +53,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the config's max_position_embeddings
     enable_prefix_caching: bool = True
-    prefix_cache: str = "radix"  # the only kind (cache/prefix.py); the llm role still passes it
+    prefix_cache: str = "radix"  # the only kind (kv/radix.py); the llm role still passes it
     seed: int | None = None  # for requests without their own seed
     # KV tiers below the device (radix prefix cache only): evicted pages are copied to the
     # host page pool (the deployment's, or a private one), then to SSD, before being dropped.
@@ -64,7 +64,7 @@ class EngineConfig:
     # processes on the host (add_request's lend_kv_to).
     share_kv: bool = False
     # A lease lent and not claimed by its borrower within this many seconds is revoked
-    # (cache/kv_share.py): one lost on its way holds no page for longer.
+    # (kv/share.py): one lost on its way holds no page for longer.
     lease_claim_s: float = 60.0
     # bf16 on CPU: run norms, rotary, silu, K/V writes and decode attention on omniflow's
     # C kernels (omniflow.kernels, built on first use); PyTorch ops where they are unavailable.
@@ -246,7 +246,7 @@ class LLMEngine(KeptContexts):
         # rows_forwarded: every row the model ran, prompt, generated and block rows alike.
         self.stats = {"prompt_tokens_computed": 0, "rows_forwarded": 0}
         # Prompt tokens per second of the steps that mostly prefill: what recomputing a
-        # prefix costs here, against pulling its KV from another replica (cache/pull_cost.py).
+        # prefix costs here, against pulling its KV from another replica (kv/pull_cost.py).
         self.prefill_rate = RateMeter(prior=1e3)
 
     def close(self) -> None:
@@ -279,7 +279,7 @@ class LLMEngine(KeptContexts):
         continue_from: str | None = None,
     ) -> None:
         """Queue a request. With ``lend_kv_to`` (a pid on this host), its last delta carries a
-        read-only ``KVLease`` on the KV of all its computed tokens (see cache/kv_share.py).
+        read-only ``KVLease`` on the KV of all its computed tokens (see kv/share.py).
 
         head: a codes head (None: text); each delta then carries the media tokens' ids.
         guidance: classifier-free guidance against an unconditional sequence, scheduled with

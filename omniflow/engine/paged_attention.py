@@ -87,7 +87,7 @@ class PrefillSegment(NamedTuple):
     num_chunks: int = 1
     # A block step's rows: they see all of the context and each other (causal_mask None).
     bidirectional: bool = False
-    # A lent context's K/V (cache/kv_share.py KVLeaseView): ahead of the pages' tokens.
+    # A lent context's K/V (kv/share.py KVLeaseView): ahead of the pages' tokens.
     lent: KVLeaseView | None = None
     # Of a block: its first rows, which attend causally among the block's rows.
     causal_rows: int = 0

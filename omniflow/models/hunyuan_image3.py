@@ -1,7 +1,7 @@
 """The HunyuanImage-3.0 backbone: one MoE decoder for text and for denoising image tokens.
 
 GQA attention with QK-norm (RMSNorm over each q and k head, after rotary, as the reference
-orders them), MoE MLPs (models/moe.py: softmax top-k routing, one shared MLP) and 2D rotary
+orders them), MoE MLPs (models/deepseek/moe.py: softmax top-k routing, one shared MLP) and 2D rotary
 positions: rotary frequency i turns with the row (y) for even i and the column (x) for odd
 i. A text token at position p sits at (p, p), where the 2D rotary equals the 1D one, so an
 engine running text with 1D positions computes exactly the K/V of the 2D model.

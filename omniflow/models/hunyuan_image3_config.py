@@ -2,7 +2,7 @@
 
 The backbone is a decoder with GQA attention and QK-norm, MoE MLPs (routed experts, top-k,
 one shared MLP) and 2D rotary positions for image tokens. The MoE field names are those
-models/moe.py reads, so `MoE` serves this backbone too. The image parts (timestep
+models/deepseek/moe.py reads, so `MoE` serves this backbone too. The image parts (timestep
 embedders, patch_embed, final_layer, VAE, ViT and its projector) keep their own sub-configs.
 """
 
@@ -29,7 +29,7 @@ def _per_layer(raw: dict[str, Any], key: str, default: Any) -> Any:
 
 @dataclass(frozen=True)
 class HunyuanImage3Config(DecoderConfig):
-    # MoE (models/moe.py's names): routed experts, their top-k, one shared MLP of
+    # MoE (models/deepseek/moe.py's names): routed experts, their top-k, one shared MLP of
     # n_shared_experts x moe_intermediate_size; the first moe_layer_num_skipped layers dense.
     n_routed_experts: int = 0
     n_shared_experts: int = 0

@@ -1,7 +1,7 @@
 """The HunyuanImage-3 backbone as the ``ar`` and ``diffusion`` roles hold it: one copy.
 
 The first of the two processes to load copies the backbone's tensors into the deployment's
-host page pool; the other maps the same pages (cache/weights.py). ``where()`` says which
+host page pool; the other maps the same pages (memory/weights.py). ``where()`` says which
 shared file and offset they lie in, read from /proc/self/maps (published in the replica's
 registry record, so a test or an operator can compare the two processes' mappings).
 

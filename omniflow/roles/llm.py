@@ -31,7 +31,7 @@ request's KV read-only to another process.
 KV pulls (``kv_pull``, on by default): the replica serves its prefix cache's pages to the
 other replicas of the role (runtime/kv_peers.py). A fresh prompt that opens with media
 another replica's routing summary names, and that this one has not seen, is first pulled
-from there when the cost model says the transfer beats prefilling it (cache/pull_cost.py);
+from there when the cost model says the transfer beats prefilling it (kv/pull_cost.py);
 anything that goes wrong with a pull only means the prefix is computed here.
 
 Routing summary: ``meta()`` publishes (in the replica's registry record) the

@@ -2,7 +2,7 @@
 projections packed for oneDNN (`PackedLinear`) or omniflow's AMX kernel (`KernelLinear`), and
 the per-layer pointer table the one-call decode step reads.
 
-The model (`models/decoder.py`) calls these; they change how weights sit in memory, never
+The model (`models/llama/decoder.py`) calls these; they change how weights sit in memory, never
 their values or names.
 """
 
