@@ -134,10 +134,6 @@ class Sequence:
         or everything again after a preemption), or just the last sampled token."""
         return len(self.token_ids) - self.num_computed_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def append_token(
         self,
         token_id: int,

@@ -191,8 +191,3 @@ class TieredCache:
 
     async def aacquire(self, key: Hashable) -> PoolTensor | None:
         return await asyncio.get_running_loop().run_in_executor(self._worker, self.acquire, key)
-
-    async def ademote(self, target_usage: float) -> int:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._worker, self.demote, target_usage
-        )

@@ -21,7 +21,7 @@ from torch import nn
 from omniflow.models.deepseek.config import MLAConfig
 from omniflow.models.deepseek.mla import InterleavedRotary, MLAttention, latent_causal_attention
 from omniflow.models.deepseek.moe import MoE, MoEDecoderLM
-from omniflow.models.llama.decoder import AttentionFn, RMSNorm, SwiGLU
+from omniflow.models.llama.decoder import AttentionFn, DecoderBody, RMSNorm, SwiGLU
 
 if TYPE_CHECKING:
     from omniflow.kernels import CpuKernels
@@ -98,13 +98,9 @@ def _mlp_fused(mlp: nn.Module, h: torch.Tensor, kernels: CpuKernels) -> torch.Te
     return mlp.forward_fused(h, kernels)
 
 
-class MLABody(nn.Module):
+class MLABody(DecoderBody):
     def __init__(self, config: MLAConfig):
-        super().__init__()
-        layer = LongcatLayer if config.is_longcat else DeepseekLayer
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, LongcatLayer if config.is_longcat else DeepseekLayer)
 
 
 # Checkpoint names -> ours: LongCat's router, per-expert tensors into the fused ones.
@@ -116,20 +112,11 @@ _GATE_UP = re.compile(r"(.*)\.(gate_proj|up_proj)\.weight$")
 class MLADecoderLM(MoEDecoderLM):
     config: MLAConfig
 
+    body_class = MLABody
+    rotary_class = InterleavedRotary
+
     def __init__(self, config: MLAConfig):
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = MLABody(config)  # type: ignore[assignment]
-        self.rotary = InterleavedRotary(config)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        self._packed_output = None
-        self._output_kernels = None
-        self._kernels = None
-        self._decode_table = None
+        super().__init__(config)
 
     def materialized(self) -> None:
         """After `to_empty`: routers back to float32 in a half-precision model (transformers

@@ -170,12 +170,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, layer: Callable[..., nn.Module] | None = None):
         super().__init__()
+        layer = layer or DecoderLayer
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -194,12 +193,15 @@ class DecoderLM(nn.Module):
     # (use_input_major_weights, use_packed_weights) leave them be, as they would make a
     # private copy; the loader already laid them out as they run, packing aside.
     shared_weights = False
+    # What a family changes (MLADecoderLM): its body (layers) and its rotary embedding.
+    body_class: type[DecoderBody] = DecoderBody
+    rotary_class: type[RotaryEmbedding] = RotaryEmbedding
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = config
-        self.model = DecoderBody(config)
-        self.rotary = RotaryEmbedding(config)
+        self.model = self.body_class(config)
+        self.rotary = self.rotary_class(config)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
