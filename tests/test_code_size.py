@@ -26,7 +26,6 @@ LONG_FUNCTIONS = {
     "cli/status.py:status": "owned by issue 38 (cli)",
     "roles/llm.py:handle": "owned by issue 36 / role split pending",
     "runtime/worker.py:_serve": "runtime split pending (issue 33)",
-    "engine/model_runner.py:execute": "issue 33: typed attention metadata pending",
 }
 
 # Files whose `type: ignore` comments are not counted: others own them.

@@ -5,17 +5,22 @@ guidance or a block step needs them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from omniflow.engine.decode_mirror import DecodeMirror
 from omniflow.engine.latent_attention import LatentPagedAttention
-from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
+from omniflow.engine.paged_attention import (
+    KVCache,
+    PagedAttention,
+    PrefillSpec,
+    build_attention_batch,
+)
 from omniflow.engine.scheduler import ScheduledChunk
 from omniflow.engine.sequence import Sequence
 from omniflow.kernels import CpuKernels, cpu_kernels
-from omniflow.kv.share import KVLeaseView
 from omniflow.models import DecoderLM, MLAConfig
 from omniflow.models.layers.cpu_layouts import packed_weights_supported
 
@@ -104,62 +109,14 @@ class ModelRunner:
         else:
             self.mirror.clear()
         ordered = decodes + prefills
-        input_ids: list[int] = []
-        positions: list = []  # ints, and [y, x] pairs of 2D block rows
-        logits_rows: list[int] = []
-        sampling: list[Sequence] = []
-        embed_rows: list[int] = []
-        embed_values: list[torch.Tensor] = []
-        block_rows: list[int] = []
-        blocks: list[Sequence] = []
-        for chunk in ordered:
-            sequence, start, end = chunk.sequence, chunk.start, chunk.start + chunk.num_tokens
-            row = len(input_ids)
-            input_ids += sequence.token_ids[start:end]
-            positions += range(start, end)
-            for span in sequence.embedding_spans:
-                lo, hi = max(start, span.start), min(end, span.start + len(span.embeddings))
-                if lo < hi:
-                    embed_rows += range(row + lo - start, row + hi - start)
-                    embed_values.append(span.embeddings[lo - span.start : hi - span.start])
-                    if span.positions is not None:  # 2D rows
-                        pairs = span.positions[lo - span.start : hi - span.start].tolist()
-                        positions[row + lo - start : row + hi - start] = pairs
-            if sequence.input_rows:
-                for position in range(start, end):
-                    generated = sequence.input_rows.get(position)
-                    if generated is not None:
-                        embed_rows.append(row + position - start)
-                        embed_values.append(generated[None])
-            if chunk.samples:
-                logits_rows.append(len(input_ids) - 1)
-                sampling.append(sequence)
-            if chunk.block:
-                block = sequence.block
-                assert block is not None, "a chunk with block rows has a block step"
-                row = len(input_ids)
-                input_ids += [0] * chunk.block  # ids unused: every row is replaced
-                positions += block.positions.tolist()
-                embed_rows += range(row, row + chunk.block)
-                embed_values.append(block.rows)
-                block_rows += range(row, row + chunk.block)
-                blocks.append(sequence)
-        prefill_attention: list[tuple[list[int], int, int, bool, KVLeaseView | None, int]] = []
-        for c in prefills:
-            if c.num_tokens:
-                prefill_attention.append(
-                    (c.sequence.page_ids, c.start, c.num_tokens, False, None, 0)
-                )
-            if c.block:
-                end, block = c.start + c.num_tokens, c.sequence.block
-                assert block is not None, "a chunk with block rows has a block step"
-                prefill_attention.append(
-                    (c.sequence.page_ids, end, c.block, True, c.sequence.lent, block.causal_rows)
-                )
+        step = gather_rows(ordered)
+        input_ids, positions, logits_rows = step.input_ids, step.positions, step.logits_rows
+        sampling, blocks, block_rows = step.sampling, step.blocks, step.block_rows
+        embed_rows, embed_values = step.embed_rows, step.embed_values
         batch = build_attention_batch(
             self.cache,
             [(c.sequence.page_ids, c.start + 1) for c in decodes],
-            prefill_attention,
+            prefill_specs(prefills),
             self.device,
             self.cache.keys.dtype,
             None if mirrored is None else mirrored.rows,
@@ -218,3 +175,81 @@ class ModelRunner:
             outputs.append((sequence, out[at_row : at_row + count]))
             at_row += count
         return StepOutput(sampling, None, out[: len(sampling)], outputs)
+
+
+@dataclass
+class StepRows:
+    """The rows of one step, in order (decodes, then prefill chunks and block rows): their
+    token ids and rotary positions, which rows are sampled (and for which sequence), which
+    take given embeddings instead of their token's, and which are block rows."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list = field(default_factory=list)  # ints, and [y, x] pairs of 2D block rows
+    logits_rows: list[int] = field(default_factory=list)
+    sampling: list[Sequence] = field(default_factory=list)
+    embed_rows: list[int] = field(default_factory=list)
+    embed_values: list[torch.Tensor] = field(default_factory=list)
+    block_rows: list[int] = field(default_factory=list)
+    blocks: list[Sequence] = field(default_factory=list)
+
+
+def gather_rows(ordered: list[ScheduledChunk]) -> StepRows:
+    step = StepRows()
+    input_ids, positions, logits_rows = step.input_ids, step.positions, step.logits_rows
+    sampling, blocks, block_rows = step.sampling, step.blocks, step.block_rows
+    embed_rows, embed_values = step.embed_rows, step.embed_values
+    for chunk in ordered:
+        sequence, start, end = chunk.sequence, chunk.start, chunk.start + chunk.num_tokens
+        row = len(input_ids)
+        input_ids += sequence.token_ids[start:end]
+        positions += range(start, end)
+        for span in sequence.embedding_spans:
+            lo, hi = max(start, span.start), min(end, span.start + len(span.embeddings))
+            if lo < hi:
+                embed_rows += range(row + lo - start, row + hi - start)
+                embed_values.append(span.embeddings[lo - span.start : hi - span.start])
+                if span.positions is not None:  # 2D rows
+                    pairs = span.positions[lo - span.start : hi - span.start].tolist()
+                    positions[row + lo - start : row + hi - start] = pairs
+        if sequence.input_rows:
+            for position in range(start, end):
+                generated = sequence.input_rows.get(position)
+                if generated is not None:
+                    embed_rows.append(row + position - start)
+                    embed_values.append(generated[None])
+        if chunk.samples:
+            logits_rows.append(len(input_ids) - 1)
+            sampling.append(sequence)
+        if chunk.block:
+            block = sequence.block
+            assert block is not None, "a chunk with block rows has a block step"
+            row = len(input_ids)
+            input_ids += [0] * chunk.block  # ids unused: every row is replaced
+            positions += block.positions.tolist()
+            embed_rows += range(row, row + chunk.block)
+            embed_values.append(block.rows)
+            block_rows += range(row, row + chunk.block)
+            blocks.append(sequence)
+    return step
+
+
+def prefill_specs(prefills: list[ScheduledChunk]) -> list[PrefillSpec]:
+    """The attention of a step's prefill chunks: each chunk's tokens, then its block rows."""
+    prefill_attention: list[PrefillSpec] = []
+    for c in prefills:
+        if c.num_tokens:
+            prefill_attention.append(PrefillSpec(c.sequence.page_ids, c.start, c.num_tokens))
+        if c.block:
+            end, block = c.start + c.num_tokens, c.sequence.block
+            assert block is not None, "a chunk with block rows has a block step"
+            prefill_attention.append(
+                PrefillSpec(
+                    c.sequence.page_ids,
+                    end,
+                    c.block,
+                    bidirectional=True,
+                    lent=c.sequence.lent,
+                    causal_rows=block.causal_rows,
+                )
+            )
+    return prefill_attention

@@ -112,20 +112,32 @@ class AttentionBatch(NamedTuple):
     decode_lengths: torch.Tensor | None = None  # [decodes] context lengths, with the new token
 
 
+class PrefillSpec(NamedTuple):
+    """One prefill chunk of a step, as the runner hands it to build_attention_batch: rows
+    after the decode rows, attending to the chunk's context (its first context_start tokens,
+    in page_ids) and causally to themselves. bidirectional: a block step's rows, attending to
+    all their context and all of themselves (their first causal_rows causally), after a lent
+    context's K/V (a KVLeaseView) where given."""
+
+    page_ids: list[int]
+    context_start: int
+    num_tokens: int
+    bidirectional: bool = False
+    lent: KVLeaseView | None = None
+    causal_rows: int = 0
+
+
 def build_attention_batch(
     cache: KVCache,
     decodes: list[tuple[list[int], int]],
-    prefills: Sequence[tuple],
+    prefills: Sequence[PrefillSpec],
     device: torch.device,
     dtype: torch.dtype,
     mirrored: DecodeRows | None = None,
     decode_masks: bool = True,
 ) -> AttentionBatch:
     """decodes: (page_ids, context length including the new token) per decode row;
-    prefills: (page_ids, context_start, chunk length[, bidirectional[, lent[, causal rows]]])
-    per prefill chunk, rows after decodes; a bidirectional chunk (a block step's rows) attends
-    to all its context and all of itself (its first causal rows: causally), after a lent
-    context's K/V (a KVLeaseView) where given;
+    prefills: one PrefillSpec per prefill chunk, rows after decodes;
     mirrored: the decode rows' mirror, if they read one instead of gathering pages;
     decode_masks: False when decode attention reads tables and lengths (the CPU kernel), so
     no mask is built."""
@@ -149,15 +161,16 @@ def build_attention_batch(
         slot_mapping.append(page_ids[(length - 1) // size] * size + (length - 1) % size)
     segments: list[PrefillSegment] = []
     row = len(decodes)
-    for page_ids, context_start, chunk, *flags in prefills:
+    for spec in prefills:
+        page_ids, context_start, chunk = spec.page_ids, spec.context_start, spec.num_tokens
         end = context_start + chunk
         slot_mapping += cache.slots(page_ids, context_start, end)
-        if flags and flags[0]:
+        if spec.bidirectional:
             block_pages = torch.tensor(page_ids[: -(-end // size)], dtype=torch.long, device=device)
-            lent = flags[1] if len(flags) > 1 else None
-            causal = flags[2] if len(flags) > 2 else 0
             segments.append(
-                PrefillSegment(row, row + chunk, block_pages, end, None, 1, True, lent, causal)
+                PrefillSegment(
+                    row, row + chunk, block_pages, end, None, 1, True, spec.lent, spec.causal_rows
+                )
             )
             row += chunk
             continue

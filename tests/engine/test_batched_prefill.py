@@ -4,7 +4,7 @@ import torch
 from conftest import hf_greedy, random_prompts
 
 from omniflow.engine import LLM, SamplingParams
-from omniflow.engine.paged_attention import KVCache, build_attention_batch
+from omniflow.engine.paged_attention import KVCache, PrefillSpec, build_attention_batch
 
 
 def test_equal_length_prompts_equal_transformers(tiny_models):
@@ -18,7 +18,8 @@ def test_equal_length_prompts_equal_transformers(tiny_models):
 
 def test_only_adjacent_fresh_equal_chunks_merge():
     cache = KVCache(1, 16, 4, 1, 2, torch.float32, torch.device("cpu"))
-    prefills = [([0, 1], 0, 6), ([2, 3], 0, 6), ([4, 5], 0, 5), ([6, 7], 4, 2), ([8, 9], 0, 6)]
+    specs = [([0, 1], 0, 6), ([2, 3], 0, 6), ([4, 5], 0, 5), ([6, 7], 4, 2), ([8, 9], 0, 6)]
+    prefills = [PrefillSpec(*spec) for spec in specs]
     batch = build_attention_batch(cache, [], prefills, cache.keys.device, cache.keys.dtype)
     spans = [(s.row_start, s.row_end, s.num_chunks) for s in batch.prefills]
     assert spans == [(0, 12, 2), (12, 17, 1), (17, 19, 1), (19, 25, 1)]
