@@ -1,9 +1,9 @@
-"""Print README's config reference, generated from the config Structs.
+"""Print docs/config.md's config reference, generated from the config Structs.
 
     python scripts/config_reference.py           # print the markdown
-    python scripts/config_reference.py --write   # replace the section in README.md
+    python scripts/config_reference.py --write   # replace the section in docs/config.md
 
-tests/test_config_reference.py checks that README.md holds exactly this output.
+tests/test_config_reference.py checks that docs/config.md holds exactly this output.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
     if "--write" not in sys.argv[1:]:
         print(section())
         return
-    readme = ROOT / "README.md"
+    readme = ROOT / "docs" / "config.md"
     text = readme.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
     readme.write_text(text[:start] + section() + text[end:])

@@ -1,4 +1,4 @@
-"""README's config reference is what scripts/config_reference.py generates from the Structs."""
+"""docs/config.md's config reference is what scripts/config_reference.py generates from the Structs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_holds_the_generated_config_reference():
+def test_docs_hold_the_generated_config_reference():
     script = ROOT / "scripts" / "config_reference.py"
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
-    assert proc.stdout.strip() in (ROOT / "README.md").read_text(), (
-        "README.md's config reference is stale: run python scripts/config_reference.py --write"
+    assert proc.stdout.strip() in (ROOT / "docs" / "config.md").read_text(), (
+        "docs/config.md's config reference is stale: run python scripts/config_reference.py --write"
     )
