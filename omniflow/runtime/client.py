@@ -489,15 +489,18 @@ class Client:
         if rest is not None:
             await self._sent(pending, rest)
         finished = False
+        # No wait_for around get(): Python 3.11's swallows a cancel that lands as the
+        # get completes, and the disconnect is lost. A timer queues the timeout instead.
+        timer = (
+            asyncio.get_running_loop().call_later(_patience(deadline), queue.put_nowait, _TIMEOUT)
+            if deadline
+            else None
+        )
         try:
             while True:
-                if deadline:
-                    try:
-                        item = await asyncio.wait_for(queue.get(), _patience(deadline))
-                    except TimeoutError:
-                        raise _no_answer(pending.request_id) from None
-                else:
-                    item = await queue.get()
+                item = await queue.get()
+                if item is _TIMEOUT:
+                    raise _no_answer(pending.request_id)
                 if isinstance(item, RequestFailed):
                     finished = _cancel_is_moot(pending, item)
                     raise item
@@ -507,6 +510,8 @@ class Client:
                     return
                 yield item
         finally:
+            if timer is not None:
+                timer.cancel()
             self._end(pending, finished)
 
     def _open(
@@ -526,7 +531,8 @@ class Client:
         request_id = request_id or f"{self._id_prefix}{next(self._ids):x}"
         # Every request gets a deadline: a branch lost with a dead replica ends in
         # `deadline` instead of a wait without end.
-        timeout = timeout or self.config.runtime.request_timeout_s
+        cap = self.config.runtime.request_timeout_s
+        timeout = min(timeout, cap) if timeout and cap else (timeout or cap)
         deadline = time.time() + timeout if timeout else 0.0
         call = Call(
             request_id,
@@ -640,6 +646,9 @@ def _cancel_is_moot(pending: _Pending, failure: RequestFailed) -> bool:
     that is the role that failed (as a request refused at its first hop)."""
     fanout = pending.fanout
     return fanout is not None and len(fanout.branches) == 1 and failure.role in fanout.branches
+
+
+_TIMEOUT = object()  # queued by stream()'s timer at the deadline's patience
 
 
 def _patience(deadline: float) -> float:
