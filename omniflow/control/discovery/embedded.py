@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from omniflow.control.discovery.base import RegistryError, WatchEvent
+from omniflow.control.discovery.base import Items, RegistryError, WatchEvent
 from omniflow.messages import (
     RegBarrier,
     RegDelete,
@@ -241,6 +241,15 @@ class EmbeddedRegistry:
     async def list(self, prefix: str) -> list[tuple[str, bytes]]:
         reply = await self._call(lambda rid: RegList(rid, prefix))
         return [(k, bytes(v)) for k, v in reply.items]
+
+    async def list_watch(self, prefix: str) -> tuple[Items, _Watch]:
+        # The watch is registered before the list is sent (one socket, in order).
+        events = self.watch(prefix)
+        try:
+            return await self.list(prefix), events
+        except BaseException:
+            await events.aclose()
+            raise
 
     def watch(self, prefix: str) -> _Watch:
         # Registered now (the send is synchronous), not at the first __anext__:
