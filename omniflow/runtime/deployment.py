@@ -28,6 +28,7 @@ from omniflow.cache import pid_alive
 from omniflow.messages import ActorRecord
 from omniflow.runtime.client import Client, Output, Result
 from omniflow.runtime.config import Config, from_json, load
+from omniflow.runtime.rundir import UntrustedPath, check_private, holds_run_dir, run_root_of
 from omniflow.runtime.supervisor import Supervisor, default_run_dir
 
 
@@ -161,11 +162,22 @@ def _states(
     states = []
     for path in candidates:
         state_file = path / "state.json"
+        try:  # a state another user could have planted names nothing of ours
+            check_private(path, run_root_of(path))
+        except (UntrustedPath, FileNotFoundError):
+            continue
         if state_file.exists():
             state = json.loads(state_file.read_text())
             if host_id is None or state.get("host_id") == host_id:
                 states.append(state)
     return states
+
+
+def _live(state: Mapping[str, Any]) -> bool:
+    """Its supervisor is alive and is the process holding the run dir's lock (a pid
+    reused by another process, or a forged state, is not signalled)."""
+    pid = state.get("pid", 0)
+    return pid_alive(pid) and holds_run_dir(pid, state.get("run_dir", ""))
 
 
 def find_deployment(
@@ -179,7 +191,7 @@ def find_deployment(
     Where several hosts' shares of one deployment run on this machine (network
     namespaces, containers sharing /tmp), ``host_id`` picks one; with ``any_host`` the
     first does (they share one registry: for a client or a status, any will do)."""
-    states = [s for s in _states(name, run_dir, host_id) if pid_alive(s.get("pid", 0))]
+    states = [s for s in _states(name, run_dir, host_id) if _live(s)]
     if not states:
         what = f"run dir {run_dir}" if run_dir else f"name {name!r}" if name else "any name"
         if host_id is not None:

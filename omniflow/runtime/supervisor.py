@@ -42,6 +42,7 @@ from omniflow.runtime import preload
 from omniflow.runtime.config import Config, to_json
 from omniflow.runtime.holding import holding_path, read_held
 from omniflow.runtime.hosts import HostRecord, HostShare, is_multi_host
+from omniflow.runtime.rundir import run_root_of
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, private_dir
 
@@ -215,7 +216,7 @@ class Supervisor:
     def _lock_run_dir(self) -> None:
         """Hold the run dir's lock for this supervisor's life: a second start of the same
         deployment fails here, before it can touch the first one's sockets, pool or state."""
-        private_dir(self.run_dir)
+        private_dir(self.run_dir, run_root_of(self.run_dir))  # ours from the run root down
         fd = os.open(self.run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -36,6 +36,7 @@ from omniflow.runtime.host import ActorHost
 from omniflow.runtime.kv_peers import KVPeers
 from omniflow.runtime.loading import load_actor_class
 from omniflow.runtime.resources import budget_after_barrier
+from omniflow.runtime.rundir import check_private, run_root_of
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, fd_of
 from omniflow.transport.links import attach_pool
@@ -65,6 +66,8 @@ class Worker:
         self.run_dir = run_dir
         self.role = role
         self.replica = replica
+        # A run dir another user may write is not ours to trust (its deployment.json).
+        check_private(run_dir, run_root_of(run_dir))
         self.config = from_json((run_dir / "deployment.json").read_bytes())
         self.role_config = self.config.processes()[role]
         self.ctx = zmq.Context()
