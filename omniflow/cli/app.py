@@ -1,4 +1,4 @@
-"""omniflow up | status | send | logs | down: start, inspect, use and stop a deployment.
+"""omniflow up | serve | status | send | logs | down: start, inspect, use and stop a deployment.
 
 Exit codes: 0 ok; 1 the deployment failed to start or stop; 2 a bad config or
 argument (a request the deployment refused as bad_request included); 3 no such
@@ -38,6 +38,7 @@ from omniflow.cli.common import (
 from omniflow.cli.keys import keys
 from omniflow.cli.progress import StartProgress
 from omniflow.cli.send import send
+from omniflow.cli.serve import serve
 from omniflow.cli.status import logs, status
 from omniflow.runtime.config import ConfigError
 from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, find_deployment
@@ -96,18 +97,25 @@ def up(
     """Start a deployment (or, with --host-id or [hosts], this host's share of one) and
     wait until every actor here is ready."""
     cfg = _share(load_config(config), registry, host_id, roles, address)
-    run_dir = run_dir or run_dir_for(cfg)
     if port is not None and cfg.gateway is not None:
         cfg.gateway.port = port
+    argv = ["up", str(config), *(["--port", str(port)] if port is not None else [])]
+    argv += ["--registry", registry] if registry else []
+    argv += ["--host-id", host_id] if host_id else []
+    argv += ["--roles", roles] if roles is not None else []
+    argv += ["--address", address] if address else []
+    raise typer.Exit(start(cfg, run_dir, detach, argv, ready_fd))
+
+
+def start(cfg: Any, run_dir: Path | None, detach: bool, argv: list[str], ready_fd: int) -> int:
+    """Run the deployment ``cfg`` here (foreground), or re-run ``omniflow ARGV`` in the
+    background and return once it is ready (--detach)."""
+    run_dir = run_dir or run_dir_for(cfg)
     if detach:
-        share = ["--registry", registry] if registry else []
-        share += ["--host-id", host_id] if host_id else []
-        share += ["--roles", roles] if roles is not None else []
-        share += ["--address", address] if address else []
-        raise typer.Exit(_detach(config, cfg, run_dir, port, share))
+        return _detach(argv, cfg, run_dir)
     import uvloop
 
-    raise typer.Exit(uvloop.run(_serve(cfg, run_dir, ready_fd)))
+    return uvloop.run(_serve(cfg, run_dir, ready_fd))
 
 
 def _share(
@@ -182,7 +190,7 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     return 0
 
 
-def _detach(config: Path, cfg: Any, run_dir: Path, port: int | None, share: list[str]) -> int:
+def _detach(argv: list[str], cfg: Any, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     read_end, write_end = os.pipe()
     log_path = run_dir / "supervisor.log"
@@ -192,14 +200,11 @@ def _detach(config: Path, cfg: Any, run_dir: Path, port: int | None, share: list
                 sys.executable,
                 "-m",
                 "omniflow.cli",
-                "up",
-                str(config),
+                *argv,
                 "--run-dir",
                 str(run_dir),
                 "--ready-fd",
                 str(write_end),
-                *(["--port", str(port)] if port is not None else []),
-                *share,
             ],
             pass_fds=(write_end,),
             stdin=subprocess.DEVNULL,
@@ -301,5 +306,5 @@ def _down_all(name: str | None, run_dir: Path | None, registry: str | None, time
 
 
 app.callback(help=__doc__)(_main)
-for command in (up, status, send, logs, down, keys):  # in the order help lists them
+for command in (up, serve, status, send, logs, down, keys):  # in the order help lists them
     app.command()(command)

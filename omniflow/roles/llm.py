@@ -67,10 +67,11 @@ from omniflow.engine.heads import codes_key
 from omniflow.engine.kv_transfer import EnginePrefixes, span_keys
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
-from omniflow.models.omni.loader import ensure_model, load_model
+from omniflow.models.omni.loader import ensure_model, has_model, load_model
 from omniflow.models.tiny import build_tiny_model
 from omniflow.roles.base import ModelActor
 from omniflow.roles.options import LLMOptions, LLMParams, read_params
+from omniflow.roles.tiny_build import build_atomically
 from omniflow.runtime.actor import RESUMABLE_META, BadRequest, Context, Request
 from omniflow.runtime.kv_peers import KV_PULL_META, KVPeers
 from omniflow.runtime.priority import lower_thread_priority
@@ -153,6 +154,9 @@ class LLMRole(ModelActor):
             share_kv=opts.share_kv and self.pool is not None,
             # backend sglang serves the text stage only (image/audio are refused by name).
             backend=opts.backend,
+            dtype=opts.dtype,
+            max_num_seqs=opts.max_num_seqs,
+            max_model_len=opts.max_model_len,
         )
         self.tokenizer = load_tokenizer(self.path)
         self.engine = AsyncEngine(
@@ -165,29 +169,36 @@ class LLMRole(ModelActor):
         # Media positions hold a placeholder id; their embeddings replace its embedding.
         self.placeholder = self.tokenizer.tokenizer.token_to_id("<pad>") or 0
         self.bos = self.tokenizer.encode("", add_special_tokens=True) or [self.placeholder]
-        # The engine runs them (on its thread) after the LLM's step, for media tokens.
-        self.image_head = MediaHead(
-            "image",
-            load_depth_head(omni / "image_head", device),
-            load_model("code_embedder", omni / "image_embedder", device),
-            self.placeholder,
-        )
-        self.audio_head = MediaHead(
-            "audio",
-            load_depth_head(omni / "audio_head", device),
-            load_model("code_embedder", omni / "audio_embedder", device),
-            self.placeholder,
-        )
+        # The engine runs them (on its thread) after the LLM's step, for media tokens. A
+        # plain LLM checkpoint has none (no omni/ folder): it makes text only.
+        self.image_head = self._media_head("image", omni, device)
+        self.audio_head = self._media_head("audio", omni, device)
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.max_sessions = opts.max_sessions
         self.leading_media: OrderedDict[int, None] = OrderedDict()  # summary keys, LRU
         self.summary_media = opts.summary_media
         self._ids = itertools.count()
 
+    def _media_head(self, kind: str, omni: Path, device: str) -> MediaHead | None:
+        head, embedder = omni / f"{kind}_head", omni / f"{kind}_embedder"
+        if not (has_model(head) or has_model(embedder)):
+            return None
+        return MediaHead(
+            kind,
+            load_depth_head(head, device),
+            load_model("code_embedder", embedder, device),
+            self.placeholder,
+        )
+
     def _build_tiny(self, preset: str, hidden: int, seed: int) -> None:
-        if not (self.path / "config.json").is_file():
-            build_tiny_model(self.path, preset, seed=seed, hidden_size=hidden, vocab_size=512)
-        omni = self.path / "omni"
+        # Only where model_path names no folder yet, atomically (roles/tiny_build.py): an
+        # existing checkpoint is never written into.
+        build_atomically(self.path, functools.partial(self._build_tiny_into, preset, hidden, seed))
+
+    @staticmethod
+    def _build_tiny_into(preset: str, hidden: int, seed: int, folder: Path) -> None:
+        build_tiny_model(folder, preset, seed=seed, hidden_size=hidden, vocab_size=512)
+        omni = folder / "omni"
         ensure_model(
             "depth_head",
             omni / "image_head",
@@ -256,6 +267,8 @@ class LLMRole(ModelActor):
         if pull is not None:
             await self._pull_prefix(request.request_id, *pull, prompt, all_spans)
         params = self._sampling(request)
+        if "text" in want:
+            _check_length(len(prompt), params.max_tokens, self.engine.backend.limits)  # type: ignore[attr-defined]
         # A migrated request (runtime/client.py): the text tokens its dead replica streamed
         # are prefilled with the prompt and generation goes on after them.
         resumed, text_done = _resume(request.params, self.vocab_size)
@@ -335,6 +348,12 @@ class LLMRole(ModelActor):
             raise BadRequest(
                 "params.want", "image and audio need codes heads: backend 'sglang' makes text only"
             )
+        for kind in sorted(want & {"image", "audio"}):
+            if getattr(self, f"{kind}_head") is None:
+                raise BadRequest(
+                    "params.want",
+                    f"{self.path} has no {kind} head (omni/{kind}_head): this model makes text only",
+                )
         if "image" in want:
             grid = request.params.get("image_grid", [4, 4])
             if not (
@@ -346,13 +365,17 @@ class LLMRole(ModelActor):
                     "params.image_grid", f"expected [h, w] with 1..32 tokens each, got {grid!r}"
                 )
             scale = float(request.params.get("cfg_scale", 2.0))
-            stages.append(_Stage(self.image_head, grid[0] * grid[1], 0, scale, list(grid)))
+            stages.append(
+                _Stage(cast(MediaHead, self.image_head), grid[0] * grid[1], 0, scale, list(grid))
+            )
         if "audio" in want:
             chunks = int(request.params.get("audio_chunks", 3))
             per_chunk = int(request.params.get("audio_chunk_tokens", 4))
             if not (1 <= chunks <= 64 and 1 <= per_chunk <= 256):
                 raise BadRequest("params.audio_chunks", "expected 1..64 chunks of 1..256 tokens")
-            stages.append(_Stage(self.audio_head, chunks * per_chunk, per_chunk, None, None))
+            stages.append(
+                _Stage(cast(MediaHead, self.audio_head), chunks * per_chunk, per_chunk, None, None)
+            )
         return stages
 
     async def _media(self, rid, stage, tokens, spans, previous, keep, ctx):
@@ -515,6 +538,21 @@ class LLMRole(ModelActor):
             return SamplingParams.from_dict(values, request.request_id)
         except (TypeError, ValueError) as e:
             raise BadRequest("params", str(e)) from None
+
+
+def _check_length(prompt_len: int, max_tokens: int, limits: Any) -> None:
+    """A prompt past the context, or max_tokens past what is left of it: bad requests,
+    refused before the engine sees them."""
+    limit = min(limits.max_model_len, limits.capacity_tokens)
+    name = "max_model_len" if limit == limits.max_model_len else "the KV cache's capacity"
+    if prompt_len >= limit:
+        raise BadRequest("text", f"the prompt is {prompt_len} tokens, past {name} {limit}")
+    if prompt_len + max_tokens > limit:
+        raise BadRequest(
+            "params.max_tokens",
+            f"{max_tokens} past the context: the prompt's {prompt_len} tokens + {max_tokens} "
+            f"exceed {name} {limit}; at most {limit - prompt_len}",
+        )
 
 
 def _embed_codes(head: MediaHead, ids: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,17 @@ class LLMOptions(WeightsOptions, kw_only=True):
         Meta(description="architecture of the build_tiny LLM"),
     ] = "llama-mha"
     kv_cache_mb: Annotated[int, Meta(ge=1, description="device KV cache MiB")] = 64
+    max_model_len: (
+        Annotated[
+            int, Meta(ge=1, description="longest prompt + output (default: the model's context)")
+        ]
+        | None
+    ) = None
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Meta(description="weights and KV dtype (auto: float32 on CPU, the checkpoint's on GPU)"),
+    ] = "auto"
+    max_num_seqs: Annotated[int, Meta(ge=1, description="requests batched at once")] = 128
     prefix_cache: Annotated[
         Literal["radix"], Meta(description="a radix tree keying media by content (the only kind)")
     ] = "radix"
