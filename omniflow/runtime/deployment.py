@@ -29,6 +29,7 @@ from omniflow.messages import ActorRecord
 from omniflow.runtime.client import Client, Output, Result
 from omniflow.runtime.config import Config, from_json, load
 from omniflow.runtime.supervisor import Supervisor, default_run_dir
+from omniflow.runtime.request_check import check_request
 
 
 class DeploymentNotFound(LookupError):
@@ -107,12 +108,14 @@ class Runtime:
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> AsyncIterator[Output | Result]:
         assert self.client is not None, "the runtime is not started"
+        check_request(self.config, inputs, kwargs)  # as omniflow send and the gateway do
         return self.client.stream(inputs, **kwargs)
 
     async def call(
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> tuple[list[Output], Result]:
         assert self.client is not None, "the runtime is not started"
+        check_request(self.config, inputs, kwargs)
         return await self.client.call(inputs, **kwargs)
 
 
@@ -126,11 +129,13 @@ class Connection:
     def stream(
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> AsyncIterator[Output | Result]:
+        check_request(self.client.config, inputs, kwargs)
         return self.client.stream(inputs, **kwargs)
 
     async def call(
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> tuple[list[Output], Result]:
+        check_request(self.client.config, inputs, kwargs)
         return await self.client.call(inputs, **kwargs)
 
     async def close(self) -> None:
