@@ -9,14 +9,10 @@ that declares nothing takes any key.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
-import typing
 from collections.abc import Iterable
 from typing import Any
-
-import msgspec
 
 from omniflow.runtime.config import Config
 from omniflow.runtime.request_check import InvalidRequest, check_params

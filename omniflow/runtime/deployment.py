@@ -28,8 +28,8 @@ from omniflow.cache import pid_alive
 from omniflow.messages import ActorRecord
 from omniflow.runtime.client import Client, Output, Result
 from omniflow.runtime.config import Config, from_json, load
-from omniflow.runtime.supervisor import Supervisor, default_run_dir
 from omniflow.runtime.request_check import check_request
+from omniflow.runtime.supervisor import Supervisor, default_run_dir
 
 
 class DeploymentNotFound(LookupError):
