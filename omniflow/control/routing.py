@@ -11,6 +11,7 @@ share is split over the branches it opened, or returned to the client in a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Mapping
@@ -34,6 +35,7 @@ _NO_KEY = PickKey()  # what a policy that keys on nothing is handed
 # deployment starts, one actor's view may not have seen a neighbour turn ready yet, though
 # the client's has; a replica being restarted is the other case.
 NO_REPLICA_GRACE_S = 5.0
+_REPICK_PAUSE_S = 0.1  # between tries of an idempotent role's only replica
 
 
 class RouteError(RuntimeError):
@@ -188,10 +190,12 @@ class Fanout:
         if self.waited_for_replicas:
             return []
         view = self.router.view
+        dead = self.exclude_pids  # a retry's: its dead replica may still be listed
         return [
             route.edge.dst
             for route in routes
-            if route.edge.dst not in self.branches and not view.replicas(route.edge.dst)
+            if route.edge.dst not in self.branches
+            and not [r for r in view.replicas(route.edge.dst) if r.pid not in dead]
         ]
 
     async def _wait_for_replicas(self, roles: list[str]) -> None:
@@ -199,10 +203,12 @@ class Fanout:
         whatever is still missing then fails when its branch is opened."""
         self.waited_for_replicas = True
         until = time.time() + NO_REPLICA_GRACE_S
+        if self.exclude_pids and self.call.deadline:
+            until = self.call.deadline  # a retry after a death: its restart may take longer
         if self.call.deadline:
             until = min(until, self.call.deadline)
         for role in roles:
-            await self.router.view.wait_for(role, until - time.time())
+            await self.router.view.wait_for(role, until - time.time(), self.exclude_pids)
 
     def _joins_for(self, routes: list, data: Mapping[str, Any]) -> dict:
         """Join tags for routes whose branches meet again downstream."""
@@ -337,8 +343,22 @@ class Fanout:
                         f"replica {branch.record.actor_id} did not take the request",
                         branch.record.actor_id,
                     ) from None
-                branch.record = self._pick(branch.role, frozenset({branch.record.actor_id}))
+                branch.record = await self._repick(branch)
         self._sent(branch)
+
+    async def _repick(self, branch: _Branch) -> ActorRecord:
+        """Another replica for a branch of an idempotent role whose replica did not take
+        it; with none, the same one again after a pause (restarting, or just restarted and
+        not yet reconnected to), until the request's deadline."""
+        try:
+            return self._pick(branch.role, frozenset({branch.record.actor_id}))
+        except RouteError:
+            until = self.call.deadline or time.time() + NO_REPLICA_GRACE_S
+            if time.time() + _REPICK_PAUSE_S >= until:
+                raise
+        await asyncio.sleep(_REPICK_PAUSE_S)
+        await self.router.view.wait_for(branch.role, until - time.time(), self.exclude_pids)
+        return self._pick(branch.role)
 
     def _sent(self, branch: _Branch) -> None:
         self.addresses.add(branch.record.endpoint)
