@@ -40,7 +40,7 @@ from omniflow.cli.progress import StartProgress
 from omniflow.cli.send import send
 from omniflow.cli.serve import serve
 from omniflow.cli.status import logs, status
-from omniflow.runtime.config import ConfigError
+from omniflow.runtime.config import GATEWAY_ROLE, ConfigError
 from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, find_deployment
 from omniflow.runtime.hosts import for_host, with_registry
 from omniflow.runtime.supervisor import StartError, Supervisor, run_dir_for
@@ -151,6 +151,14 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
         elif bar is not None:
             bar.update(actor_id, state)
 
+    taken = _gateway_port_taken(cfg)  # before any model loads
+    if taken:
+        if notify is not None:
+            notify.write(f"error {taken}\n")
+            notify.close()
+        else:
+            err.print(f"failed to start: {taken}", style="red")
+        return EXIT_START
     sup = Supervisor(cfg, run_dir, progress)
     if notify is None:
         err.print(f"starting {cfg.name} ({total} actors) in {run_dir}")
@@ -188,6 +196,24 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
         err.print("stop with Ctrl-C or: omniflow down")
     await sup.wait()
     return 0
+
+
+def _gateway_port_taken(cfg: Any) -> str:
+    """Why the gateway this host runs could not listen on its port ("" when it can)."""
+    gateway = cfg.gateway
+    if gateway is None or not gateway.port or GATEWAY_ROLE not in cfg.local_processes():
+        return ""
+    family = socket.AF_INET6 if ":" in gateway.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((gateway.host, gateway.port))
+        except OSError as e:
+            return (
+                f"the gateway cannot listen on {gateway.host}:{gateway.port}: {e.strerror} "
+                "(--port to pick another, 0: any free one)"
+            )
+    return ""
 
 
 def _detach(argv: list[str], cfg: Any, run_dir: Path) -> int:
