@@ -266,7 +266,10 @@ def down(
     ),
     host_id: str | None = HostIdOpt,
     every_host: bool = typer.Option(
-        False, "--all", help="Stop every host's share of a multi-host deployment."
+        False,
+        "--all",
+        help="Stop every host's share of a multi-host deployment; with no --name and "
+        "several deployments here, every one of them.",
     ),
     registry: str | None = RegistryOpt,
 ) -> None:
@@ -275,8 +278,14 @@ def down(
     New requests are refused; those in flight finish through the whole graph (up to
     --timeout); then every actor stops and its sockets are removed. On several hosts
     this stops this host's share; --all stops every host's (through etcd)."""
-    from omniflow.runtime.deployment import clean_dead, request_stop
+    from omniflow.runtime.deployment import clean_dead
 
+    if every_host and name is None and run_dir is None and registry is None:
+        from omniflow.runtime.deployment import running_deployments
+
+        states = running_deployments()
+        if len({s["name"] for s in states}) > 1:  # several: each here (one: all its hosts)
+            raise typer.Exit(_down_every_local(states, timeout))
     if every_host:
         raise typer.Exit(_down_all(name, run_dir, registry, timeout))
     try:
@@ -289,22 +298,46 @@ def down(
             out.print(f"cleaned up after the dead supervisor of {', '.join(cleaned)}")
             return
         fail(str(e), EXIT_NOT_RUNNING)
+    problem = _stop_one(state, timeout)
+    if problem:
+        fail(problem, EXIT_START)
+    out.print(f"stopped {state['name']}")
+
+
+def _stop_one(state: dict[str, Any], timeout: float) -> str:
+    """Stop the deployment of ``state`` and wait for it; what went wrong, or ""."""
+    from omniflow.runtime.deployment import request_stop
+
     pid = state["pid"]
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         err.print("the supervisor is already gone", style="yellow")
-        return
+        return ""
     request_stop(state, timeout)
     # The supervisor drains for up to `timeout`, then kills what is left: a little longer.
     ready, _, _ = select.select([pidfd], [], [], timeout + 5.0)
     os.close(pidfd)
     if not ready:
-        fail(f"supervisor {pid} did not stop within {timeout:g}s", EXIT_START)
+        return f"supervisor {pid} did not stop within {timeout:g}s"
     leftovers = list(Path(state["run_dir"]).glob("*.sock"))
     if leftovers:
-        fail(f"left behind: {', '.join(map(str, leftovers))}", EXIT_START)
-    out.print(f"stopped {state['name']}")
+        return f"left behind: {', '.join(map(str, leftovers))}"
+    return ""
+
+
+def _down_every_local(states: list[dict[str, Any]], timeout: float) -> int:
+    """down --all without a name: every deployment running on this machine, at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(states)) as pool:
+        problems = list(pool.map(lambda s: _stop_one(s, timeout), states))
+    for state, problem in zip(states, problems, strict=True):
+        if problem:
+            err.print(f"{state['name']}: {problem}", style="red")
+        else:
+            out.print(f"stopped {state['name']}")
+    return EXIT_START if any(problems) else 0
 
 
 def _down_all(name: str | None, run_dir: Path | None, registry: str | None, timeout: float) -> int:

@@ -173,6 +173,11 @@ def _states(
     return states
 
 
+def running_deployments() -> list[dict[str, Any]]:
+    """The state of every deployment (or host share) running on this machine."""
+    return [s for s in _states(None, None) if pid_alive(s.get("pid", 0))]
+
+
 def find_deployment(
     name: str | None = None,
     run_dir: str | Path | None = None,

@@ -44,3 +44,18 @@ def test_a_taken_gateway_port_fails_the_start_before_any_worker(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"127.0.0.1:{port}" in proc.stderr and "--port" in proc.stderr
     assert not list(run_dir.glob("logs/*.log"))  # no worker was started
+
+
+def test_down_all_stops_every_local_deployment(run_root):
+    configs = []
+    for name in ("one", "two"):
+        text = Path(ECHO_TOML).read_text().replace('name = "echo"', f'name = "{name}"')
+        path = run_root / f"{name}.toml"
+        path.write_text(text.replace("port = 8000", "port = 0"))
+        configs.append(path)
+        cli("up", str(path), "-d")
+    plain = cli("down", check=False)
+    assert plain.returncode == 2 and "several deployments" in plain.stderr
+    stopped = cli("down", "--all")
+    assert "stopped one" in stopped.stdout and "stopped two" in stopped.stdout
+    assert cli("status", check=False).returncode == 3
