@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from omniflow.content import content_hash
-from omniflow.models.omni import AudioTokenizer, ensure_model, load_audio
+from omniflow.models.omni.next_audio import NextAudioTokenizer, load_next_audio
+from omniflow.models.omni.next_builder import ensure_next
 from omniflow.roles.encoder_cache import CachingEncoder, role_cache
 from omniflow.roles.options import AudioEncoderOptions, NoParams
 from omniflow.runtime.actor import BadRequest, Context, Request
@@ -123,15 +124,15 @@ class AudioEncoderRole(CachingEncoder):
         self.cache = role_cache(self)  # in the deployment's page pool when there is one
         self.encoded = 0
         self.start_model_thread()
-        self.model: AudioTokenizer = await self._run(self._load)
+        self.model: NextAudioTokenizer = await self._run(self._load)
         # Warm-up: the first forward pays for allocator and FFT setup; do it before serving.
         await self._run(self.model.encode, torch.zeros(self.model.config.samples_per_token))
 
-    def _load(self) -> AudioTokenizer:
+    def _load(self) -> NextAudioTokenizer:
         opts = self.options
         if opts.build_tiny:
-            ensure_model("audio", opts.model_path, opts.seed, hidden_size=opts.hidden_size)
-        return load_audio(opts.model_path, opts.device)
+            ensure_next(opts.model_path, opts.seed, hidden_size=opts.hidden_size)
+        return load_next_audio(opts.model_path, opts.device)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
         raw = request.data.get("audio")

@@ -1,0 +1,256 @@
+"""The published LongCat-Next layout: builder names, strict loading, and equality with the
+reference implementations pip ships (transformers' Qwen2.5-VL vision transformer and image
+processor, Whisper's encoder) and with in-test references written from the published
+equations (residual VQ, the audio bridge, the code embedding)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2_5_VLVisionConfig, WhisperConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+from omniflow.models.omni.checkpoint import INDEX_FILE, CheckpointError, read_config
+from omniflow.models.omni.next_audio import load_next_audio
+from omniflow.models.omni.next_builder import build_tiny_next
+from omniflow.models.omni.next_vision import load_next_vision
+
+V = "model.visual_tokenizer."
+A = "model.audio_tokenizer."
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_tiny_next(tmp_path_factory.mktemp("next") / "ckpt", seed=0)
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        out.update(load_file(str(shard)))
+    return out
+
+
+def _published_names(config) -> set[str]:
+    """The names vLLM's longcat_next.py and transformers' classes give these parts."""
+    vc, ac = config["visual_config"], config["audio_config"]
+    names = {"model.embed_tokens.weight"}
+    qwen = Qwen2_5_VisionTransformerPretrainedModel(
+        Qwen2_5_VLVisionConfig(**{k: v for k, v in vc.items() if k != "vq_config"})
+    )
+    for n in qwen.state_dict():
+        if n.startswith("merger."):
+            names.add(V + "visual_bridge_model.bridge." + n[len("merger.") :])
+        else:
+            names.add(V + "visual_model." + n)
+    for i in range(len(vc["vq_config"]["codebook_sizes"])):
+        for t in ("embed", "embed_ema", "cluster_size_ema"):
+            names.add(f"{V}visual_bridge_model.quantizer.quantize.codebooks.{i}.{t}")
+    buf = V + "visual_embedding_layer.pre_buffer."
+    names |= {buf + "pre_layernorm.weight", buf + "pre_layernorm.bias"}
+    names |= {f"{buf}mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    whisper = WhisperEncoder(WhisperConfig(**{k: v for k, v in ac.items() if k != "vq_config"}))
+    for n in whisper.state_dict():
+        n = "positional_embedding" if n == "embed_positions.weight" else n
+        names.add(A + "audio_model." + n)
+    bridge = A + "audio_bridge_model."
+    for p in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+        names.add(bridge + p)
+    for p in ("layer_norm", "proj_decoder"):
+        names |= {f"{bridge}{p}.weight", f"{bridge}{p}.bias"}
+    for i in range(len(ac["vq_config"]["codebook_sizes"])):
+        names |= {
+            f"{bridge}vq_list.{i}.codebook.{t}" for t in ("embed", "embed_avg", "cluster_size")
+        }
+    return names
+
+
+def test_builder_writes_the_published_names_and_files(folder):
+    config = read_config(folder, "test")
+    assert config["model_type"] == "longcat_next"
+    index = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+    assert set(index) == _published_names(config)
+    assert len(set(index.values())) == 3 and all((folder / s).is_file() for s in index.values())
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
+    added = json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    start = config["visual_config"]["image_start_token_id"]
+    assert added[str(start)]["content"] == "<longcat_img_start>"
+
+
+def _edit(folder, tmp_path, edit) -> object:
+    """A copy of ``folder`` with its tensors changed by ``edit`` (one shard, new index)."""
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    tensors = _tensors(copy)
+    for shard in copy.glob("model-*.safetensors"):
+        shard.unlink()
+    edit(tensors)
+    save_file(tensors, str(copy / "model-00001-of-00001.safetensors"))
+    index = {"weight_map": dict.fromkeys(tensors, "model-00001-of-00001.safetensors")}
+    (copy / INDEX_FILE).write_text(json.dumps(index))
+    return copy
+
+
+QKV = V + "visual_model.blocks.0.attn.qkv.weight"
+FC1 = A + "audio_model.layers.1.fc1.weight"
+
+
+def _rename(t):
+    t[QKV.replace("qkv", "qkv_fused")] = t.pop(QKV)
+
+
+def _drop(t):
+    del t[FC1]
+
+
+def _extra(t):
+    t[V + "visual_bridge_model.quantizer.quantize.codebooks.8.embed"] = torch.zeros(33, 32)
+
+
+def _reshape(t):
+    t[FC1] = t[FC1][:, :-1].contiguous()
+
+
+@pytest.mark.parametrize(
+    "edit, loader, role, needle",
+    [
+        (_rename, load_next_vision, "vision_encoder", QKV + " missing"),
+        (_drop, load_next_audio, "audio_encoder", FC1 + " missing"),
+        (_extra, load_next_vision, "vision_encoder", "unexpected tensor " + V),
+        (_reshape, load_next_audio, "audio_encoder", FC1 + " in "),
+    ],
+)
+def test_strict_loading_names_tensor_role_and_folder(folder, tmp_path, edit, loader, role, needle):
+    copy = _edit(folder, tmp_path, edit)
+    with pytest.raises(CheckpointError) as error:
+        loader(copy)
+    message = str(error.value)
+    assert needle in message and f"role {role}" in message and str(copy) in message
+
+
+def test_each_role_reads_only_its_prefix(folder, tmp_path):
+    # The audio tokenizer loads with the vision tokenizer's tensors gone, and vice versa.
+    no_vision = _edit(folder, tmp_path, lambda t: [t.pop(n) for n in list(t) if n.startswith(V)])
+    assert load_next_audio(no_vision).encode(torch.zeros(1280)).shape == (1, 8)
+    with pytest.raises(CheckpointError, match="role vision_encoder"):
+        load_next_vision(no_vision)
+
+
+def _rvq_reference(x: torch.Tensor, books: list[torch.Tensor]) -> torch.Tensor:
+    """Residual VQ from the published equations: level by level, nearest by L2."""
+    residual, ids = x.double(), []
+    for book in books:
+        level = torch.cdist(residual, book.double()).argmin(-1)
+        residual = residual - book.double()[level]
+        ids.append(level)
+    return torch.stack(ids, -1)
+
+
+def test_vision_matches_transformers_and_reference_rvq(folder):
+    config = read_config(folder, "test")
+    vc = config["visual_config"]
+    tensors = _tensors(folder)
+    model = load_next_vision(folder)
+    image = torch.randint(
+        0, 256, (56, 84, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+    )
+    # Patches: transformers' Qwen2-VL image processor (no resize: 56x84 is on the grid).
+    proc = Qwen2VLImageProcessorPil(
+        do_resize=False, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    ref = proc(images=[np.asarray(image)], return_tensors="pt")
+    patches, gh, gw = model.patches(image)
+    assert ref["image_grid_thw"].tolist() == [[1, gh, gw]]
+    torch.testing.assert_close(patches, ref["pixel_values"].float(), atol=1e-5, rtol=1e-5)
+    # Encoder + bridge: transformers' vision transformer with the bridge as its merger.
+    oracle = Qwen2_5_VisionTransformerPretrainedModel(
+        Qwen2_5_VLVisionConfig(**{k: v for k, v in vc.items() if k != "vq_config"})
+    )
+    state = {
+        n[len(V + "visual_model.") :]: t
+        for n, t in tensors.items()
+        if n.startswith(V + "visual_model.")
+    }
+    bridge = V + "visual_bridge_model.bridge."
+    state |= {"merger." + n[len(bridge) :]: t for n, t in tensors.items() if n.startswith(bridge)}
+    oracle.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        want = oracle(ref["pixel_values"].float(), grid_thw=ref["image_grid_thw"]).pooler_output
+    got, grid = model.features(image)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # Codes: RVQ over embed[:-1] (the padding row never chosen).
+    books = [
+        tensors[f"{V}visual_bridge_model.quantizer.quantize.codebooks.{i}.embed"][:-1]
+        for i in range(8)
+    ]
+    codes = model.encode(image).codes
+    assert torch.equal(codes, _rvq_reference(want, books))
+    # Embedding: summed word-embedding rows at cumulative offsets, then LayerNorm + SwiGLU.
+    sizes = vc["vq_config"]["codebook_sizes"]
+    offsets = torch.tensor([config["visual_offset"]] + sizes[:-1]).cumsum(0)
+    rows = tensors["model.embed_tokens.weight"][codes + offsets].sum(1)
+    buf = V + "visual_embedding_layer.pre_buffer."
+    h = torch.nn.functional.layer_norm(
+        rows,
+        (rows.shape[-1],),
+        tensors[buf + "pre_layernorm.weight"],
+        tensors[buf + "pre_layernorm.bias"],
+        eps=config["rms_norm_eps"],
+    )
+    g, u, d = (tensors[f"{buf}mlp.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj"))
+    want_embed = rows + (torch.nn.functional.silu(h @ g.t()) * (h @ u.t())) @ d.t()
+    torch.testing.assert_close(model.embed(codes), want_embed, atol=1e-5, rtol=1e-4)
+
+
+def test_audio_matches_whisper_encoder_and_reference_bridge(folder):
+    config = read_config(folder, "test")
+    ac = config["audio_config"]
+    tensors = _tensors(folder)
+    model = load_next_audio(folder)
+    # Whisper's own encoder takes exactly 2 * max_source_positions mel frames.
+    oracle = WhisperEncoder(WhisperConfig(**{k: v for k, v in ac.items() if k != "vq_config"}))
+    prefix = A + "audio_model."
+    state = {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
+    state["embed_positions.weight"] = state.pop("positional_embedding")
+    oracle.load_state_dict(state, strict=True)
+    mel = torch.randn(
+        1, 128, 2 * ac["max_source_positions"], generator=torch.Generator().manual_seed(5)
+    )
+    with torch.no_grad():
+        want = oracle(mel).last_hidden_state
+        got = model.audio_model(mel)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # Bridge from the published equations: SwiGLU over kernel=stride=4 convs + pooled residual.
+    b = A + "audio_bridge_model."
+    x = want[:, :-2]  # a length that needs padding to a multiple of 4
+    xp = torch.nn.functional.pad(x, (0, 0, 0, 2))
+    g = torch.nn.functional.conv1d(xp.transpose(1, 2), tensors[b + "gate_proj.weight"], stride=4)
+    u = torch.nn.functional.conv1d(xp.transpose(1, 2), tensors[b + "up_proj.weight"], stride=4)
+    c = (torch.nn.functional.silu(g) * u).transpose(1, 2) @ tensors[b + "down_proj.weight"].t()
+    res = torch.nn.functional.layer_norm(
+        c + xp.reshape(1, -1, 128),
+        (128,),
+        tensors[b + "layer_norm.weight"],
+        tensors[b + "layer_norm.bias"],
+    )[0]
+    with torch.no_grad():
+        feats = model.audio_bridge_model.features(x)[0]
+    torch.testing.assert_close(feats, res, atol=1e-4, rtol=1e-4)
+    books = [tensors[f"{b}vq_list.{i}.codebook.embed"] for i in range(8)]
+    codes = model.audio_bridge_model.quantize(res)
+    assert torch.equal(codes, _rvq_reference(res, books))
+    offsets = torch.tensor(
+        [config["audio_offset"]] + ac["vq_config"]["codebook_sizes"][:-1]
+    ).cumsum(0)
+    want_embed = tensors["model.embed_tokens.weight"][codes + offsets].sum(1)
+    torch.testing.assert_close(model.embed(codes), want_embed)
+    assert model.encode(torch.zeros(16000)).shape == (13, 8)  # 1 s → 12.5 tokens, rounded up
