@@ -4,8 +4,8 @@ One folder: ``config.json`` (``model_type: longcat_next``, ``visual_config`` = Q
 keys + ``vq_config``, ``audio_config`` = Whisper keys + ``vq_config``, the vocabulary offsets),
 ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` with the published
 tensor names of the parts implemented here (vision tokenizer, audio tokenizer, the word
-embedding whose code rows they read), ``generation_config.json`` and ``tokenizer_config.json``
-naming the multimodal special tokens at their published ids relative to ``text_vocab_size``.
+embedding whose code rows they read, the n-gram embedding, the depth heads),
+``generation_config.json`` and ``tokenizer_config.json`` naming the multimodal special tokens at their published ids relative to ``text_vocab_size``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from omniflow.models.omni.checkpoint import has_checkpoint, write_checkpoint
 from omniflow.models.omni.next_audio import PREFIX as AUDIO_PREFIX
 from omniflow.models.omni.next_audio import NextAudioTokenizer
+from omniflow.models.omni.next_heads import NGRAM_PREFIX, NgramEmbedding, head_for
 from omniflow.models.omni.next_vision import EMBED, NextVisionTokenizer
 from omniflow.models.omni.next_vision import PREFIX as VISION_PREFIX
 
@@ -80,6 +81,9 @@ def tiny_config(hidden_size: int = 64, text_vocab_size: int = 512) -> dict[str, 
             "window_size": 112,
             "fullatt_block_indexes": [1],
             "out_hidden_size": 32,
+            "image_head_transformer_dims": 128,
+            "image_head_transformer_layers": 1,
+            "image_head_transformer_ffn_scale": 2,
             "image_start_token_id": ids["<longcat_img_start>"],
             "image_end_token_id": ids["<longcat_img_end>"],
             "image_pad_token_id": ids["<longcat_img_pad>"],
@@ -103,6 +107,9 @@ def tiny_config(hidden_size: int = 64, text_vocab_size: int = 512) -> dict[str, 
             "activation_function": "gelu",
             "sampling_rate": 16000,
             "avg_pooler": 4,
+            "audio_head_transformer_dims": 128,
+            "audio_head_transformer_layers": 1,
+            "audio_head_transformer_ffn_scale": 2,
             "audio_start_token_id": ids["<longcat_audio_start>"],
             "audio_end_token_id": ids["<longcat_audio_end>"],
             "audio_pad_token_id": ids["<longcat_audio_pad>"],
@@ -124,7 +131,14 @@ def tiny_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tenso
         vision = NextVisionTokenizer(config)
         audio = NextAudioTokenizer(config)
         embed = torch.randn(config["vocab_size"], config["hidden_size"]) * 0.02
+        parts = {
+            NGRAM_PREFIX: NgramEmbedding(config),
+            "visual_head.": head_for(config, "visual"),
+            "audio_head.": head_for(config, "audio"),
+        }
     tensors: dict[str, torch.Tensor] = {EMBED: embed}
+    for prefix, module in parts.items():
+        tensors.update({prefix + n: t for n, t in module.state_dict().items()})
     for part in ("visual_model", "visual_bridge_model", "visual_embedding_layer"):
         for name, t in getattr(vision, part).state_dict().items():
             tensors[f"{VISION_PREFIX}{part}.{name}"] = t

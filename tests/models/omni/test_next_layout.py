@@ -71,6 +71,21 @@ def _published_names(config) -> set[str]:
         names |= {
             f"{bridge}vq_list.{i}.codebook.{t}" for t in ("embed", "embed_avg", "cluster_size")
         }
+    for i in range(config["emb_split_num"] * (config["emb_neighbor_num"] - 1)):
+        names |= {f"model.ngram_embeddings.{t}.{i}.weight" for t in ("embedders", "post_projs")}
+    for head in ("visual_head.", "audio_head."):
+        names |= {
+            head + "hidden_norm.weight",
+            head + "hidden_proj.weight",
+            head + "headnorm.weight",
+        }
+        names |= {f"{head}heads.{i}.{t}" for i in range(8) for t in ("weight", "bias")}
+        layer = head + "transformer_layers.0."
+        names |= {f"{layer}{p}.weight" for p in ("layernorm1", "layernorm2", "linear1", "linear2")}
+        names |= {f"{layer}{p}.bias" for p in ("linear1", "linear2")}
+        attn = layer + "self_attention."
+        names |= {f"{attn}{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "out_proj")}
+        names |= {f"{attn}{p}.bias" for p in ("q_proj", "v_proj", "out_proj")}
     return names
 
 
@@ -254,3 +269,99 @@ def test_audio_matches_whisper_encoder_and_reference_bridge(folder):
     want_embed = tensors["model.embed_tokens.weight"][codes + offsets].sum(1)
     torch.testing.assert_close(model.embed(codes), want_embed)
     assert model.encode(torch.zeros(16000)).shape == (13, 8)  # 1 s → 12.5 tokens, rounded up
+
+
+def _ngram_reference(ids: list[int], word: torch.Tensor, t: dict, config: dict) -> torch.Tensor:
+    """The n-gram embedding position by position, from the published equations."""
+    n, k, vocab = config["emb_neighbor_num"], config["emb_split_num"], config["text_vocab_size"]
+    lo, hi = vocab, config["text_vocab_plus_multimodal_special_token_size"]
+    m = config["ngram_vocab_size_ratio"] * vocab
+    ctx = [0 if lo <= x < hi else x for x in ids]
+    out = []
+    for pos in range(len(ids)):
+        start = 0
+        for s in range(pos):
+            if ctx[s] in (0, config["eos_token_id"]):
+                start = s + 1
+        boundary = ctx[pos] in (0, config["eos_token_id"])
+        # The token itself always; its predecessors only inside its segment, and none at a
+        # boundary (EOS or 0) position.
+        prev = [ctx[pos]] + [
+            ctx[pos - s] if pos - s >= start and not boundary else 0 for s in range(1, n)
+        ]
+        vec = word[pos].clone()
+        for i in range(2, n + 1):
+            for j in range(k):
+                index = (i - 2) * k + j
+                size = m + 2 * index + 1
+                h = sum(prev[s] * pow(vocab, s, size) for s in range(i)) % size
+                if h > 0:
+                    e = t[f"model.ngram_embeddings.embedders.{index}.weight"][h]
+                    vec = vec + t[f"model.ngram_embeddings.post_projs.{index}.weight"] @ e
+        out.append(vec if lo <= ids[pos] < hi else vec / (1 + k * (n - 1)))
+    return torch.stack(out)
+
+
+def test_ngram_embedding_matches_reference(folder):
+    from omniflow.models.omni.next_heads import load_next_heads
+
+    config = read_config(folder, "test")
+    t = _tensors(folder)
+    ngram, _, _ = load_next_heads(folder)
+    special = config["visual_config"]["image_start_token_id"]
+    ids = [1, 17, 400, 33, 2, 90, 91, special, 92, 93, 94, 0, 5, 6]
+    word = t["model.embed_tokens.weight"][ids]
+    with torch.no_grad():
+        got = ngram(torch.tensor(ids), word)
+    torch.testing.assert_close(got, _ngram_reference(ids, word, t, config), atol=1e-6, rtol=1e-5)
+
+
+def _rms(x, w):
+    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _head_reference(hidden: torch.Tensor, t: dict, p: str, depth: int) -> list[torch.Tensor]:
+    """The depth head from the published equations, one depth position at a time."""
+    x = _rms(hidden, t[p + "hidden_norm.weight"]) @ t[p + "hidden_proj.weight"].t()
+    x = x[:, None].repeat(1, depth, 1)
+    lp = p + "transformer_layers.0."
+    a = lp + "self_attention."
+    h_in = _rms(x, t[lp + "layernorm1.weight"])
+    q = h_in @ t[a + "q_proj.weight"].t() + t[a + "q_proj.bias"]
+    k = h_in @ t[a + "k_proj.weight"].t()
+    v = h_in @ t[a + "v_proj.weight"].t() + t[a + "v_proj.bias"]
+    score = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5  # one head: dim 128 = head size
+    score = score.masked_fill(torch.ones(depth, depth).triu(1).bool(), float("-inf"))
+    attn = score.softmax(-1) @ v
+    h = x + attn @ t[a + "out_proj.weight"].t() + t[a + "out_proj.bias"]
+    w1, w2 = t[lp + "linear1.weight"], t[lp + "linear2.weight"]
+    inner = w1.shape[0] // depth
+    y = _rms(h, t[lp + "layernorm2.weight"])
+    outs = []
+    for level in range(depth):
+        rows1 = w1.view(inner, depth, -1)[:, level]
+        rows2 = w2.view(w2.shape[0], depth, inner)[:, level]
+        f = torch.nn.functional.gelu(y[:, level] @ rows1.t()) @ rows2.t()
+        z = _rms(h[:, level] + f, t[p + "headnorm.weight"])
+        outs.append(z @ t[f"{p}heads.{level}.weight"].t() + t[f"{p}heads.{level}.bias"])
+    return outs
+
+
+def test_depth_heads_match_reference(folder):
+    from omniflow.models.omni.next_heads import load_next_heads
+
+    config = read_config(folder, "test")
+    t = _tensors(folder)
+    _, visual, audio = load_next_heads(folder)
+    hidden = torch.randn(3, config["hidden_size"], generator=torch.Generator().manual_seed(7))
+    for head, prefix, sub in (
+        (visual, "visual_head.", "visual_config"),
+        (audio, "audio_head.", "audio_config"),
+    ):
+        with torch.no_grad():
+            got = head(hidden)
+        want = _head_reference(hidden, t, prefix, 8)
+        sizes = config[sub]["vq_config"]["codebook_sizes"]
+        assert [g.shape[-1] for g in got] == [n + 1 for n in sizes]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
