@@ -365,3 +365,26 @@ def test_depth_heads_match_reference(folder):
         assert [g.shape[-1] for g in got] == [n + 1 for n in sizes]
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_role_setup_fails_naming_the_renamed_tensor(folder, tmp_path):
+    import asyncio
+
+    from omniflow.roles.audio_encoder import AudioEncoderRole
+    from omniflow.roles.vision_encoder import VisionEncoderRole
+
+    copy = _edit(folder, tmp_path, _rename)
+    for cls, name in ((VisionEncoderRole, "vision_encoder"), (AudioEncoderRole, "audio_encoder")):
+        actor = cls(name, 0, {"model_path": str(copy), "threads": 1})
+
+        async def setup(actor=actor):
+            try:
+                await actor.setup()
+            finally:
+                await actor.close()
+
+        if name == "vision_encoder":
+            with pytest.raises(CheckpointError, match=f"tensor {QKV} missing from {copy}"):
+                asyncio.run(setup())
+        else:  # the audio role does not read the vision tokenizer's tensors
+            asyncio.run(setup())
