@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.audio_utils import mel_filter_bank
 from transformers.models.whisper.configuration_whisper import WhisperConfig
 from transformers.models.whisper.modeling_whisper import WhisperEncoderLayer
 
@@ -52,6 +53,23 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
     inv = torch.exp(-increment * torch.arange(channels // 2))
     scaled = torch.arange(length)[:, None] * inv[None, :]
     return torch.cat([scaled.sin(), scaled.cos()], dim=1)
+
+
+class WhisperMel(LogMel):
+    """Whisper's log-mel: our STFT front end with Whisper's Slaney filterbank."""
+
+    def __init__(self, sample_rate: int, n_mels: int) -> None:
+        super().__init__(sample_rate, N_FFT, HOP, n_mels)
+        bank = mel_filter_bank(
+            num_frequency_bins=N_FFT // 2 + 1,
+            num_mel_filters=n_mels,
+            min_frequency=0.0,
+            max_frequency=sample_rate / 2,
+            sampling_rate=sample_rate,
+            norm="slaney",
+            mel_scale="slaney",
+        )
+        self.filters = torch.from_numpy(bank.T.copy()).float()
 
 
 def whisper_config(config: dict[str, Any]) -> WhisperConfig:
@@ -157,7 +175,7 @@ class NextAudioTokenizer(nn.Module):
         pool = int(audio.get("avg_pooler", 4))
         hidden = int(config["hidden_size"])
         self.config = NextAudioInfo(int(audio.get("sampling_rate", 16000)), pool, sizes, hidden)
-        self.mel = LogMel(self.config.sample_rate, N_FFT, HOP, wconf.num_mel_bins)
+        self.mel = WhisperMel(self.config.sample_rate, wconf.num_mel_bins)
         self.audio_model = AudioModel(wconf)
         self.audio_bridge_model = AudioBridge(wconf.d_model, pool, sizes)
         self.code_rows = nn.Embedding(sum(sizes), hidden)  # loaded from model.embed_tokens

@@ -388,3 +388,17 @@ def test_role_setup_fails_naming_the_renamed_tensor(folder, tmp_path):
                 asyncio.run(setup())
         else:  # the audio role does not read the vision tokenizer's tensors
             asyncio.run(setup())
+
+
+def test_audio_mel_matches_whisper_feature_extractor(folder):
+    from transformers import WhisperFeatureExtractor
+
+    model = load_next_audio(folder)
+    gen = torch.Generator().manual_seed(9)
+    wave = (torch.randn(16000 * 30, generator=gen) * 0.1).clamp(-1, 1)
+    want = WhisperFeatureExtractor(feature_size=128)(
+        wave.numpy(), sampling_rate=16000, return_tensors="pt"
+    )["input_features"][0]
+    with torch.no_grad():
+        got = model.mel(wave)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
