@@ -188,8 +188,8 @@ class NextAudioTokenizer(nn.Module):
     @torch.no_grad()
     def encode(self, wave: torch.Tensor) -> torch.Tensor:
         """RVQ ids [tokens, L] of a 16 kHz mono waveform [T] in [-1, 1]."""
-        if wave.dim() != 1:
-            raise ValueError(f"expected a mono waveform [T], got {list(wave.shape)}")
+        if wave.dim() != 1 or wave.numel() == 0:
+            raise ValueError(f"expected a non-empty mono waveform [T], got {list(wave.shape)}")
         tokens = self.tokens_for(wave.shape[0])
         need = tokens * self.config.samples_per_token
         wave = nn.functional.pad(wave.float(), (0, need - wave.shape[0]))

@@ -402,3 +402,32 @@ def test_audio_mel_matches_whisper_feature_extractor(folder):
     with torch.no_grad():
         got = model.mel(wave)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_vision_native_resolution_and_bad_images(folder):
+    vision = load_next_vision(folder)
+    step = vision.config.pixels_per_token
+    for height, width in [(step, step), (2 * step, 3 * step), (5 * step, step)]:
+        image = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8)
+        codes, grid = vision.encode(image)
+        assert grid == (height // step, width // step)
+        assert codes.shape == (grid[0] * grid[1], 8) and codes.dtype == torch.int64
+        assert vision.embed(codes).shape == (codes.shape[0], vision.config.hidden_size)
+    black = torch.zeros(step, step, 3, dtype=torch.uint8)
+    assert not torch.equal(vision.encode(black).codes, vision.encode(black + 255).codes)
+    with pytest.raises(ValueError, match="multiple"):
+        vision.encode(torch.zeros(step + 1, step, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        vision.encode(torch.zeros(step, step, 3))
+
+
+@pytest.mark.parametrize("seconds", [0.05, 1.0, 2.5])
+def test_audio_token_count(folder, seconds):
+    audio = load_next_audio(folder)
+    samples = int(16000 * seconds)
+    codes = audio.encode(torch.sin(torch.arange(samples) * 0.05) * 0.3)
+    assert codes.shape == (max(1, -(-samples // 1280)), 8)
+    for level, size in enumerate(audio.config.codebook_sizes):
+        assert int(codes[:, level].max()) < size
+    with pytest.raises(ValueError, match="non-empty"):
+        audio.encode(torch.zeros(0))
