@@ -89,22 +89,16 @@ def load_part(
     folder: str | Path,
     prefix: str,
     role: str,
-    skip: tuple[str, ...] = (),
 ) -> None:
     """Fill ``module``'s parameters and persistent buffers from the tensors under ``prefix``.
 
     Every tensor of the module must be in the folder with its shape; every tensor under
-    ``prefix`` (other than those starting with a ``skip`` sub-prefix, which another role
-    reads) must be one of the module's.
+    ``prefix`` must be one of the module's.
     """
     folder = Path(folder)
     weight_map = read_index(folder, role)
     expected = module.state_dict()
-    stored = {
-        name[len(prefix) :]
-        for name in weight_map
-        if name.startswith(prefix) and not name[len(prefix) :].startswith(skip)
-    }
+    stored = {name[len(prefix) :] for name in weight_map if name.startswith(prefix)}
     missing = sorted(set(expected) - stored)
     if missing:
         raise CheckpointError(f"role {role}: tensor {prefix}{missing[0]} missing from {folder}")
