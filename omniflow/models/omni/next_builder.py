@@ -42,8 +42,11 @@ SPECIAL_TOKENS = {
 N_SPECIAL = 53  # text_vocab_plus_multimodal_special_token_size - text_vocab_size
 
 
-def tiny_config(hidden_size: int = 64, text_vocab_size: int = 512) -> dict[str, Any]:
-    """A published-shaped config.json, every dimension tiny."""
+def tiny_config(
+    hidden_size: int = 64, text_vocab_size: int = 512, quant_conv: bool = False
+) -> dict[str, Any]:
+    """A published-shaped config.json, every dimension tiny (``quant_conv``: the optional
+    MLP before the visual codebooks)."""
     ids = {k: text_vocab_size + v for k, v in SPECIAL_TOKENS.items()}
     audio_sizes = [64, 32, 16, 8, 8, 8, 8, 8]  # published: 8192, 4096, 2048, 1024 x 5
     visual_sizes = [32] * 8  # published: 16384 x 8
@@ -95,6 +98,8 @@ def tiny_config(hidden_size: int = 64, text_vocab_size: int = 512) -> dict[str, 
                 "codebook_sizes": visual_sizes,
                 "codebook_dim": 32,
                 "shared_codebook": False,
+                "quant_conv": quant_conv,
+                "in_channels": 32,
             },
         },
         "audio_config": {
@@ -159,9 +164,11 @@ def _text_files(config: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def build_tiny_next(folder: str | Path, seed: int = 0, hidden_size: int = 64) -> Path:
+def build_tiny_next(
+    folder: str | Path, seed: int = 0, hidden_size: int = 64, quant_conv: bool = False
+) -> Path:
     """Write the tiny published-layout checkpoint into ``folder``."""
-    config = tiny_config(hidden_size)
+    config = tiny_config(hidden_size, quant_conv=quant_conv)
     return write_checkpoint(folder, tiny_tensors(config, seed), _text_files(config), shards=3)
 
 

@@ -83,13 +83,26 @@ class _Quantize(nn.Module):
 
 
 class VisualQuantizer(nn.Module):
-    def __init__(self, sizes: list[int], dim: int) -> None:
+    def __init__(self, sizes: list[int], dim: int, quant_conv_in: int | None = None) -> None:
         super().__init__()
         self.quantize = _Quantize(sizes, dim)
+        # vq_config.quant_conv: LayerNorm + Linear/GELU/Linear before the codebooks.
+        self.quant_conv = (
+            None
+            if quant_conv_in is None
+            else nn.Sequential(
+                nn.LayerNorm(quant_conv_in),
+                nn.Linear(quant_conv_in, quant_conv_in),
+                nn.GELU(),
+                nn.Linear(quant_conv_in, dim),
+            )
+        )
 
     @torch.no_grad()
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Residual VQ ids [N, L] of features [N, dim]."""
+        """Residual VQ ids [N, L] of bridge outputs [N, in]."""
+        if self.quant_conv is not None:
+            x = self.quant_conv(x)
         residual = x.float().clone()
         ids = []
         for book in self.quantize.codebooks:
@@ -111,14 +124,17 @@ class _Borrowed(nn.Module):
 
 
 class _Bridge(nn.Module):
-    def __init__(self, vconf: Qwen2_5_VLVisionConfig, sizes: list[int], dim: int) -> None:
+    def __init__(self, vconf: Qwen2_5_VLVisionConfig, vq: dict[str, Any]) -> None:
         super().__init__()
         self.bridge = Qwen2_5_VLPatchMerger(
             dim=vconf.out_hidden_size,
             context_dim=vconf.hidden_size,
             spatial_merge_size=vconf.spatial_merge_size,
         )
-        self.quantizer = VisualQuantizer(sizes, dim)
+        dim = int(vq["codebook_dim"])
+        quant_in = int(vq.get("in_channels", dim)) if vq.get("quant_conv") else None
+        sizes = [int(n) for n in vq["codebook_sizes"]]
+        self.quantizer = VisualQuantizer(sizes, dim, quant_in)
 
 
 class _MLP(nn.Module):
@@ -187,7 +203,7 @@ class NextVisionTokenizer(nn.Module):
             hidden,
         )
         self.visual_model = Qwen2_5_VisionTransformerPretrainedModel._from_config(vconf)
-        self.visual_bridge_model = _Bridge(vconf, sizes, int(vq["codebook_dim"]))
+        self.visual_bridge_model = _Bridge(vconf, vq)
         self.visual_model.merger = _Borrowed(self.visual_bridge_model.bridge)
         self.visual_embedding_layer = _EmbeddingLayer(
             hidden,

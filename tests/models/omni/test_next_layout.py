@@ -431,3 +431,20 @@ def test_audio_token_count(folder, seconds):
         assert int(codes[:, level].max()) < size
     with pytest.raises(ValueError, match="non-empty"):
         audio.encode(torch.zeros(0))
+
+
+def test_vision_quant_conv_runs_before_the_codebooks(tmp_path):
+    folder = build_tiny_next(tmp_path / "qc", seed=1, quant_conv=True)
+    t = _tensors(folder)
+    q = V + "visual_bridge_model.quantizer."
+    assert q + "quant_conv.1.weight" in t and q + "quant_conv.3.bias" in t
+    model = load_next_vision(folder)
+    image = torch.randint(0, 256, (56, 56, 3), dtype=torch.uint8)
+    bridge, _ = model.features(image)
+    h = torch.nn.functional.layer_norm(
+        bridge, (32,), t[q + "quant_conv.0.weight"], t[q + "quant_conv.0.bias"]
+    )
+    h = torch.nn.functional.gelu(h @ t[q + "quant_conv.1.weight"].t() + t[q + "quant_conv.1.bias"])
+    h = h @ t[q + "quant_conv.3.weight"].t() + t[q + "quant_conv.3.bias"]
+    books = [t[f"{q}quantize.codebooks.{i}.embed"][:-1] for i in range(8)]
+    assert torch.equal(model.encode(image).codes, _rvq_reference(h, books))
