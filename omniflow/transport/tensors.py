@@ -196,9 +196,13 @@ def _kept_view(pool: PagePool, ref: Shm, view: torch.Tensor) -> torch.Tensor:
 
 
 def _release_quietly(ref: Shm) -> None:
+    pool = _attached.pool
+    if pool is None or pool.name != ref.pool:  # the deployment is down: nothing to give back
+        _count_closed(ref.lease)
+        return
     try:
         release(ref)
-    except Exception:  # the pool went first (the deployment is down): nothing to give back
+    except TensorError:
         pass
 
 
