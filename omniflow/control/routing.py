@@ -155,7 +155,9 @@ class Fanout:
             emit = Emit(self.call.request_id, self.src, self.emitted, data)
             self.emitted += 1
             link = client_link(self.call.reply_to) if tensors else _NO_LINK
-            await self.router.send(self.call.reply_to, emit, tensors, link)
+            rest = self.router.send_now(self.call.reply_to, emit, tensors, link)
+            if rest is not None:
+                await _revoke_if_unsent(rest, emit, link)
             return
         for branch in self._branches_for(routes, data):
             if branch.stream:
@@ -381,7 +383,12 @@ class Fanout:
                 )
                 self.emitted += 1
                 link = client_link(self.call.reply_to) if tensors else _NO_LINK
-                return self.router.send_now(self.call.reply_to, done, tensors, link)
+                rest = self.router.send_now(self.call.reply_to, done, tensors, link)
+                return (
+                    rest
+                    if rest is None or not done.tensors
+                    else _revoke_if_unsent(rest, done, link)
+                )
             if not routes or any(route.edge.stream for route in routes):
                 # It goes out on its own first: an Emit, or chunks on streaming edges.
                 return self._output_then_finish(last_output, credit, timings, usage)
@@ -472,6 +479,16 @@ class Fanout:
         for branch, msg, tensors in closing:
             await self._deliver(branch, msg, tensors)
             self.router.policies[branch.role].on_done(branch.record.actor_id)
+
+
+async def _revoke_if_unsent(send: Awaitable[None], msg: Any, link: Link) -> None:
+    """Await a send to the client; one that fails takes back the pool refs exported for it."""
+    try:
+        await send
+    except BaseException:
+        if msg.tensors:
+            revoke_tensors(msg.tensors.values(), link.pid)
+        raise
 
 
 def _merge(into: dict[str, Any], data: Mapping[str, Any]) -> None:
