@@ -227,9 +227,12 @@ class Client:
             name: make_policy(rc.policy, role=name) for name, rc in self.config.roles.items()
         }
         idempotent = frozenset(n for n, rc in self.config.roles.items() if rc.idempotent)
-        self.router = Router(
-            self.config.plan(), self.view, self.outbox, policies, idempotent, self.config.host_id
-        )
+        # Inputs go by pool handle only through this deployment's pool: where the process
+        # maps another one (a second Runtime's), no replica counts as on this host for them.
+        host = self.config.host_id
+        if attached_pool() is not None and not self._attached:
+            host = f"{host} (another deployment's pool is attached here)"
+        self.router = Router(self.config.plan(), self.view, self.outbox, policies, idempotent, host)
 
     async def close(self) -> None:
         if self._sweeper is not None:

@@ -126,3 +126,25 @@ def test_owned_frames_stay_frames(pool):
     assert isinstance(ref, Frame)
     got = materialize_owned({"x": ref}, frames)["x"]
     assert torch.equal(got, torch.ones(4)) and pool.stats().live_leases == 0
+
+
+def test_two_runtimes_in_one_process_keep_to_their_own_pools(run_root):
+    check = parse(
+        {
+            "name": "checkonly",
+            "roles": {"check": {"actor": "tests.graph_roles:CheckTensor"}},
+            "graph": {"edges": [{"from": "input", "to": "check"}]},
+            "cache": {"host_pool": "64MiB"},
+        }
+    )
+    x = torch.rand(1 << 18)
+
+    async def main():
+        async with omniflow.Runtime(chain(2)) as first, omniflow.Runtime(check) as second:
+            # the first client maps its pool: the second's input must not name it
+            outs, _ = await second.call({"x": x}, timeout=30)
+            made, _ = await first.call({"tensor_bytes": MIB, "seed": 3}, timeout=30)
+            return outs[0].data, torch.equal(made[-1].tensors["tensor"], expected(MIB, 3))
+
+    data, equal = asyncio.run(main())
+    assert data["sum"] == float(x.double().sum()) and equal
