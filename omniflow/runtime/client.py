@@ -193,7 +193,8 @@ class Client:
         own): outputs then come back from this host's roles as pool handles, not bytes."""
         self.config = config
         self._pool = pool
-        self._attached = False
+        self._own_pool = False  # outputs come as pool handles, inputs go as them
+        self._attached = False  # this client attached the pool: it detaches it
         self.registry_address = registry_address
         self.run_dir = Path(run_dir)
         self._pending: dict[str, _Pending] = {}
@@ -211,8 +212,10 @@ class Client:
             n = next(_client_ids)
             address = f"ipc://{self.run_dir}/client-{os.getpid()}-{n}.sock"
             if self._pool is not None and attached_pool() in (None, self._pool):
-                attach_pool(self._pool, self.config.cache.frame_threshold_bytes)
-                self._attached = True
+                if attached_pool() is None:  # else mapped for the process (a worker's)
+                    attach_pool(self._pool, self.config.cache.frame_threshold_bytes)
+                    self._attached = True
+                self._own_pool = True
                 address = pool_client_address(str(self.run_dir), os.getpid(), n)
         keys = self.config.security.load_keys()
         advertise = self.config.addresses()[1]
@@ -230,7 +233,7 @@ class Client:
         # Inputs go by pool handle only through this deployment's pool: where the process
         # maps another one (a second Runtime's), no replica counts as on this host for them.
         host = self.config.host_id
-        if attached_pool() is not None and not self._attached:
+        if attached_pool() is not None and not self._own_pool:
             host = f"{host} (another deployment's pool is attached here)"
         self.router = Router(self.config.plan(), self.view, self.outbox, policies, idempotent, host)
 
