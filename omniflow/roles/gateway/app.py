@@ -10,19 +10,18 @@ import asyncio
 import base64
 import contextlib
 import hmac
-import io
 import itertools
 import json
 import logging
 import time
 import uuid
-import wave
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from omniflow.roles.gateway.cors import Cors
 from omniflow.roles.gateway.http import (
     SSE_HEADERS,
     Disconnected,
@@ -35,14 +34,27 @@ from omniflow.roles.gateway.http import (
     until_disconnect,
 )
 from omniflow.roles.gateway.metrics import Metrics
+from omniflow.roles.gateway.replies import (
+    ChatChunks,
+    TextChunks,
+    chat_message,
+    completion_logprobs,
+    finish_reason,
+    text_of,
+    token_logprobs,
+    usage,
+)
 from omniflow.roles.gateway.schema import (
     ApiError,
     ChatRequest,
+    CompletionRequest,
     ImageRequest,
     chat_inputs,
     chat_params,
+    completion_params,
     decode_body,
     image_params,
+    refuse_unsupported,
 )
 from omniflow.runtime.client import Client, Output, RequestFailed, Result
 from omniflow.runtime.config import Config, GatewayConfig
@@ -58,7 +70,6 @@ _STATUS = {
 log = logging.getLogger("omniflow.gateway")
 _INPUT = "input"  # the graph's source: where a client's request enters
 _RETRY = [(b"retry-after", b"1")]
-_AUDIO_RATE = 24000  # the audio decoder's PCM16 rate, when a chunk names none
 
 
 class GatewayApp:
@@ -82,16 +93,24 @@ class GatewayApp:
         self._params = _declared_params(config)
         self._routes = {
             ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/images/generations"): self.images,
             ("GET", "/v1/models"): self.models,
             ("GET", "/health"): self.health,
             ("GET", "/metrics"): self.prometheus,
             ("GET", "/"): self.playground,
         }
+        self._cors = Cors(self._route, options.cors_origins) if options.cors_origins else None
         page = (Path(__file__).parent / "playground.html").read_text()
         self._page = page.replace("__MODEL__", json.dumps(self.name)).encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if self._cors is not None:
+            await self._cors(scope, receive, send)
+        else:
+            await self._route(scope, receive, send)
+
+    async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         path = scope["path"]
@@ -202,34 +221,118 @@ class GatewayApp:
     async def chat(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
         req = decode_body(await read_body(scope, receive, self._limit), ChatRequest)
         self._check_model(req.model)
-        session = req.session or req.user or ""
-        inputs, want = chat_inputs(req, session, self.options.allow_local_paths)
+        refuse_unsupported(req)
+        session = req.session or (header(scope, b"x-session-id") or b"").decode()
+        if req.n > 1 and (req.stream or session):
+            field = "stream" if req.stream else "session"
+            raise ApiError(400, f"n > 1 is served without {field}", "n")
+        inputs, want = chat_inputs(req, self.options.allow_local_paths)
         for kind in want:
             if kind not in self.makes:
                 raise ApiError(400, f"this deployment makes no {kind}", "modalities")
         self._check_params(req.params)
         params = chat_params(req, want)
+        request_id = f"chatcmpl-{self._prefix}{next(self._ids):x}"
+        kwargs = {"session": session, "timeout": self._timeout(req.timeout)}
+        audio_format = req.audio.format if req.audio is not None else "wav"
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+        def reply(results: list[tuple[list[Output], Result]]) -> dict[str, Any]:
+            choices = [
+                {"index": i, **chat_message(request_id, outputs, audio_format, req.logprobs)}
+                for i, (outputs, _) in enumerate(results)
+            ]
+            return {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.name,
+                "choices": choices,
+                "usage": usage([result.usage for _, result in results]),
+            }
+
+        return await self._serve(
+            receive, send, inputs, params, kwargs, request_id, req.n, reply,
+            ChatChunks(request_id, self.name, req.logprobs, include_usage) if req.stream else None,
+        )  # fmt: skip
+
+    async def completions(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        """/v1/completions: the prompt as it is (no chat template), text out."""
+        req = decode_body(await read_body(scope, receive, self._limit), CompletionRequest)
+        self._check_model(req.model)
+        for field in ("suffix", "best_of"):
+            if getattr(req, field) not in (None, 1):
+                raise ApiError(400, f"{field} is not supported", field)
+        if req.n > 1 and req.stream:
+            raise ApiError(400, "n > 1 is served without stream", "n")
+        self._check_params(req.params)
+        prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+        inputs = {"text": prompt, "prompt": prompt}
+        params = completion_params(req)
+        request_id = f"cmpl-{self._prefix}{next(self._ids):x}"
+        kwargs = {"session": "", "timeout": self._timeout(req.timeout)}
+        echo = prompt if req.echo else ""
+
+        def reply(results: list[tuple[list[Output], Result]]) -> dict[str, Any]:
+            choices = []
+            for i, (outputs, _) in enumerate(results):
+                entries = token_logprobs(outputs)
+                logprobs = (
+                    completion_logprobs(entries, len(echo)) if req.logprobs is not None else None
+                )
+                choices.append(
+                    {
+                        "index": i,
+                        "text": echo + text_of(outputs),
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason(outputs),
+                    }
+                )
+            return {
+                "id": request_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.name,
+                "choices": choices,
+                "usage": usage([result.usage for _, result in results]),
+            }
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        chunks = TextChunks(request_id, self.name, req.logprobs is not None, include_usage, echo)
+        return await self._serve(
+            receive, send, inputs, params, kwargs, request_id, req.n, reply,
+            chunks if req.stream else None,
+        )  # fmt: skip
+
+    async def _serve(
+        self,
+        receive: Receive,
+        send: Send,
+        inputs: dict[str, Any],
+        params: dict[str, Any],
+        kwargs: dict[str, Any],
+        request_id: str,
+        n: int,
+        reply: Any,
+        chunks: Any,
+    ) -> int:
+        """Admit a model request, run it (n times, seeds apart) or stream it, and answer."""
         self._admit()
         self._first_hops_live(inputs, params)
-        request_id = f"chatcmpl-{self._prefix}{next(self._ids):x}"
-        kwargs = {
-            "params": params,
-            "session": session,
-            "timeout": self._timeout(req.timeout),
-            "request_id": request_id,
-        }
-        audio_format = req.audio.format if req.audio is not None else "wav"
+        kwargs = {**kwargs, "request_id": request_id}
         self.inflight += 1
         started = time.perf_counter()
         try:
-            if req.stream:
-                work = self._stream_chat(send, inputs, kwargs, started)
+            if chunks is not None:
+                work = self._stream(send, inputs, {**kwargs, "params": params}, started, chunks)
                 status = await until_disconnect(receive, work)
             else:
-                outputs, result = await until_disconnect(
-                    receive, self._call(inputs, kwargs, started)
-                )
-                await answer(send, 200, self._completion(request_id, outputs, result, audio_format))
+                calls = [
+                    self._call(inputs, {**kwargs, **_choice(params, i, n, request_id)}, started)
+                    for i in range(n)
+                ]
+                results = await until_disconnect(receive, _gather(calls))
+                await answer(send, 200, reply(results))
                 status = 200
         finally:
             self.inflight -= 1
@@ -247,77 +350,34 @@ class GatewayApp:
         self.metrics.usage(result.usage)
         return outputs, result
 
-    def _completion(
-        self, request_id: str, outputs: list[Output], result: Result, audio_format: str
-    ) -> dict[str, Any]:
-        text = "".join(o.data["text"] for o in outputs if isinstance(o.data.get("text"), str))
-        images = [_image_part(o) for o in outputs if "image" in o.data]
-        pcm = b"".join(o.data["audio_chunk"] for o in outputs if "audio_chunk" in o.data)
-        content: Any = [{"type": "text", "text": text}, *images] if images else text
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if pcm:
-            data = pcm if audio_format == "pcm16" else _wav(pcm, _rate(outputs))
-            message["audio"] = {
-                "id": f"audio-{request_id}",
-                "data": base64.b64encode(data).decode(),
-                "expires_at": int(time.time()) + 3600,
-                "transcript": text,
-            }
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.name,
-            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-            "usage": _usage(result.usage),
-        }
-
-    async def _stream_chat(
-        self, send: Send, inputs: dict[str, Any], kwargs: dict[str, Any], started: float
+    async def _stream(
+        self, send: Send, inputs: dict[str, Any], kwargs: dict[str, Any], started: float, chunks
     ) -> int:
         """Server-sent events, one per output. The headers wait for the first event, so a
         request that fails before any output still gets its own status."""
-        request_id = kwargs["request_id"]
-        base = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": self.name,
-        }
         opened = False
         # aclosing: a disconnect's cancel ends the stream now, which sends the Cancel.
         generator = cast(
             AsyncGenerator[Output | Result, None], self.client.stream(inputs, **kwargs)
         )
-        events = contextlib.aclosing(generator)
         try:
-            async with events as stream:
+            async with contextlib.aclosing(generator) as stream:
                 async for item in stream:
                     if isinstance(item, Result):
                         self.metrics.usage(item.usage)
-                        chunk = {"index": 0, "delta": {}, "finish_reason": "stop"}
-                        last = {**base, "choices": [chunk], "usage": _usage(item.usage)}
-                        body = event(last) + b"data: [DONE]\n\n"
                         if not opened:
                             await _open_sse(send)
+                        body = chunks.last(item) + b"data: [DONE]\n\n"
                         await send({"type": "http.response.body", "body": body})
                         return 200
-                    delta = _delta(item, request_id)
-                    if delta is None:
+                    body = chunks.of(item)
+                    if body is None:
                         continue
                     if not opened:
                         self.metrics.chat_ttft.observe(time.perf_counter() - started)
                         await _open_sse(send)
                         opened = True
-                        delta["role"] = "assistant"
-                    chunk = {"index": 0, "delta": delta, "finish_reason": None}
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": event({**base, "choices": [chunk]}),
-                            "more_body": True,
-                        }
-                    )
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
         except RequestFailed as e:
             error = _api_error(e)
             if not opened:
@@ -394,49 +454,24 @@ async def _open_sse(send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
 
-def _delta(output: Output, request_id: str) -> dict[str, Any] | None:
-    data = output.data
-    text = data.get("text")
-    if isinstance(text, str):
-        return {"content": text}
-    if "audio_chunk" in data:
-        pcm = base64.b64encode(data["audio_chunk"]).decode()
-        return {"audio": {"id": f"audio-{request_id}", "data": pcm}}
-    if "image" in data:
-        return {"images": [_image_part(output)]}
-    return None
+def _choice(params: dict[str, Any], i: int, n: int, request_id: str) -> dict[str, Any]:
+    """The i-th of n choices: its own request id and seed (seed + i)."""
+    if n == 1:
+        return {"params": params}
+    seed = {"seed": params.get("seed", 0) + i}
+    return {"params": {**params, **seed}, "request_id": f"{request_id}-{i}"}
 
 
-def _image_part(output: Output) -> dict[str, Any]:
-    mime = output.data.get("mime", "image/png")
-    url = f"data:{mime};base64,{base64.b64encode(output.data['image']).decode()}"
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def _rate(outputs: list[Output]) -> int:
-    rates = [o.data["sample_rate"] for o in outputs if "sample_rate" in o.data]
-    return int(rates[0]) if rates else _AUDIO_RATE
-
-
-def _wav(pcm: bytes, rate: int) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm)
-    return buffer.getvalue()
-
-
-def _usage(usage: dict[str, int]) -> dict[str, Any]:
-    prompt = usage.get("prompt_tokens", 0)
-    completion = usage.get("completion_tokens", 0)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
-    }
+async def _gather(calls: list) -> list[tuple[list[Output], Result]]:
+    if len(calls) == 1:
+        return [await calls[0]]
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:  # one failed (or the client left): the others stop too
+        for task in tasks:
+            task.cancel()
+        raise
 
 
 def _api_error(e: RequestFailed) -> ApiError:
