@@ -102,7 +102,8 @@ def test_audio_output_streams_in_several_chunks(client):
     assert len(audio) >= 2  # separate events as the decoder made them, not one at the end
     pcm = b"".join(base64.b64decode(a) for a in audio)
     assert len(pcm) == 3 * 2 * 1920 * 2  # 1920 PCM16 samples per audio token
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    # "length" when the text before the audio was cut by max_tokens
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
 def test_non_streamed_audio_is_a_wav(client):
