@@ -188,3 +188,44 @@ def test_send_takes_a_32_bit_float_wav(client, tmp_path):
         "send", "--name", "lcgw", "-o", str(tmp_path), "-t", "hear", "-a", str(path), "--json"
     )
     assert sent.returncode == 0, sent.stderr
+
+
+def test_speech_streams_sse_deltas_as_the_decoder_makes_them(client):
+    import json
+
+    params = {"audio_chunks": 3, "audio_chunk_tokens": 2}
+    with client.audio.speech.with_streaming_response.create(
+        model="lcgw",
+        voice="alloy",
+        input="hello there",
+        response_format="pcm",
+        stream_format="sse",
+        extra_body={"params": params},
+    ) as response:
+        events = [
+            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")
+        ]
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert len(deltas) >= 2 and events[-1]["type"] == "speech.audio.done"
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert len(pcm) == 3 * 2 * 1920 * 2  # 1920 PCM16 samples per audio token
+
+
+def test_speech_as_a_wav_stream_and_refused_formats(client):
+    import wave
+
+    reply = client.audio.speech.create(
+        model="lcgw",
+        voice="alloy",
+        input="hi",
+        response_format="wav",
+        extra_body={"params": {"audio_chunks": 2, "audio_chunk_tokens": 2}},
+    )
+    data = reply.read()
+    assert data[:4] == b"RIFF"
+    with wave.open(io.BytesIO(data[:44] + b"")) as w:  # the streaming header
+        assert w.getframerate() > 0 and w.getsampwidth() == 2
+    assert len(data) == 44 + 2 * 2 * 1920 * 2
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.audio.speech.create(model="lcgw", voice="alloy", input="hi", response_format="mp3")
+    assert caught.value.body["param"] == "response_format"

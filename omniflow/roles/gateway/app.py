@@ -49,6 +49,7 @@ from omniflow.roles.gateway.schema import (
     ChatRequest,
     CompletionRequest,
     ImageRequest,
+    SpeechRequest,
     chat_inputs,
     chat_params,
     completion_params,
@@ -56,6 +57,7 @@ from omniflow.roles.gateway.schema import (
     image_params,
     refuse_unsupported,
 )
+from omniflow.roles.gateway.speech import stream_speech
 from omniflow.runtime.client import Client, Output, RequestFailed, Result
 from omniflow.runtime.config import Config, GatewayConfig
 from omniflow.runtime.loading import makes_of, params_type
@@ -94,6 +96,7 @@ class GatewayApp:
         self._routes = {
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/audio/speech"): self.speech,
             ("POST", "/v1/images/generations"): self.images,
             ("GET", "/v1/models"): self.models,
             ("GET", "/health"): self.health,
@@ -303,6 +306,38 @@ class GatewayApp:
             receive, send, inputs, params, kwargs, request_id, req.n, reply,
             chunks if req.stream else None,
         )  # fmt: skip
+
+    async def speech(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        """/v1/audio/speech: the input spoken by the llm's audio tokens, streamed."""
+        req = decode_body(await read_body(scope, receive, self._limit), SpeechRequest)
+        self._check_model(req.model)
+        req.check()
+        if "audio" not in self.makes:
+            raise ApiError(400, f"{self.name} makes no audio", "model")
+        self._check_params(req.params)
+        inputs = {"text": req.input, "messages": [{"role": "user", "content": req.input}]}
+        params = {**req.params, "want": "audio"}
+        self._admit()
+        self._first_hops_live(inputs, params)
+        request_id = f"speech-{self._prefix}{next(self._ids):x}"
+        stream = self.client.stream(
+            inputs, params=params, timeout=self._timeout(req.timeout), request_id=request_id
+        )
+        self.inflight += 1
+        started = time.perf_counter()
+        try:
+            work = stream_speech(
+                send, cast(Any, stream), req.response_format, req.stream_format == "sse"
+            )
+            status, result = await until_disconnect(receive, work)
+        except RequestFailed as e:
+            raise _api_error(e) from None
+        finally:
+            self.inflight -= 1
+        if result is not None:
+            self.metrics.usage(result.usage)
+        self.metrics.latency.labels("speech").observe(time.perf_counter() - started)
+        return status
 
     async def _serve(
         self,

@@ -142,6 +142,28 @@ class CompletionRequest(msgspec.Struct):
     params: dict[str, Any] = {}
 
 
+class SpeechRequest(msgspec.Struct):
+    input: Annotated[str, Meta(min_length=1, max_length=4096)]
+    model: str | None = None
+    voice: str | dict[str, Any] = ""
+    response_format: str = "wav"
+    stream_format: str = "audio"
+    speed: float = 1.0
+    instructions: str = ""
+    timeout: Annotated[float, Meta(gt=0)] | None = None
+    params: dict[str, Any] = {}
+
+    def check(self) -> None:
+        if self.response_format not in ("wav", "pcm"):
+            raise ApiError(
+                400, f"response_format {self.response_format!r}: wav or pcm", "response_format"
+            )
+        if self.stream_format not in ("sse", "audio"):
+            raise ApiError(400, "stream_format: sse or audio", "stream_format")
+        if self.speed != 1.0:
+            raise ApiError(400, "speed other than 1.0 is not supported", "speed")
+
+
 class ImageRequest(msgspec.Struct):
     prompt: str
     model: str | None = None
