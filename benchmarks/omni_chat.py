@@ -32,9 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import cpu_name, emit, median, scratch_dir, short_run_root  # noqa: E402
-
 import openai  # noqa: E402
+from _common import cpu_name, emit, median, scratch_dir, short_run_root  # noqa: E402
 
 import omniflow  # noqa: E402
 from omniflow.runtime.config import parse  # noqa: E402
