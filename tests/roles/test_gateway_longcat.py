@@ -229,3 +229,16 @@ def test_speech_as_a_wav_stream_and_refused_formats(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.audio.speech.create(model="lcgw", voice="alloy", input="hi", response_format="mp3")
     assert caught.value.body["param"] == "response_format"
+
+
+def test_an_image_edit_goes_through_the_vision_encoder(client):
+    def edit(seed_of_image: int):
+        source = ("in.png", image_bytes(96, 64, seed=seed_of_image), "image/png")
+        return client.images.edit(
+            model="lcgw", image=source, prompt="make it blue", size="64x64", extra_body={"seed": 3}
+        )
+
+    one, other = edit(1), edit(2)
+    png = base64.b64decode(one.data[0].b64_json)
+    assert Image.open(io.BytesIO(png)).size == (64, 64)
+    assert png != base64.b64decode(other.data[0].b64_json)  # conditioned on the image

@@ -19,8 +19,10 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from omniflow.roles.gateway.calls import api_error, choice, declared_params, gather
 from omniflow.roles.gateway.cors import Cors
 from omniflow.roles.gateway.http import (
     SSE_HEADERS,
@@ -34,6 +36,7 @@ from omniflow.roles.gateway.http import (
     until_disconnect,
 )
 from omniflow.roles.gateway.metrics import Metrics
+from omniflow.roles.gateway.multipart import form_fields, text_field
 from omniflow.roles.gateway.replies import (
     ChatChunks,
     TextChunks,
@@ -60,15 +63,8 @@ from omniflow.roles.gateway.schema import (
 from omniflow.roles.gateway.speech import stream_speech
 from omniflow.runtime.client import Client, Output, RequestFailed, Result
 from omniflow.runtime.config import Config, GatewayConfig
-from omniflow.runtime.loading import makes_of, params_type
+from omniflow.runtime.loading import makes_of
 
-_STATUS = {
-    "bad_request": 400,
-    "overloaded": 429,
-    "unavailable": 503,
-    "shutting_down": 503,
-    "deadline": 504,
-}
 log = logging.getLogger("omniflow.gateway")
 _INPUT = "input"  # the graph's source: where a client's request enters
 _RETRY = [(b"retry-after", b"1")]
@@ -92,12 +88,13 @@ class GatewayApp:
         if not self.makes:  # no role says what it makes (custom roles): text, as ever
             self.makes = {"text"}
         self._first_roles = {e.dst for e in client.router.plan.edges if e.src == _INPUT}
-        self._params = _declared_params(config)
+        self._params = declared_params(config)
         self._routes = {
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/audio/speech"): self.speech,
             ("POST", "/v1/images/generations"): self.images,
+            ("POST", "/v1/images/edits"): self.edits,
             ("GET", "/v1/models"): self.models,
             ("GET", "/health"): self.health,
             ("GET", "/metrics"): self.prometheus,
@@ -331,7 +328,7 @@ class GatewayApp:
             )
             status, result = await until_disconnect(receive, work)
         except RequestFailed as e:
-            raise _api_error(e) from None
+            raise api_error(e) from None
         finally:
             self.inflight -= 1
         if result is not None:
@@ -363,10 +360,10 @@ class GatewayApp:
                 status = await until_disconnect(receive, work)
             else:
                 calls = [
-                    self._call(inputs, {**kwargs, **_choice(params, i, n, request_id)}, started)
+                    self._call(inputs, {**kwargs, **choice(params, i, n, request_id)}, started)
                     for i in range(n)
                 ]
-                results = await until_disconnect(receive, _gather(calls))
+                results = await until_disconnect(receive, gather(calls))
                 await answer(send, 200, reply(results))
                 status = 200
         finally:
@@ -380,7 +377,7 @@ class GatewayApp:
         try:
             outputs, result = await self.client.call(inputs, **kwargs)
         except RequestFailed as e:
-            raise _api_error(e) from None
+            raise api_error(e) from None
         self.metrics.chat_ttft.observe(time.perf_counter() - started)
         self.metrics.usage(result.usage)
         return outputs, result
@@ -414,7 +411,7 @@ class GatewayApp:
                         opened = True
                     await send({"type": "http.response.body", "body": body, "more_body": True})
         except RequestFailed as e:
-            error = _api_error(e)
+            error = api_error(e)
             if not opened:
                 raise error from None
             await send({"type": "http.response.body", "body": event(error.body())})
@@ -423,6 +420,35 @@ class GatewayApp:
 
     async def images(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
         req = decode_body(await read_body(scope, receive, self._limit), ImageRequest)
+        return await self._images(req, {"text": req.prompt}, receive, send)
+
+    async def edits(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        """/v1/images/edits: a multipart ``image`` and ``prompt``; the image conditions the
+        pipeline (longcat: through the vision encoder; HunyuanImage-3: ti2i)."""
+        body = await read_body(scope, receive, self._limit)
+        fields = form_fields(header(scope, b"content-type"), body)
+        if "mask" in fields:
+            raise ApiError(400, "masks are not supported: the whole image is edited", "mask")
+        images = fields.get("image") or fields.get("image[]") or []
+        if len(images) != 1 or not images[0]:
+            raise ApiError(400, "expected one image file", "image")
+        values = {k: text_field(fields, k) for k in fields if k not in ("image", "image[]")}
+        try:
+            req = msgspec.convert(values, ImageRequest, strict=False)
+        except msgspec.ValidationError as e:
+            where = str(e).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(e) else None
+            raise ApiError(400, str(e).replace("`$.", "`"), where) from None
+        content = [{"type": "image"}, {"type": "text", "text": req.prompt}]
+        inputs = {
+            "text": req.prompt,
+            "image": images[0],
+            "messages": [{"role": "user", "content": content}],
+        }
+        return await self._images(req, inputs, receive, send)
+
+    async def _images(
+        self, req: ImageRequest, inputs: dict[str, Any], receive: Receive, send: Send
+    ) -> int:
         self._check_model(req.model)
         if "image" not in self.makes:
             raise ApiError(400, f"{self.name} makes no images", "model")
@@ -430,7 +456,7 @@ class GatewayApp:
         # it); others get it as longcat's token grid.
         params = image_params(req, sized=self._params is not None and "size" in self._params)
         self._admit()
-        self._first_hops_live({"text": req.prompt}, params)
+        self._first_hops_live(inputs, params)
         started = time.perf_counter()
         self.inflight += 1
         timeout = self._timeout(req.timeout)
@@ -448,13 +474,10 @@ class GatewayApp:
             seed = {"seed": params.get("seed", 0) + i} if req.n > 1 else {}
             try:
                 return await self.client.call(
-                    {"text": req.prompt},
-                    params={**params, **seed},
-                    session=req.user or "",
-                    timeout=timeout,
+                    inputs, params={**params, **seed}, session="", timeout=timeout
                 )
             except RequestFailed as e:
-                raise _api_error(e) from None
+                raise api_error(e) from None
 
         try:
             results = await until_disconnect(receive, all_of())
@@ -473,46 +496,5 @@ class GatewayApp:
         return 200
 
 
-def _declared_params(config: Config) -> set[str] | None:
-    """Every request param some role of the graph declares; None when a role declares none
-    (it may read any key)."""
-    keys: set[str] = set()
-    for role in config.roles.values():
-        schema = params_type(role.actor)
-        if schema is None:
-            return None
-        keys.update(schema.__struct_fields__)
-    return keys
-
-
 async def _open_sse(send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-
-
-def _choice(params: dict[str, Any], i: int, n: int, request_id: str) -> dict[str, Any]:
-    """The i-th of n choices: its own request id and seed (seed + i)."""
-    if n == 1:
-        return {"params": params}
-    seed = {"seed": params.get("seed", 0) + i}
-    return {"params": {**params, **seed}, "request_id": f"{request_id}-{i}"}
-
-
-async def _gather(calls: list) -> list[tuple[list[Output], Result]]:
-    if len(calls) == 1:
-        return [await calls[0]]
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:  # one failed (or the client left): the others stop too
-        for task in tasks:
-            task.cancel()
-        raise
-
-
-def _api_error(e: RequestFailed) -> ApiError:
-    status = _STATUS.get(e.code, 500)
-    param = None
-    if status == 400:
-        field, sep, _ = e.detail.partition(": ")
-        param = field if sep and " " not in field else None
-    return ApiError(status, f"{e.role}: {e.detail}", param)
