@@ -25,19 +25,20 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from omniflow.roles.gateway.calls import api_error, choice, declared_params, gather
 from omniflow.roles.gateway.cors import Cors
 from omniflow.roles.gateway.http import (
-    SSE_HEADERS,
     Disconnected,
     Receive,
     Send,
     answer,
     event,
     header,
+    open_sse,
     read_body,
     until_disconnect,
 )
 from omniflow.roles.gateway.metrics import Metrics
 from omniflow.roles.gateway.multipart import form_fields, text_field
 from omniflow.roles.gateway.replies import (
+    AUDIO_RATE,
     ChatChunks,
     TextChunks,
     chat_message,
@@ -316,16 +317,15 @@ class GatewayApp:
         params = {**req.params, "want": "audio"}
         self._admit()
         self._first_hops_live(inputs, params)
-        request_id = f"speech-{self._prefix}{next(self._ids):x}"
-        stream = self.client.stream(
-            inputs, params=params, timeout=self._timeout(req.timeout), request_id=request_id
-        )
+        rid = f"speech-{self._prefix}{next(self._ids):x}"
+        timeout = self._timeout(req.timeout)
+        stream = self.client.stream(inputs, params=params, timeout=timeout, request_id=rid)
         self.inflight += 1
         started = time.perf_counter()
+        clock = self.metrics.audio_clock("speech", started)
         try:
-            work = stream_speech(
-                send, cast(Any, stream), req.response_format, req.stream_format == "sse"
-            )
+            sse = req.stream_format == "sse"
+            work = stream_speech(send, cast(Any, stream), req.response_format, sse, clock)
             status, result = await until_disconnect(receive, work)
         except RequestFailed as e:
             raise api_error(e) from None
@@ -388,6 +388,7 @@ class GatewayApp:
         """Server-sent events, one per output. The headers wait for the first event, so a
         request that fails before any output still gets its own status."""
         opened = False
+        clock = self.metrics.audio_clock("chat", started)
         # aclosing: a disconnect's cancel ends the stream now, which sends the Cancel.
         generator = cast(
             AsyncGenerator[Output | Result, None], self.client.stream(inputs, **kwargs)
@@ -397,17 +398,19 @@ class GatewayApp:
                 async for item in stream:
                     if isinstance(item, Result):
                         self.metrics.usage(item.usage)
+                        clock.done()
                         if not opened:
-                            await _open_sse(send)
+                            await open_sse(send)
                         body = chunks.last(item) + b"data: [DONE]\n\n"
                         await send({"type": "http.response.body", "body": body})
                         return 200
+                    clock.chunk(item.role, item.data, AUDIO_RATE)
                     body = chunks.of(item)
                     if body is None:
                         continue
                     if not opened:
                         self.metrics.chat_ttft.observe(time.perf_counter() - started)
-                        await _open_sse(send)
+                        await open_sse(send)
                         opened = True
                     await send({"type": "http.response.body", "body": body, "more_body": True})
         except RequestFailed as e:
@@ -494,7 +497,3 @@ class GatewayApp:
         await answer(send, 200, {"created": int(time.time()), "data": data})
         self.metrics.latency.labels("images").observe(time.perf_counter() - started)
         return 200
-
-
-async def _open_sse(send: Send) -> None:
-    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, cast
 
 from omniflow.roles.gateway.http import SSE_HEADERS, Send, event
+from omniflow.roles.gateway.metrics import AudioClock
 from omniflow.roles.gateway.replies import AUDIO_RATE
 from omniflow.runtime.client import Output, Result
 
@@ -31,7 +32,11 @@ def wav_header(rate: int) -> bytes:
 
 
 async def stream_speech(
-    send: Send, stream: AsyncGenerator[Output | Result, None], response_format: str, sse: bool
+    send: Send,
+    stream: AsyncGenerator[Output | Result, None],
+    response_format: str,
+    sse: bool,
+    clock: AudioClock,
 ) -> tuple[int, Result | None]:
     """Send each audio chunk as it comes; (status, the request's result)."""
     opened = False
@@ -52,6 +57,7 @@ async def stream_speech(
     async with contextlib.aclosing(cast(Any, stream)) as items:
         async for item in items:
             if isinstance(item, Result):
+                clock.done()
                 if not opened:
                     await open_(AUDIO_RATE)
                 body = b""
@@ -62,6 +68,7 @@ async def stream_speech(
             pcm = item.data.get("audio_chunk")
             if not isinstance(pcm, (bytes, bytearray)):
                 continue
+            clock.chunk(item.role, item.data, AUDIO_RATE)
             if not opened:
                 await open_(int(item.data.get("sample_rate", AUDIO_RATE)))
             count += 1
