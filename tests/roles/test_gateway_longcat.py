@@ -248,3 +248,13 @@ def test_an_image_edit_goes_through_the_vision_encoder(client):
     png = base64.b64decode(one.data[0].b64_json)
     assert Image.open(io.BytesIO(png)).size == (64, 64)
     assert png != base64.b64decode(other.data[0].b64_json)  # conditioned on the image
+
+
+def test_send_and_the_gateway_render_one_turn_with_the_same_template(client, tmp_path):
+    import json
+
+    sent = cli("send", "--name", "lcgw", "-o", str(tmp_path), "-t", "same words", "--json")
+    assert sent.returncode == 0, sent.stderr
+    usage = json.loads(sent.stdout.strip().splitlines()[-1])["usage"]
+    reply = ask(client, "same words", max_tokens=2)
+    assert usage["prompt_tokens"] == reply.usage.prompt_tokens
