@@ -135,13 +135,26 @@ class AudioEncoderRole(CachingEncoder):
         return load_next_audio(opts.model_path, opts.device)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
-        raw = request.data.get("audio")
+        clips = request.data.get("audios")
+        if clips is None:
+            return await self._one(request.data.get("audio"), ctx, "audio")
+        if not isinstance(clips, list) or not clips:
+            raise BadRequest("audios", "expected a non-empty list of WAV clips")
+        outputs = [await self._one(raw, ctx, f"audios[{i}]") for i, raw in enumerate(clips)]
+        # Several clips (a dialogue's turns): embeddings back to back, audio_spans per clip.
+        return {
+            "audio_embeds": torch.cat([o["audio_embeds"] for o in outputs]),
+            "audio_spans": [[o["audio_hash"], int(o["audio_embeds"].shape[0])] for o in outputs],
+            "audio_seconds": sum(float(o["audio_seconds"]) for o in outputs),
+        }
+
+    async def _one(self, raw: Any, ctx: Context, field: str) -> dict[str, Any]:
         if not isinstance(raw, (bytes, bytearray, memoryview)):
             got = "nothing" if raw is None else type(raw).__name__
-            raise BadRequest("audio", f"expected WAV bytes, got {got}")
+            raise BadRequest(field, f"expected WAV bytes, got {got}")
         data = bytes(raw)
         if len(data) > self.max_bytes:
-            raise BadRequest("audio", f"{len(data)} bytes exceeds the limit of {self.max_bytes}")
+            raise BadRequest(field, f"{len(data)} bytes exceeds the limit of {self.max_bytes}")
         key = (
             content_hash(data)
             if len(data) < (1 << 20)
