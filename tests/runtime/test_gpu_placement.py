@@ -120,10 +120,10 @@ def test_cuda_ordinal_past_the_replica_share_is_refused() -> None:
     ],
 )
 def test_hunyuan_on_cuda_with_lent_kv_is_refused_at_load(actor, options, field) -> None:
+    import msgspec
+
     from omniflow.runtime.config import check_options
     from omniflow.runtime.tables import FieldError
-
-    import msgspec
 
     raw = {
         "name": "hy",
