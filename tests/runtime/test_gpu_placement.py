@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from omniflow.cache.pinned import cuda_available
-from omniflow.roles.llm import _tensor_hash
+from omniflow.roles.llm_prompt import _tensor_hash
 from omniflow.runtime.config import ConfigError, parse
 from omniflow.runtime.gpus import device_problem, placement_env, replica_gpus
 
