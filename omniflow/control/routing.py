@@ -87,7 +87,7 @@ class Router:
     def link(self, record: ActorRecord | None) -> Link:
         if record is None:
             return Link()
-        return Link(same_host=record.host == self.host, gpus=tuple(record.gpus), pid=record.pid)
+        return Link(same_host=record.host == self.host, gpus=tuple(record.devices), pid=record.pid)
 
     def send_now(
         self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = _NO_LINK

@@ -180,7 +180,7 @@ class AudioEncoderRole(CachingEncoder):
         wave_16k = resample(torch.from_numpy(samples), rate, self.model.config.sample_rate)
         codes = self.model.encode(wave_16k)
         return {
-            "audio_embeds": self.model.embed(codes).float().cpu(),
-            "audio_codes": codes.cpu(),
+            "audio_embeds": self.model.embed(codes).float(),  # on the device: the hop decides
+            "audio_codes": codes,
             "audio_seconds": float(seconds),
         }

@@ -225,6 +225,11 @@ def token_logprobs(tokenizer: Any, delta: Any) -> list[dict[str, Any]]:
 
 
 def _tensor_hash(t: torch.Tensor) -> str:
+    """A digest of the tensor's dtype, shape and values, the same on every device and
+    layout (CUDA, bf16 with no numpy dtype, strided views, tensor subclasses)."""
     import hashlib
 
-    return hashlib.blake2b(t.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+    raw = t.detach().as_subclass(torch.Tensor).contiguous().reshape(-1).view(torch.uint8)
+    h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+    h.update(raw.cpu().numpy().tobytes())
+    return h.hexdigest()

@@ -204,6 +204,17 @@ class HunyuanAROptions(BackboneOptions, kw_only=True):
         ),
     ] = 60.0
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lend_kv and self.device != "cpu":
+            # The lease book lends host-pool KV pages only; device KV cannot be lent yet.
+            raise FieldError(
+                "lend_kv",
+                f'lend_kv = true with device = "{self.device}": lent KV lives in the host '
+                "pool, so only a CPU ar can lend it; set lend_kv = false (and the diffusion "
+                'role\'s reuse_prefix = false) or device = "cpu"',
+            )
+
 
 class HunyuanDiffusionOptions(BackboneOptions, kw_only=True):
     threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
@@ -223,6 +234,16 @@ class HunyuanDiffusionOptions(BackboneOptions, kw_only=True):
             "separate stage does; for ar on another host, with ar's lend_kv = false)"
         ),
     ] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.reuse_prefix and self.device != "cpu":
+            raise FieldError(
+                "reuse_prefix",
+                f'reuse_prefix = true with device = "{self.device}": the borrowed KV lives in '
+                "the host pool, so only a CPU diffusion role can read it; set reuse_prefix = "
+                'false (and ar\'s lend_kv = false) or device = "cpu"',
+            )
 
 
 class VAEDecoderOptions(WeightsOptions, kw_only=True):

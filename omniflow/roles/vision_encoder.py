@@ -130,8 +130,8 @@ class VisionEncoderRole(CachingEncoder):
         codes, grid = self.model.encode(pixels)
         embeds = self.model.embed(codes)
         return {
-            "image_embeds": embeds.float().cpu(),
-            "image_codes": codes.cpu(),
+            "image_embeds": embeds.float(),  # on the device: the hop decides (CUDA IPC)
+            "image_codes": codes,
             "image_grid": [int(grid[0]), int(grid[1])],
         }
 

@@ -319,6 +319,7 @@ def validate(config: Config, source: str) -> None:
     if rt.ttl_s <= rt.heartbeat_s:
         raise ConfigError(f"{source}: [runtime] ttl_s: must exceed heartbeat_s")
     _check_resources(config, source)
+    _check_devices(config, source)
     _check_hosts(config, source)
     _check_exposure(config, source)
     build_plan(config, source)
@@ -403,6 +404,16 @@ def _check_resources(config: Config, source: str) -> None:
         total = sum(group.fractions.values())
         if total > 1.0 + 1e-9:
             raise ConfigError(f"{where}: sum to {total:g}, more than the whole device")
+
+
+def _check_devices(config: Config, source: str) -> None:
+    """The roles this host runs: ``device = "cuda"`` needs a GPU here, ``gpus`` must split."""
+    from omniflow.runtime.gpus import device_problem
+
+    for name, role in config.local_processes().items():
+        problem = device_problem(role.options, role.gpus, role.replicas)
+        if problem:
+            raise ConfigError(f"{source}: [roles.{name}]: {problem}")
 
 
 def _check_policy(where: str, name: str) -> None:

@@ -40,6 +40,7 @@ from omniflow.control.graph import INPUT, Plan
 from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime import preload
 from omniflow.runtime.config import Config, to_json
+from omniflow.runtime.gpus import placement_env
 from omniflow.runtime.holding import holding_path, read_held
 from omniflow.runtime.hosts import HostRecord, HostShare, is_multi_host
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
@@ -267,6 +268,8 @@ class Supervisor:
         env["OMNIFLOW_POOL"] = self.pool_name
         env["OMNIFLOW_RUN_DIR"] = str(self.run_dir)  # a role that opens a Client (gateway)
         env = preload.worker_env(env)  # tcmalloc and Intel OpenMP, where installed
+        rc = self.config.processes()[replica.role]
+        placement_env(env, rc.gpus, rc.replicas, replica.index)  # CUDA_VISIBLE_DEVICES
         log_path = self.run_dir / "logs" / f"{replica.role}-{replica.index}.log"
         with open(log_path, "ab") as log_file:
             replica.proc = subprocess.Popen(

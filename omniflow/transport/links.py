@@ -21,7 +21,7 @@ class Link(NamedTuple):
     """What the sender knows of the receiver, from the registry's records."""
 
     same_host: bool = False
-    gpus: tuple[int, ...] = ()
+    gpus: tuple[str, ...] = ()  # PCI bus ids of the GPUs the receiver computes on
     pid: int = 0  # the receiver's pid: its refs are reclaimed if it dies (0: anonymous)
 
 
@@ -64,6 +64,8 @@ def attached_pool() -> PagePool | None:
 def attach_device_pool(device_pool: Any) -> None:
     """Send CUDA tensors on ``device_pool.device`` to GPU receivers on this host by CUDA IPC."""
     _attached.device_pools = {**_attached.device_pools, device_pool.device: device_pool}
+    if _attached.opener is not None:  # a hop inside this process resolves to its own chunk
+        _attached.opener.local[device_pool.handle] = device_pool
 
 
 # A client that maps the deployment's page pool says so in its reply address (ipc://, so

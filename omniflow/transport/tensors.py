@@ -100,8 +100,9 @@ def export(value: Any, frames: list[Any], link: Link = Link()) -> TensorRef:
     t = as_tensor(value).detach()
     pool = _attached.pool
     if link.same_host and pool is not None:
-        if t.is_cuda and link.gpus and t.device.index in _attached.device_pools:
-            return _attached.device_pools[t.device.index].share(t, link.pid)
+        device_pool = _attached.device_pools.get(t.device.index) if t.is_cuda else None
+        if device_pool is not None and device_pool.bus_id in link.gpus:  # the receiver's GPU
+            return device_pool.share(t, link.pid)
         if t.numel() * t.element_size() >= _attached.frame_threshold:
             return _export_shm(pool, t, link.pid)
     return _export_frame(t, frames)
@@ -142,12 +143,8 @@ def materialize(ref: TensorRef, frames: list[Any]) -> torch.Tensor:
         _opened[ref.lease] = _opened.get(ref.lease, 0) + 1
         return view
     if isinstance(ref, CudaIpc):
-        if _attached.opener is None:
-            from omniflow.cache.cuda_ipc import IpcOpener  # imports cupy: only when needed
-
-            _attached.opener = IpcOpener(_require_pool(ref))
         try:
-            return _attached.opener.open(ref)
+            return _opener(ref).open(ref)
         except (PoolError, ValueError) as e:
             raise TensorError(f"rejected CudaIpc ref: {e}") from None
     raise TensorError(f"{type(ref).__name__} refs are not supported by this process")
@@ -157,15 +154,18 @@ def materialize_all(refs: Mapping[str, TensorRef], frames: list[Any]) -> dict[st
     """Every tensor of one message, or none: when a ref is refused, those opened before it
     no longer count as opened, so the caller releases the whole message as unopened."""
     tensors: dict[str, torch.Tensor] = {}
-    opened: list[int] = []
+    opened: list[Shm | CudaIpc] = []
     try:
         for name, ref in refs.items():
             tensors[name] = materialize(ref, frames)
-            if isinstance(ref, Shm):
-                opened.append(ref.lease)
+            if isinstance(ref, Shm | CudaIpc):
+                opened.append(ref)
     except BaseException:
-        for lease in opened:
-            _count_closed(lease)
+        for done in opened:
+            if isinstance(done, Shm):
+                _count_closed(done.lease)
+            else:
+                _attached.opener.forget(done)  # its mapping closes with the last ref
         raise
     return tensors
 
@@ -233,6 +233,15 @@ def _materialize_frame(ref: Frame, frames: list[Any]) -> torch.Tensor:
     return flat.view(dtype).reshape(ref.shape)
 
 
+def _opener(ref: CudaIpc) -> Any:
+    if _attached.opener is None:
+        from omniflow.cache.cuda_ipc import IpcOpener  # imports cupy: only when needed
+
+        local = {p.handle: p for p in _attached.device_pools.values()}
+        _attached.opener = IpcOpener(_require_pool(ref), local)
+    return _attached.opener
+
+
 def _require_pool(ref: Shm | CudaIpc) -> PagePool:
     if _attached.pool is None:
         raise TensorError(
@@ -254,6 +263,8 @@ def release(ref: TensorRef, opened: bool = True) -> None:
     pool = _require_pool(ref)
     if opened and isinstance(ref, Shm):
         _count_closed(ref.lease)
+    if opened and isinstance(ref, CudaIpc) and _attached.opener is not None:
+        _attached.opener.release(ref)  # after this process's kernels on it are done
     try:
         pool.release(ref.lease, os.getpid())
     except PoolError as e:
