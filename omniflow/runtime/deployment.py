@@ -28,6 +28,7 @@ from omniflow.cache import pid_alive
 from omniflow.messages import ActorRecord
 from omniflow.runtime.client import Client, Output, Result
 from omniflow.runtime.config import Config, from_json, load
+from omniflow.runtime.request_check import check_request
 from omniflow.runtime.rundir import UntrustedPath, check_private, holds_run_dir, run_root_of
 from omniflow.runtime.supervisor import Supervisor, default_run_dir
 
@@ -81,7 +82,9 @@ class Runtime:
     async def start(self) -> Runtime:
         await self.supervisor.start()
         try:
-            self.client = Client(self.config, self.supervisor.registry_address, self.run_dir)
+            self.client = Client(
+                self.config, self.supervisor.registry_address, self.run_dir, self.supervisor.pool
+            )
             await self.client.start()
             # One host's share of a deployment is started when its own roles are: the
             # other hosts come up on their own.
@@ -108,12 +111,14 @@ class Runtime:
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> AsyncIterator[Output | Result]:
         assert self.client is not None, "the runtime is not started"
+        check_request(self.config, inputs, kwargs)  # as omniflow send and the gateway do
         return self.client.stream(inputs, **kwargs)
 
     async def call(
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> tuple[list[Output], Result]:
         assert self.client is not None, "the runtime is not started"
+        check_request(self.config, inputs, kwargs)
         return await self.client.call(inputs, **kwargs)
 
 
@@ -127,11 +132,13 @@ class Connection:
     def stream(
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> AsyncIterator[Output | Result]:
+        check_request(self.client.config, inputs, kwargs)
         return self.client.stream(inputs, **kwargs)
 
     async def call(
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> tuple[list[Output], Result]:
+        check_request(self.client.config, inputs, kwargs)
         return await self.client.call(inputs, **kwargs)
 
     async def close(self) -> None:
@@ -178,6 +185,11 @@ def _live(state: Mapping[str, Any]) -> bool:
     reused by another process, or a forged state, is not signalled)."""
     pid = state.get("pid", 0)
     return pid_alive(pid) and holds_run_dir(pid, state.get("run_dir", ""))
+
+
+def running_deployments() -> list[dict[str, Any]]:
+    """The state of every deployment (or host share) running on this machine."""
+    return [s for s in _states(None, None) if _live(s)]
 
 
 def find_deployment(

@@ -31,6 +31,7 @@ from omniflow.control.routing import Router
 from omniflow.messages import LEAVING, ActorRecord, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.actor import Actor
 from omniflow.runtime.config import Config, from_json
+from omniflow.runtime.gpus import attach_device_pools, uses_gpu
 from omniflow.runtime.holding import HoldingFile, holding_path
 from omniflow.runtime.host import ActorHost
 from omniflow.runtime.kv_peers import KVPeers
@@ -74,6 +75,7 @@ class Worker:
         self.stop = asyncio.Event()
         self.host: ActorHost | None = None
         self.intake_closed = False
+        self.devices: list[str] = []  # PCI bus ids of the GPUs it computes on
 
     async def run(self, control_address: str, registry_address: str) -> int:
         loop = asyncio.get_running_loop()
@@ -86,8 +88,15 @@ class Worker:
         loop.add_reader(fd_of(control), self._on_control, control)
         pid = os.getpid()
         control.send(encode(Hello(self.role, self.replica, pid)))
-        pool = PagePool.attach(os.environ["OMNIFLOW_POOL"], populate=self.config.cache.populate)
+        gpu = uses_gpu(self.role_config.options)  # only then: pinning and a CUDA context
+        pin = gpu and self.config.cache.pin_memory
+        pool = PagePool.attach(
+            os.environ["OMNIFLOW_POOL"], populate=self.config.cache.populate, pin=pin
+        )
         attach_pool(pool, self.config.cache.frame_threshold_bytes)
+        self.devices = (
+            attach_device_pools(pool, self.config.cache, self.role_config.options) if gpu else []
+        )
         registry = open_registry(registry_address)
         try:
             cls = load_actor_class(self.role_config.actor)
@@ -177,6 +186,7 @@ class Worker:
             "ready",
             started=time.time(),
             meta=actor.meta(),
+            devices=self.devices,
         )
         key = actor_key(cfg.name, self.role, self.replica)
         await registry.put(key, encode_record(record), ttl=rt.ttl_s)

@@ -134,11 +134,14 @@ class RegistryView:
                 return rec
         return None
 
-    async def wait_for(self, role: str, timeout: float) -> list[ActorRecord]:
-        """The replicas of ``role``, waiting up to ``timeout`` for one to appear."""
+    async def wait_for(
+        self, role: str, timeout: float, exclude_pids: frozenset[int] = frozenset()
+    ) -> list[ActorRecord]:
+        """The replicas of ``role``, waiting up to ``timeout`` for one to appear (one whose
+        pid is not in ``exclude_pids``: a dead process still listed)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not self.replicas(role):
+        while not [r for r in self.replicas(role) if r.pid not in exclude_pids]:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
