@@ -173,7 +173,7 @@ class ReadBandwidth:
 
 
 def hf_throughput(model, prompts, output_len: int) -> float:
-    input_ids = torch.tensor(prompts)
+    input_ids = torch.tensor(prompts, device=model.device)
     started = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -294,9 +294,9 @@ def main() -> None:
         choices=["torch", "sglang"],
         help="sglang: the SGLang backend beside the torch backend (needs sglang==0.5.23)",
     )
-    parser.add_argument("--device", default="cpu", help="with --backend sglang: cpu or cuda")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both backends)")
     args = parser.parse_args()
-    if args.backend == "sglang" and args.device != "cpu":
+    if args.device != "cpu":
         args.dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     if args.dtype == "auto":
         native = packed_weights_supported(torch.device("cpu"), torch.bfloat16)
@@ -309,10 +309,10 @@ def main() -> None:
     if args.backend == "sglang":
         compare_backends(args, folder)
         return
-    config = EngineConfig(device="cpu", dtype=args.dtype, max_num_seqs=64)
+    config = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=64)
     engine = LLMEngine(folder, config)
     uncached_engine = LLMEngine(
-        folder, EngineConfig(device="cpu", dtype=args.dtype, enable_prefix_caching=False)
+        folder, EngineConfig(device=args.device, dtype=args.dtype, enable_prefix_caching=False)
     )
     ops_engine = None
     if args.compare_pytorch_ops:
@@ -320,7 +320,7 @@ def main() -> None:
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=getattr(torch, args.dtype)
     )
-    hf_model.eval()
+    hf_model.to(args.device).eval()
     parameters = sum(p.numel() for p in engine.model.parameters())
     vocab = engine.vocab_size
     print(f"model: {parameters / 1e6:.1f}M parameters, threads={torch.get_num_threads()}")

@@ -267,7 +267,12 @@ def file_round(fd: int, src: torch.Tensor, dst: torch.Tensor, chunk: int = 8 * M
 
 
 def main() -> None:
+    if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1 :][:1] == ["cuda"]:
+        from benchmarks import transport_cuda  # CUDA IPC vs device->host->device
+
+        return transport_cuda.main([a for a in sys.argv[1:] if a not in ("--device", "cuda")])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: GPU figures")
     ap.add_argument("--sizes", default="1,64,512", help="MiB, comma-separated")
     ap.add_argument("--rounds", default="15,9,9", help="rounds per size")
     ap.add_argument("--slow-rounds", type=int, default=3, help="rounds of slow baselines >= 64 MiB")

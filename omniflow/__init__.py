@@ -10,6 +10,7 @@ from omniflow.runtime.client import Output, RequestFailed, Result
 from omniflow.runtime.config import Config, ConfigError
 from omniflow.runtime.config import load as load_config
 from omniflow.runtime.deployment import Connection, DeploymentNotFound, Runtime, connect
+from omniflow.runtime.request_check import InvalidRequest
 
 try:
     __version__ = _version("omniflow")
@@ -28,6 +29,7 @@ __all__ = [
     "Frame",
     "Graph",
     "GraphError",
+    "InvalidRequest",
     "Output",
     "Request",
     "RequestFailed",

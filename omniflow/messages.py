@@ -70,8 +70,10 @@ class CudaIpc(msgspec.Struct, tag="cuda", **_REF):
     nbytes: _NonNeg
     dtype: str
     shape: Shape
-    device: int = 0
+    device: int = 0  # the sender's ordinal: only for a receiver that cannot resolve bus_id
     lease: int = 0
+    bus_id: str = ""  # the GPU's PCI bus id, the same in every process
+    event: bytes = b""  # cudaIpcEventHandle of the event recorded after the producer's writes
 
 
 TensorRef = Frame | Shm | CudaIpc
@@ -253,7 +255,7 @@ class ActorRecord(msgspec.Struct, omit_defaults=True, gc=False):
     pid: int
     endpoint: str
     host: str
-    gpus: list[int] = []
+    gpus: list[int] = []  # the config's GPU ids of its role
     state: str = "ready"
     inflight: int = 0
     served: int = 0
@@ -262,6 +264,9 @@ class ActorRecord(msgspec.Struct, omit_defaults=True, gc=False):
     # (request id, reply address) of what it held at its last heartbeat: if it dies,
     # the supervisor fails those requests at once instead of leaving them to time out.
     holding: list[tuple[str, str]] = []
+    # PCI bus ids of the GPUs it computes on (empty: a CPU process): what CUDA IPC
+    # matches on, since ordinals differ between processes with their own placement.
+    devices: list[str] = []
 
     @property
     def actor_id(self) -> str:

@@ -1,4 +1,4 @@
-"""omniflow up | status | send | logs | down: start, inspect, use and stop a deployment.
+"""omniflow up | serve | status | send | logs | down: start, inspect, use and stop a deployment.
 
 Exit codes: 0 ok; 1 the deployment failed to start or stop; 2 a bad config or
 argument (a request the deployment refused as bad_request included); 3 no such
@@ -38,8 +38,9 @@ from omniflow.cli.common import (
 from omniflow.cli.keys import keys
 from omniflow.cli.progress import StartProgress
 from omniflow.cli.send import send
+from omniflow.cli.serve import serve
 from omniflow.cli.status import logs, status
-from omniflow.runtime.config import ConfigError
+from omniflow.runtime.config import GATEWAY_ROLE, ConfigError
 from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, find_deployment
 from omniflow.runtime.hosts import for_host, with_registry
 from omniflow.runtime.supervisor import StartError, Supervisor, run_dir_for
@@ -96,18 +97,25 @@ def up(
     """Start a deployment (or, with --host-id or [hosts], this host's share of one) and
     wait until every actor here is ready."""
     cfg = _share(load_config(config), registry, host_id, roles, address)
-    run_dir = run_dir or run_dir_for(cfg)
     if port is not None and cfg.gateway is not None:
         cfg.gateway.port = port
+    argv = ["up", str(config), *(["--port", str(port)] if port is not None else [])]
+    argv += ["--registry", registry] if registry else []
+    argv += ["--host-id", host_id] if host_id else []
+    argv += ["--roles", roles] if roles is not None else []
+    argv += ["--address", address] if address else []
+    raise typer.Exit(start(cfg, run_dir, detach, argv, ready_fd))
+
+
+def start(cfg: Any, run_dir: Path | None, detach: bool, argv: list[str], ready_fd: int) -> int:
+    """Run the deployment ``cfg`` here (foreground), or re-run ``omniflow ARGV`` in the
+    background and return once it is ready (--detach)."""
+    run_dir = run_dir or run_dir_for(cfg)
     if detach:
-        share = ["--registry", registry] if registry else []
-        share += ["--host-id", host_id] if host_id else []
-        share += ["--roles", roles] if roles is not None else []
-        share += ["--address", address] if address else []
-        raise typer.Exit(_detach(config, cfg, run_dir, port, share))
+        return _detach(argv, cfg, run_dir)
     import uvloop
 
-    raise typer.Exit(uvloop.run(_serve(cfg, run_dir, ready_fd)))
+    return uvloop.run(_serve(cfg, run_dir, ready_fd))
 
 
 def _share(
@@ -143,6 +151,14 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
         elif bar is not None:
             bar.update(actor_id, state)
 
+    taken = _gateway_port_taken(cfg)  # before any model loads
+    if taken:
+        if notify is not None:
+            notify.write(f"error {taken}\n")
+            notify.close()
+        else:
+            err.print(f"failed to start: {taken}", style="red")
+        return EXIT_START
     sup = Supervisor(cfg, run_dir, progress)
     if notify is None:
         err.print(f"starting {cfg.name} ({total} actors) in {run_dir}")
@@ -182,7 +198,25 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     return 0
 
 
-def _detach(config: Path, cfg: Any, run_dir: Path, port: int | None, share: list[str]) -> int:
+def _gateway_port_taken(cfg: Any) -> str:
+    """Why the gateway this host runs could not listen on its port ("" when it can)."""
+    gateway = cfg.gateway
+    if gateway is None or not gateway.port or GATEWAY_ROLE not in cfg.local_processes():
+        return ""
+    family = socket.AF_INET6 if ":" in gateway.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((gateway.host, gateway.port))
+        except OSError as e:
+            return (
+                f"the gateway cannot listen on {gateway.host}:{gateway.port}: {e.strerror} "
+                "(--port to pick another, 0: any free one)"
+            )
+    return ""
+
+
+def _detach(argv: list[str], cfg: Any, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     read_end, write_end = os.pipe()
     log_path = run_dir / "supervisor.log"
@@ -192,14 +226,11 @@ def _detach(config: Path, cfg: Any, run_dir: Path, port: int | None, share: list
                 sys.executable,
                 "-m",
                 "omniflow.cli",
-                "up",
-                str(config),
+                *argv,
                 "--run-dir",
                 str(run_dir),
                 "--ready-fd",
                 str(write_end),
-                *(["--port", str(port)] if port is not None else []),
-                *share,
             ],
             pass_fds=(write_end,),
             stdin=subprocess.DEVNULL,
@@ -235,7 +266,10 @@ def down(
     ),
     host_id: str | None = HostIdOpt,
     every_host: bool = typer.Option(
-        False, "--all", help="Stop every host's share of a multi-host deployment."
+        False,
+        "--all",
+        help="Stop every host's share of a multi-host deployment; with no --name and "
+        "several deployments here, every one of them.",
     ),
     registry: str | None = RegistryOpt,
 ) -> None:
@@ -244,8 +278,14 @@ def down(
     New requests are refused; those in flight finish through the whole graph (up to
     --timeout); then every actor stops and its sockets are removed. On several hosts
     this stops this host's share; --all stops every host's (through etcd)."""
-    from omniflow.runtime.deployment import clean_dead, request_stop
+    from omniflow.runtime.deployment import clean_dead
 
+    if every_host and name is None and run_dir is None and registry is None:
+        from omniflow.runtime.deployment import running_deployments
+
+        states = running_deployments()
+        if len({s["name"] for s in states}) > 1:  # several: each here (one: all its hosts)
+            raise typer.Exit(_down_every_local(states, timeout))
     if every_host:
         raise typer.Exit(_down_all(name, run_dir, registry, timeout))
     try:
@@ -258,22 +298,46 @@ def down(
             out.print(f"cleaned up after the dead supervisor of {', '.join(cleaned)}")
             return
         fail(str(e), EXIT_NOT_RUNNING)
+    problem = _stop_one(state, timeout)
+    if problem:
+        fail(problem, EXIT_START)
+    out.print(f"stopped {state['name']}")
+
+
+def _stop_one(state: dict[str, Any], timeout: float) -> str:
+    """Stop the deployment of ``state`` and wait for it; what went wrong, or ""."""
+    from omniflow.runtime.deployment import request_stop
+
     pid = state["pid"]
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         err.print("the supervisor is already gone", style="yellow")
-        return
+        return ""
     request_stop(state, timeout)
     # The supervisor drains for up to `timeout`, then kills what is left: a little longer.
     ready, _, _ = select.select([pidfd], [], [], timeout + 5.0)
     os.close(pidfd)
     if not ready:
-        fail(f"supervisor {pid} did not stop within {timeout:g}s", EXIT_START)
+        return f"supervisor {pid} did not stop within {timeout:g}s"
     leftovers = list(Path(state["run_dir"]).glob("*.sock"))
     if leftovers:
-        fail(f"left behind: {', '.join(map(str, leftovers))}", EXIT_START)
-    out.print(f"stopped {state['name']}")
+        return f"left behind: {', '.join(map(str, leftovers))}"
+    return ""
+
+
+def _down_every_local(states: list[dict[str, Any]], timeout: float) -> int:
+    """down --all without a name: every deployment running on this machine, at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(states)) as pool:
+        problems = list(pool.map(lambda s: _stop_one(s, timeout), states))
+    for state, problem in zip(states, problems, strict=True):
+        if problem:
+            err.print(f"{state['name']}: {problem}", style="red")
+        else:
+            out.print(f"stopped {state['name']}")
+    return EXIT_START if any(problems) else 0
 
 
 def _down_all(name: str | None, run_dir: Path | None, registry: str | None, timeout: float) -> int:
@@ -301,5 +365,5 @@ def _down_all(name: str | None, run_dir: Path | None, registry: str | None, time
 
 
 app.callback(help=__doc__)(_main)
-for command in (up, status, send, logs, down, keys):  # in the order help lists them
+for command in (up, serve, status, send, logs, down, keys):  # in the order help lists them
     app.command()(command)

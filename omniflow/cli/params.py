@@ -9,17 +9,13 @@ that declares nothing takes any key.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
-import typing
 from collections.abc import Iterable
 from typing import Any
 
-import msgspec
-
 from omniflow.runtime.config import Config
-from omniflow.runtime.loading import params_type
+from omniflow.runtime.request_check import InvalidRequest, check_params
 
 WANT = ("text", "image", "audio")
 SIZE = re.compile(r"auto|[1-9][0-9]*x[1-9][0-9]*")
@@ -57,38 +53,9 @@ def check_size(size: str) -> str:
     return size
 
 
-def declared(config: Config) -> dict[str, list[Any]] | None:
-    """Each parameter some graph role reads, with the types it takes (without ranges);
-    None when a role declares nothing (it may read any key)."""
-    types: dict[str, list[Any]] = {}
-    for role in config.roles.values():
-        schema = params_type(role.actor)
-        if schema is None:
-            return None
-        # get_type_hints without extras drops Annotated: the type, not the Meta range.
-        for key, hint in typing.get_type_hints(schema).items():
-            types.setdefault(key, []).append(hint)
-    return types
-
-
 def check(params: dict[str, Any], config: Config) -> None:
     """Refuse a key no role reads and a value no role could take, naming the key."""
-    types = declared(config)
-    if types is None:
-        return
-    for key, value in params.items():
-        if key not in types:
-            near = difflib.get_close_matches(key, types, n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            known = ", ".join(sorted(types)) or "none"
-            raise ParamError(
-                f"--param {key}: no role of {config.name} reads it{hint}; known: {known}"
-            )
-        errors = []
-        for hint in types[key]:
-            try:
-                msgspec.convert(value, hint)
-            except msgspec.ValidationError as e:
-                errors.append(str(e))
-        if len(errors) == len(types[key]):
-            raise ParamError(f"--param {key}={json.dumps(value)}: {errors[0]}")
+    try:
+        check_params(params, config, prefix="--param ")
+    except InvalidRequest as e:
+        raise ParamError(str(e)) from None

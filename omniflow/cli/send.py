@@ -24,7 +24,10 @@ from omniflow.cli.common import (
 
 
 def send(
-    text: str | None = typer.Option(None, "--text", "-t", help="Text input."),
+    text: str | None = typer.Option(None, "--text", "-t", help="Text input (-: read stdin)."),
+    text_file: Path | None = typer.Option(
+        None, "--text-file", help="Text input read from this file (UTF-8)."
+    ),
     image: list[Path] = typer.Option(
         [], "--image", "-i", help="An image file: PNG, JPEG, WebP, GIF or BMP (repeatable)."
     ),
@@ -78,8 +81,8 @@ def send(
     """Send one request: stream text to the terminal, write images (PNG) and audio (WAV) to --out."""
     from omniflow.cli import params as checks
 
-    if text is None and not image and audio is None:
-        fail("nothing to send: give --text, --image or --audio", EXIT_USAGE)
+    if text is None and text_file is None and not image and audio is None:
+        fail("nothing to send: give --text, --text-file, --image or --audio", EXIT_USAGE)
     if timeout is not None and not timeout > 0:
         fail(f"--timeout {timeout:g}: expected seconds > 0", EXIT_USAGE)
     try:
@@ -104,6 +107,7 @@ def send(
         fail("--registry needs the deployment's --name", EXIT_USAGE)
     state = None if registry is not None else find_running(name, run_dir, any_host=True)
     inputs: dict[str, Any] = {}
+    text = _text_input(text, text_file)
     if text is not None:
         inputs["text"] = text
     images = [_read_input(path, "--image") for path in image]
@@ -187,6 +191,21 @@ def _out_dir(given: Path | None) -> Path:
         except OSError as e:
             fail(f"--out {path}: cannot create the directory: {e.strerror}", EXIT_USAGE)
     return path
+
+
+def _text_input(text: str | None, text_file: Path | None) -> str | None:
+    """--text, --text - (stdin) or --text-file PATH: one of them."""
+    if text is not None and text_file is not None:
+        fail("--text and --text-file: give one of them", EXIT_USAGE)
+    try:
+        if text_file is not None:
+            return text_file.read_text(encoding="utf-8")
+        if text == "-":
+            return sys.stdin.read()
+    except (OSError, UnicodeDecodeError) as e:
+        where = text_file if text_file is not None else "stdin"
+        fail(f"--text-file {where}: cannot read: {e}", EXIT_USAGE)
+    return text
 
 
 def _read_input(path: Path, option: str) -> bytes:

@@ -11,6 +11,7 @@ share is split over the branches it opened, or returned to the client in a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Mapping
@@ -22,7 +23,7 @@ from omniflow.control.graph import INPUT, Plan
 from omniflow.messages import ActorRecord, Call, Code, Done, Emit, Join, Timing
 from omniflow.transport.codec import encode, export_tensors, revoke_tensors, split_output
 from omniflow.transport.endpoint import Outbox, PeerUnavailable
-from omniflow.transport.links import Link
+from omniflow.transport.links import Link, client_link
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ _NO_KEY = PickKey()  # what a policy that keys on nothing is handed
 # deployment starts, one actor's view may not have seen a neighbour turn ready yet, though
 # the client's has; a replica being restarted is the other case.
 NO_REPLICA_GRACE_S = 5.0
+_REPICK_PAUSE_S = 0.1  # between tries of an idempotent role's only replica
 
 
 class RouteError(RuntimeError):
@@ -85,7 +87,7 @@ class Router:
     def link(self, record: ActorRecord | None) -> Link:
         if record is None:
             return Link()
-        return Link(same_host=record.host == self.host, gpus=tuple(record.gpus), pid=record.pid)
+        return Link(same_host=record.host == self.host, gpus=tuple(record.devices), pid=record.pid)
 
     def send_now(
         self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = _NO_LINK
@@ -154,7 +156,10 @@ class Fanout:
         if not routes:
             emit = Emit(self.call.request_id, self.src, self.emitted, data)
             self.emitted += 1
-            await self.router.send(self.call.reply_to, emit, tensors)
+            link = client_link(self.call.reply_to) if tensors else _NO_LINK
+            rest = self.router.send_now(self.call.reply_to, emit, tensors, link)
+            if rest is not None:
+                await _revoke_if_unsent(rest, emit, link)
             return
         for branch in self._branches_for(routes, data):
             if branch.stream:
@@ -188,10 +193,12 @@ class Fanout:
         if self.waited_for_replicas:
             return []
         view = self.router.view
+        dead = self.exclude_pids  # a retry's: its dead replica may still be listed
         return [
             route.edge.dst
             for route in routes
-            if route.edge.dst not in self.branches and not view.replicas(route.edge.dst)
+            if route.edge.dst not in self.branches
+            and not [r for r in view.replicas(route.edge.dst) if r.pid not in dead]
         ]
 
     async def _wait_for_replicas(self, roles: list[str]) -> None:
@@ -199,10 +206,12 @@ class Fanout:
         whatever is still missing then fails when its branch is opened."""
         self.waited_for_replicas = True
         until = time.time() + NO_REPLICA_GRACE_S
+        if self.exclude_pids and self.call.deadline:
+            until = self.call.deadline  # a retry after a death: its restart may take longer
         if self.call.deadline:
             until = min(until, self.call.deadline)
         for role in roles:
-            await self.router.view.wait_for(role, until - time.time())
+            await self.router.view.wait_for(role, until - time.time(), self.exclude_pids)
 
     def _joins_for(self, routes: list, data: Mapping[str, Any]) -> dict:
         """Join tags for routes whose branches meet again downstream."""
@@ -337,8 +346,22 @@ class Fanout:
                         f"replica {branch.record.actor_id} did not take the request",
                         branch.record.actor_id,
                     ) from None
-                branch.record = self._pick(branch.role, frozenset({branch.record.actor_id}))
+                branch.record = await self._repick(branch)
         self._sent(branch)
+
+    async def _repick(self, branch: _Branch) -> ActorRecord:
+        """Another replica for a branch of an idempotent role whose replica did not take
+        it; with none, the same one again after a pause (restarting, or just restarted and
+        not yet reconnected to), until the request's deadline."""
+        try:
+            return self._pick(branch.role, frozenset({branch.record.actor_id}))
+        except RouteError:
+            until = self.call.deadline or time.time() + NO_REPLICA_GRACE_S
+            if time.time() + _REPICK_PAUSE_S >= until:
+                raise
+        await asyncio.sleep(_REPICK_PAUSE_S)
+        await self.router.view.wait_for(branch.role, until - time.time(), self.exclude_pids)
+        return self._pick(branch.role)
 
     def _sent(self, branch: _Branch) -> None:
         self.addresses.add(branch.record.endpoint)
@@ -379,7 +402,13 @@ class Fanout:
                     self.call.request_id, self.src, credit, timings, usage, self.emitted, data
                 )
                 self.emitted += 1
-                return self.router.send_now(self.call.reply_to, done, tensors)
+                link = client_link(self.call.reply_to) if tensors else _NO_LINK
+                rest = self.router.send_now(self.call.reply_to, done, tensors, link)
+                return (
+                    rest
+                    if rest is None or not done.tensors
+                    else _revoke_if_unsent(rest, done, link)
+                )
             if not routes or any(route.edge.stream for route in routes):
                 # It goes out on its own first: an Emit, or chunks on streaming edges.
                 return self._output_then_finish(last_output, credit, timings, usage)
@@ -437,17 +466,49 @@ class Fanout:
                 msg = self._chunk(branch, data, True, share, None, None)
             closing.append((branch, msg, tensors))
         for i, (branch, msg, tensors) in enumerate(closing):
-            # Tensors are exported by _deliver, which re-exports if it retries elsewhere.
-            if tensors or not self.router.outbox.try_send(branch.record.endpoint, [encode(msg)]):
+            if tensors:
+                sent = self._try_deliver(branch, msg, tensors)
+            else:
+                sent = self.router.outbox.try_send(branch.record.endpoint, [encode(msg)])
+            if not sent:
                 return self._deliver_all(closing[i:])  # in order: after one waits, the rest do
             self._sent(branch)
             self.router.policies[branch.role].on_done(branch.record.actor_id)
         return None
 
+    def _try_deliver(self, branch: _Branch, msg: Call, tensors: dict) -> bool:
+        """Export ``tensors`` for the branch's replica and send now if its queue takes it
+        (no Task for a hop with tensors); else take the refs back, for ``_deliver`` to
+        export afresh (it may retry elsewhere), and return False."""
+        link = self.router.link(branch.record)
+        frames: list[Any] = [b""]
+        msg.tensors = export_tensors(dict(tensors), frames, link)
+        try:
+            frames[0] = encode(msg)
+            if self.router.outbox.try_send(branch.record.endpoint, frames):
+                return True
+        except BaseException:
+            revoke_tensors(msg.tensors.values(), link.pid)
+            msg.tensors = {}
+            raise
+        revoke_tensors(msg.tensors.values(), link.pid)
+        msg.tensors = {}
+        return False
+
     async def _deliver_all(self, closing: list[tuple[_Branch, Call, dict]]) -> None:
         for branch, msg, tensors in closing:
             await self._deliver(branch, msg, tensors)
             self.router.policies[branch.role].on_done(branch.record.actor_id)
+
+
+async def _revoke_if_unsent(send: Awaitable[None], msg: Any, link: Link) -> None:
+    """Await a send to the client; one that fails takes back the pool refs exported for it."""
+    try:
+        await send
+    except BaseException:
+        if msg.tensors:
+            revoke_tensors(msg.tensors.values(), link.pid)
+        raise
 
 
 def _merge(into: dict[str, Any], data: Mapping[str, Any]) -> None:

@@ -89,14 +89,23 @@ class CacheConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
         bool, Meta(description="fault the whole pool in at start, not on the first message")
     ] = True
     pin_memory: Annotated[
-        bool, Meta(description="register the pool with CUDA when a GPU is present")
+        bool, Meta(description="register the pool with CUDA in the processes that use a GPU")
     ] = True
+    device_pool: Annotated[
+        str | int,
+        Meta(description="per GPU process: device memory for CUDA IPC hand-offs (2MiB multiple)"),
+    ] = "256MiB"
 
     def __post_init__(self) -> None:
         pool = parse_size(self.host_pool, "cache.host_pool")
         page = parse_size(self.page_size, "cache.page_size")
         ssd = parse_size(self.ssd_capacity, "cache.ssd_capacity")
         parse_size(self.frame_threshold, "cache.frame_threshold")
+        if parse_size(self.device_pool, "cache.device_pool") % (2 << 20):
+            raise ValueError(
+                f"cache.device_pool: must be a multiple of 2MiB (0: no CUDA IPC), "
+                f"got {self.device_pool!r}"
+            )
         if page < 4096 or page > (1 << 30) or page & (page - 1):
             raise ValueError(
                 f"cache.page_size: must be a power of two between 4KiB and 1GiB, "
@@ -128,6 +137,10 @@ class CacheConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     @property
     def host_pool_bytes(self) -> int:
         return parse_size(self.host_pool)
+
+    @property
+    def device_pool_bytes(self) -> int:
+        return parse_size(self.device_pool)
 
     @property
     def page_size_bytes(self) -> int:

@@ -97,6 +97,17 @@ class LLMOptions(WeightsOptions, kw_only=True):
         Meta(description="architecture of the build_tiny LLM"),
     ] = "llama-mha"
     kv_cache_mb: Annotated[int, Meta(ge=1, description="device KV cache MiB")] = 64
+    max_model_len: (
+        Annotated[
+            int, Meta(ge=1, description="longest prompt + output (default: the model's context)")
+        ]
+        | None
+    ) = None
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Meta(description="weights and KV dtype (auto: float32 on CPU, the checkpoint's on GPU)"),
+    ] = "auto"
+    max_num_seqs: Annotated[int, Meta(ge=1, description="requests batched at once")] = 128
     prefix_cache: Annotated[
         Literal["radix"], Meta(description="a radix tree keying media by content (the only kind)")
     ] = "radix"
@@ -106,6 +117,10 @@ class LLMOptions(WeightsOptions, kw_only=True):
         bool, Meta(description="K/V in the host pool, lendable to other processes")
     ] = False
     max_tokens: Annotated[int, Meta(ge=1, description="cap on a request's max_tokens")] = 64
+    chat_template: Annotated[
+        str,
+        Meta(description="a Jinja chat template or a path to one (default: the checkpoint's)"),
+    ] = ""
     max_sessions: Annotated[int, Meta(ge=1, description="dialogue sessions kept")] = 1024
     summary_media: Annotated[
         int, Meta(ge=0, description="leading media published for prefix_aware routing")
@@ -189,6 +204,17 @@ class HunyuanAROptions(BackboneOptions, kw_only=True):
         ),
     ] = 60.0
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lend_kv and self.device != "cpu":
+            # The lease book lends host-pool KV pages only; device KV cannot be lent yet.
+            raise FieldError(
+                "lend_kv",
+                f'lend_kv = true with device = "{self.device}": lent KV lives in the host '
+                "pool, so only a CPU ar can lend it; set lend_kv = false (and the diffusion "
+                'role\'s reuse_prefix = false) or device = "cpu"',
+            )
+
 
 class HunyuanDiffusionOptions(BackboneOptions, kw_only=True):
     threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
@@ -208,6 +234,16 @@ class HunyuanDiffusionOptions(BackboneOptions, kw_only=True):
             "separate stage does; for ar on another host, with ar's lend_kv = false)"
         ),
     ] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.reuse_prefix and self.device != "cpu":
+            raise FieldError(
+                "reuse_prefix",
+                f'reuse_prefix = true with device = "{self.device}": the borrowed KV lives in '
+                "the host pool, so only a CPU diffusion role can read it; set reuse_prefix = "
+                'false (and ar\'s lend_kv = false) or device = "cpu"',
+            )
 
 
 class VAEDecoderOptions(WeightsOptions, kw_only=True):
@@ -262,6 +298,9 @@ class LLMParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_d
     presence_penalty: Annotated[float, Meta(ge=-2, le=2, description="0: off")] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2, description="0: off")] = 0.0
     stop: Annotated[str | list[str], Meta(description="stop strings (cut from the text)")] = ""
+    logprobs: Annotated[
+        int, Meta(ge=0, le=20, description="report each token's logprob and this many others")
+    ] = 0
     image_grid: Annotated[
         list[Annotated[int, Meta(ge=1, le=32)]],
         Meta(min_length=2, max_length=2, description="[h, w] image tokens, 1..32 each"),

@@ -194,6 +194,9 @@ class GatewayConfig(msgspec.Struct, **_STRICT):
     timeout_s: Annotated[
         float, Meta(ge=0, description="deadline of one HTTP request (0: [runtime]'s)")
     ] = 0.0
+    cors_origins: Annotated[
+        list[str], Meta(description="origins browsers may call from (CORS); none: CORS off")
+    ] = msgspec.field(default_factory=list)
 
 
 class Config(msgspec.Struct, **_STRICT):
@@ -316,6 +319,7 @@ def validate(config: Config, source: str) -> None:
     if rt.ttl_s <= rt.heartbeat_s:
         raise ConfigError(f"{source}: [runtime] ttl_s: must exceed heartbeat_s")
     _check_resources(config, source)
+    _check_devices(config, source)
     _check_hosts(config, source)
     _check_exposure(config, source)
     build_plan(config, source)
@@ -400,6 +404,16 @@ def _check_resources(config: Config, source: str) -> None:
         total = sum(group.fractions.values())
         if total > 1.0 + 1e-9:
             raise ConfigError(f"{where}: sum to {total:g}, more than the whole device")
+
+
+def _check_devices(config: Config, source: str) -> None:
+    """The roles this host runs: ``device = "cuda"`` needs a GPU here, ``gpus`` must split."""
+    from omniflow.runtime.gpus import device_problem
+
+    for name, role in config.local_processes().items():
+        problem = device_problem(role.options, role.gpus, role.replicas)
+        if problem:
+            raise ConfigError(f"{source}: [roles.{name}]: {problem}")
 
 
 def _check_policy(where: str, name: str) -> None:

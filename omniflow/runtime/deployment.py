@@ -28,6 +28,8 @@ from omniflow.memory import pid_alive
 from omniflow.messages import ActorRecord
 from omniflow.runtime.client import Client, Output, Result
 from omniflow.runtime.config import Config, from_json, load
+from omniflow.runtime.request_check import check_request
+from omniflow.runtime.rundir import UntrustedPath, check_private, holds_run_dir, run_root_of
 from omniflow.runtime.supervisor import Supervisor, default_run_dir
 
 
@@ -80,7 +82,9 @@ class Runtime:
     async def start(self) -> Runtime:
         await self.supervisor.start()
         try:
-            self.client = Client(self.config, self.supervisor.registry_address, self.run_dir)
+            self.client = Client(
+                self.config, self.supervisor.registry_address, self.run_dir, self.supervisor.pool
+            )
             await self.client.start()
             # One host's share of a deployment is started when its own roles are: the
             # other hosts come up on their own.
@@ -107,12 +111,14 @@ class Runtime:
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> AsyncIterator[Output | Result]:
         assert self.client is not None, "the runtime is not started"
+        check_request(self.config, inputs, kwargs)  # as omniflow send and the gateway do
         return self.client.stream(inputs, **kwargs)
 
     async def call(
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> tuple[list[Output], Result]:
         assert self.client is not None, "the runtime is not started"
+        check_request(self.config, inputs, kwargs)
         return await self.client.call(inputs, **kwargs)
 
 
@@ -126,11 +132,13 @@ class Connection:
     def stream(
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> AsyncIterator[Output | Result]:
+        check_request(self.client.config, inputs, kwargs)
         return self.client.stream(inputs, **kwargs)
 
     async def call(
         self, inputs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> tuple[list[Output], Result]:
+        check_request(self.client.config, inputs, kwargs)
         return await self.client.call(inputs, **kwargs)
 
     async def close(self) -> None:
@@ -161,11 +169,27 @@ def _states(
     states = []
     for path in candidates:
         state_file = path / "state.json"
+        try:  # a state another user could have planted names nothing of ours
+            check_private(path, run_root_of(path))
+        except (UntrustedPath, FileNotFoundError):
+            continue
         if state_file.exists():
             state = json.loads(state_file.read_text())
             if host_id is None or state.get("host_id") == host_id:
                 states.append(state)
     return states
+
+
+def _live(state: Mapping[str, Any]) -> bool:
+    """Its supervisor is alive and is the process holding the run dir's lock (a pid
+    reused by another process, or a forged state, is not signalled)."""
+    pid = state.get("pid", 0)
+    return pid_alive(pid) and holds_run_dir(pid, state.get("run_dir", ""))
+
+
+def running_deployments() -> list[dict[str, Any]]:
+    """The state of every deployment (or host share) running on this machine."""
+    return [s for s in _states(None, None) if _live(s)]
 
 
 def find_deployment(
@@ -179,7 +203,7 @@ def find_deployment(
     Where several hosts' shares of one deployment run on this machine (network
     namespaces, containers sharing /tmp), ``host_id`` picks one; with ``any_host`` the
     first does (they share one registry: for a client or a status, any will do)."""
-    states = [s for s in _states(name, run_dir, host_id) if pid_alive(s.get("pid", 0))]
+    states = [s for s in _states(name, run_dir, host_id) if _live(s)]
     if not states:
         what = f"run dir {run_dir}" if run_dir else f"name {name!r}" if name else "any name"
         if host_id is not None:

@@ -40,8 +40,10 @@ from omniflow.memory import pid_alive, unlink_pool
 from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime import preload
 from omniflow.runtime.config import Config, to_json
+from omniflow.runtime.gpus import placement_env
 from omniflow.runtime.holding import holding_path, read_held
 from omniflow.runtime.hosts import HostRecord, HostShare, is_multi_host
+from omniflow.runtime.rundir import run_root_of
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, private_dir
 
@@ -95,6 +97,8 @@ class Replica:
         self.pidfd: int | None = None
         self.state = "stopped"  # spawned -> setup -> ready; restarting; failed
         self.restarts = 0
+        self.backoff_step = 0  # restarts since it last served for a while (the backoff's)
+        self.ready_at = 0.0  # time.monotonic() it last became ready
         self.ready: asyncio.Future | None = None
         self.exited: asyncio.Future | None = None
         self.endpoint = ""
@@ -215,7 +219,7 @@ class Supervisor:
     def _lock_run_dir(self) -> None:
         """Hold the run dir's lock for this supervisor's life: a second start of the same
         deployment fails here, before it can touch the first one's sockets, pool or state."""
-        private_dir(self.run_dir)
+        private_dir(self.run_dir, run_root_of(self.run_dir))  # ours from the run root down
         fd = os.open(self.run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -265,6 +269,8 @@ class Supervisor:
         env["OMNIFLOW_POOL"] = self.pool_name
         env["OMNIFLOW_RUN_DIR"] = str(self.run_dir)  # a role that opens a Client (gateway)
         env = preload.worker_env(env)  # tcmalloc and Intel OpenMP, where installed
+        rc = self.config.processes()[replica.role]
+        placement_env(env, rc.gpus, rc.replicas, replica.index)  # CUDA_VISIBLE_DEVICES
         log_path = self.run_dir / "logs" / f"{replica.role}-{replica.index}.log"
         with open(log_path, "ab") as log_file:
             replica.proc = subprocess.Popen(
@@ -280,9 +286,15 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
+                # Their own process group: a terminal's Ctrl-C reaches the supervisor only,
+                # which drains them in order (PDEATHSIG still ends them with it).
+                process_group=0,
             )
         replica.state = "spawned"
         replica.ready = asyncio.get_running_loop().create_future()
+        # A start aborted by another replica's failure never awaits this one's: retrieved
+        # here, so no "Future exception was never retrieved" at exit.
+        replica.ready.add_done_callback(_retrieve)
         replica.exited = asyncio.get_running_loop().create_future()
         replica.pidfd = os.pidfd_open(replica.proc.pid)
         asyncio.get_running_loop().add_reader(replica.pidfd, self._on_exit, replica)
@@ -314,6 +326,7 @@ class Supervisor:
             self._progress(replica.actor_id, "setup")
         elif isinstance(msg, Ready):
             replica.state = "ready"
+            replica.ready_at = time.monotonic()
             replica.endpoint = msg.endpoint
             self._progress(replica.actor_id, "ready")
             if replica.ready is not None and not replica.ready.done():
@@ -369,6 +382,12 @@ class Supervisor:
         )
         replica.state = "restarting"
         replica.restarts += 1
+        # A replica that served for as long as the longest wait starts the backoff afresh.
+        healthy = replica.ready_at and time.monotonic() - replica.ready_at >= (
+            self.config.runtime.restart_backoff_max_s
+        )
+        replica.backoff_step = 1 if healthy else replica.backoff_step + 1
+        replica.ready_at = 0.0
         with contextlib.suppress(OSError):  # `omniflow status` shows it restarting
             self._write_state()
         self._own(self._restart(replica))
@@ -386,7 +405,8 @@ class Supervisor:
                 await self._fail_what_it_held(replica, key)
             with contextlib.suppress(Exception):
                 await self._registry.delete(key)
-        delay = min(rt.restart_backoff_s * (2 ** (replica.restarts - 1)), rt.restart_backoff_max_s)
+        step = replica.backoff_step
+        delay = min(rt.restart_backoff_s * (2 ** (step - 1)), rt.restart_backoff_max_s)
         await asyncio.sleep(delay)
         if self._stopping:
             return
@@ -520,7 +540,8 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         until = loop.time() + budget
         # Workers refuse new requests but stay registered: later hops still find them.
-        self._signal(self._live(), signal.SIGUSR1)
+        # Only to replicas past Hello: one still importing would die of SIGUSR1 (-10).
+        self._signal([r for r in self._live() if r.state in ("setup", "ready")], signal.SIGUSR1)
         for roles in stop_order(self.config.plan()):
             level = self._live(roles)
             self._signal(level, signal.SIGTERM)  # each drains what it holds, then exits
@@ -575,3 +596,8 @@ class Supervisor:
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.state_path)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -31,11 +31,13 @@ from omniflow.memory import PagePool
 from omniflow.messages import LEAVING, ActorRecord, Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime.actor import Actor
 from omniflow.runtime.config import Config, from_json
+from omniflow.runtime.gpus import attach_device_pools, uses_gpu
 from omniflow.runtime.holding import HoldingFile, holding_path
 from omniflow.runtime.host import ActorHost
 from omniflow.runtime.kv_peers import KVPeers
 from omniflow.runtime.loading import load_actor_class
 from omniflow.runtime.resources import budget_after_barrier
+from omniflow.runtime.rundir import check_private, run_root_of
 from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, fd_of
 from omniflow.transport.links import attach_pool
@@ -65,12 +67,15 @@ class Worker:
         self.run_dir = run_dir
         self.role = role
         self.replica = replica
+        # A run dir another user may write is not ours to trust (its deployment.json).
+        check_private(run_dir, run_root_of(run_dir))
         self.config = from_json((run_dir / "deployment.json").read_bytes())
         self.role_config = self.config.processes()[role]
         self.ctx = zmq.Context()
         self.stop = asyncio.Event()
         self.host: ActorHost | None = None
         self.intake_closed = False
+        self.devices: list[str] = []  # PCI bus ids of the GPUs it computes on
 
     async def run(self, control_address: str, registry_address: str) -> int:
         loop = asyncio.get_running_loop()
@@ -83,8 +88,15 @@ class Worker:
         loop.add_reader(fd_of(control), self._on_control, control)
         pid = os.getpid()
         control.send(encode(Hello(self.role, self.replica, pid)))
-        pool = PagePool.attach(os.environ["OMNIFLOW_POOL"], populate=self.config.cache.populate)
+        gpu = uses_gpu(self.role_config.options)  # only then: pinning and a CUDA context
+        pin = gpu and self.config.cache.pin_memory
+        pool = PagePool.attach(
+            os.environ["OMNIFLOW_POOL"], populate=self.config.cache.populate, pin=pin
+        )
         attach_pool(pool, self.config.cache.frame_threshold_bytes)
+        self.devices = (
+            attach_device_pools(pool, self.config.cache, self.role_config.options) if gpu else []
+        )
         registry = open_registry(registry_address)
         try:
             cls = load_actor_class(self.role_config.actor)
@@ -174,6 +186,7 @@ class Worker:
             "ready",
             started=time.time(),
             meta=actor.meta(),
+            devices=self.devices,
         )
         key = actor_key(cfg.name, self.role, self.replica)
         await registry.put(key, encode_record(record), ttl=rt.ttl_s)

@@ -17,6 +17,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -27,6 +28,7 @@ from omniflow.transport.security import (
     Gatekeeper,
     Keys,
     Refusals,
+    check_private,
     describe_failure,
     secure_client,
     secure_server,
@@ -62,15 +64,25 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
 
-def private_dir(path: str | os.PathLike[str]) -> None:
+def private_dir(path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> None:
     """Make ``path`` (and missing parents) a directory only this user can enter: 0700,
     owned by us. ipc:// sockets live there, so another local user cannot even connect;
-    a directory someone else made for us (in a shared /tmp) is refused, not reused."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path, follow_symlinks=False)
-    if st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
-        raise PermissionError(f"{path}: owned by uid {st.st_uid} (or a link); refusing to use it")
-    if st.st_mode & 0o777 != 0o700:
+    a directory someone else made for us (in a shared /tmp) is refused, not reused, and
+    so is every folder from ``root`` (default: ``path``) down that is not ours or that
+    others may write (``UntrustedPath``, naming it)."""
+    path = Path(path)
+    top = Path(root) if root is not None else path
+    chain = [path, *path.parents]
+    below = reversed(chain[: chain.index(top) + 1]) if top in chain else [path]
+    os.makedirs(top.parent, exist_ok=True)
+    for folder in below:  # what we create here is 0700 whatever the umask
+        try:
+            os.mkdir(folder, 0o700)
+            os.chmod(folder, 0o700)
+        except FileExistsError:
+            pass
+    check_private(path, top if top in chain else path)
+    if os.stat(path).st_mode & 0o777 != 0o700:
         os.chmod(path, 0o700)
 
 

@@ -38,6 +38,34 @@ ZAP_DOMAIN = "omniflow"
 LOG_EVERY_S = 10.0
 
 
+class UntrustedPath(PermissionError):
+    """A folder another user owns or may write, where only ours will do."""
+
+
+def check_private(path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> None:
+    """Raise ``UntrustedPath`` naming the first folder from ``root`` (default: ``path``)
+    down to ``path`` that is a link, is not ours, or that group or others may write."""
+    path = Path(path)
+    top = Path(root) if root is not None else path
+    chain = [path, *path.parents]
+    if top not in chain:
+        raise ValueError(f"{top} is not {path} or a folder above it")
+    for folder in reversed(chain[: chain.index(top) + 1]):
+        st = os.stat(folder, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise UntrustedPath(f"{folder}: a link or not a folder; refusing to use it")
+        if st.st_uid != os.getuid():
+            raise UntrustedPath(
+                f"{folder}: owned by uid {st.st_uid}, not {os.getuid()}; refusing to use it "
+                "(remove it, or set OMNIFLOW_RUN_ROOT to a folder of yours)"
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise UntrustedPath(
+                f"{folder}: writable by group or others ({oct(stat.S_IMODE(st.st_mode))}); "
+                "refusing to use it (chmod go-w it)"
+            )
+
+
 class KeysError(ValueError):
     """A keys folder that cannot be used: missing files, or secrets others can read."""
 
@@ -96,6 +124,10 @@ def load_keys(folder: str | os.PathLike[str]) -> Keys:
         pairs += [public, secret]
     if not (folder / "authorized").is_dir():
         raise KeysError(f"{folder / 'authorized'}: missing (the client keys a server admits)")
+    try:  # another user who may write the folder may add a key that it admits
+        check_private(folder / "authorized", folder)
+    except UntrustedPath as e:
+        raise KeysError(str(e)) from None
     return Keys(folder, *pairs)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -99,8 +100,9 @@ def export(value: Any, frames: list[Any], link: Link = Link()) -> TensorRef:
     t = as_tensor(value).detach()
     pool = _attached.pool
     if link.same_host and pool is not None:
-        if t.is_cuda and link.gpus and t.device.index in _attached.device_pools:
-            return _attached.device_pools[t.device.index].share(t, link.pid)
+        device_pool = _attached.device_pools.get(t.device.index) if t.is_cuda else None
+        if device_pool is not None and device_pool.bus_id in link.gpus:  # the receiver's GPU
+            return device_pool.share(t, link.pid)
         if t.numel() * t.element_size() >= _attached.frame_threshold:
             return _export_shm(pool, t, link.pid)
     return _export_frame(t, frames)
@@ -141,12 +143,8 @@ def materialize(ref: TensorRef, frames: list[Any]) -> torch.Tensor:
         _opened[ref.lease] = _opened.get(ref.lease, 0) + 1
         return view
     if isinstance(ref, CudaIpc):
-        if _attached.opener is None:
-            from omniflow.memory.cuda_ipc import IpcOpener  # imports cupy: only when needed
-
-            _attached.opener = IpcOpener(_require_pool(ref))
         try:
-            return _attached.opener.open(ref)
+            return _opener(ref).open(ref)
         except (PoolError, ValueError) as e:
             raise TensorError(f"rejected CudaIpc ref: {e}") from None
     raise TensorError(f"{type(ref).__name__} refs are not supported by this process")
@@ -156,17 +154,56 @@ def materialize_all(refs: Mapping[str, TensorRef], frames: list[Any]) -> dict[st
     """Every tensor of one message, or none: when a ref is refused, those opened before it
     no longer count as opened, so the caller releases the whole message as unopened."""
     tensors: dict[str, torch.Tensor] = {}
-    opened: list[int] = []
+    opened: list[Shm | CudaIpc] = []
     try:
         for name, ref in refs.items():
             tensors[name] = materialize(ref, frames)
-            if isinstance(ref, Shm):
-                opened.append(ref.lease)
+            if isinstance(ref, Shm | CudaIpc):
+                opened.append(ref)
     except BaseException:
-        for lease in opened:
-            _count_closed(lease)
+        for done in opened:
+            if isinstance(done, Shm):
+                _count_closed(done.lease)
+            else:
+                _attached.opener.forget(done)  # its mapping closes with the last ref
         raise
     return tensors
+
+
+def materialize_owned(refs: Mapping[str, TensorRef], frames: list[Any]) -> dict[str, torch.Tensor]:
+    """``materialize_all`` for a receiver whose caller keeps outputs as long as it likes
+    (the client): a ``Shm`` tensor stays a view of the pool, with no copy, on storage of
+    its own whose last user going releases the ref (until then the block stays
+    allocated: ``.clone()`` what is kept for long); other pool-backed ones are copied
+    out and released at once."""
+    tensors = materialize_all(refs, frames)
+    for name, ref in refs.items():
+        if isinstance(ref, Shm) and ref.nbytes and _attached.pool is not None:
+            tensors[name] = _kept_view(_attached.pool, ref, tensors[name])
+        elif not isinstance(ref, Frame):
+            tensors[name] = tensors[name].clone()
+            release(ref)
+    return tensors
+
+
+def _kept_view(pool: PagePool, ref: Shm, view: torch.Tensor) -> torch.Tensor:
+    # A numpy array of its own over the block's bytes: torch keeps it alive as long as any
+    # tensor or view shares the storage, and frees it (running the finalizer) after.
+    arr = np.frombuffer(pool.mapping, np.uint8, ref.nbytes, ref.offset)
+    kept = torch.from_numpy(arr).view(view.dtype).reshape(view.shape)
+    weakref.finalize(arr, _release_quietly, ref)
+    return kept
+
+
+def _release_quietly(ref: Shm) -> None:
+    pool = _attached.pool
+    if pool is None or pool.name != ref.pool:  # the deployment is down: nothing to give back
+        _count_closed(ref.lease)
+        return
+    try:
+        release(ref)
+    except TensorError:
+        pass
 
 
 def _count_closed(lease: int) -> None:
@@ -196,6 +233,15 @@ def _materialize_frame(ref: Frame, frames: list[Any]) -> torch.Tensor:
     return flat.view(dtype).reshape(ref.shape)
 
 
+def _opener(ref: CudaIpc) -> Any:
+    if _attached.opener is None:
+        from omniflow.memory.cuda_ipc import IpcOpener  # imports cupy: only when needed
+
+        local = {p.handle: p for p in _attached.device_pools.values()}
+        _attached.opener = IpcOpener(_require_pool(ref), local)
+    return _attached.opener
+
+
 def _require_pool(ref: Shm | CudaIpc) -> PagePool:
     if _attached.pool is None:
         raise TensorError(
@@ -217,6 +263,8 @@ def release(ref: TensorRef, opened: bool = True) -> None:
     pool = _require_pool(ref)
     if opened and isinstance(ref, Shm):
         _count_closed(ref.lease)
+    if opened and isinstance(ref, CudaIpc) and _attached.opener is not None:
+        _attached.opener.release(ref)  # after this process's kernels on it are done
     try:
         pool.release(ref.lease, os.getpid())
     except PoolError as e:

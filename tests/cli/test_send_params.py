@@ -98,7 +98,7 @@ def test_a_wrong_type_for_a_first_class_option_exits_2(painter):
 def test_send_with_no_input_is_a_usage_error(painter):
     sent = _send(painter)
     assert sent.returncode == 2
-    assert "nothing to send: give --text, --image or --audio" in sent.stderr
+    assert "nothing to send: give --text, --text-file, --image or --audio" in sent.stderr
 
 
 def test_a_range_the_role_refuses_is_bad_request_exit_2_on_one_plain_line(painter):

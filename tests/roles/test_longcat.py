@@ -56,7 +56,8 @@ def roles_of(outputs):
 
 
 def test_text_only(longcat):
-    outs, result = call(longcat[0], {"text": "hello"})
+    # Seeded: unseeded, the tiny model's first token is EOS ~0.75% of the time (no text).
+    outs, result = call(longcat[0], {"text": "hello"}, params={"seed": 7})
     assert roles_of(outs) == {"llm"}
     assert "".join(o.data["text"] for o in outs)
     assert [t.role for t in result.timings] == ["llm"]

@@ -250,7 +250,7 @@ def test_cuda_ipc_handoff_is_bit_exact_and_acknowledged(pool: PagePool, receiver
     T.attach_device_pool(device_pool)
     try:
         cases = {k: torch.as_tensor(v).cuda() for k, v in _cases().items()}
-        link = Link(same_host=True, gpus=(0,), pid=receiver.pid)
+        link = Link(same_host=True, gpus=(device_pool.bus_id,), pid=receiver.pid)
         refs, report, back = receiver.send(cases, link)
         for name, t in cases.items():
             assert isinstance(refs[name], CudaIpc), name

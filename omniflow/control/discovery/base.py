@@ -22,6 +22,9 @@ class WatchEvent(NamedTuple):
     value: bytes
 
 
+Items = list[tuple[str, bytes]]  # a listing: (key, value) in key order
+
+
 class RegistryError(RuntimeError):
     """A registry operation failed (backend unreachable, barrier timed out, ...)."""
 
@@ -39,6 +42,9 @@ class Registry(Protocol):
 
     def watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
         """Events for keys under ``prefix`` from now on, until the iterator is closed."""
+
+    async def list_watch(self, prefix: str) -> tuple[Items, AsyncIterator[WatchEvent]]:
+        """The keys under ``prefix`` and a watch of every change after that listing."""
 
     async def barrier(self, name: str, n: int, member: str, timeout: float) -> None:
         """Return once ``n`` distinct members arrived at barrier ``name``; raise on timeout."""

@@ -4,6 +4,10 @@ The server keeps keys in memory. A key put with a TTL lives on the lease of the
 connection that put it (its ROUTER identity); ``keepalive`` refreshes every key
 of that connection, and a connection that stops refreshing (its process died)
 loses its keys when the TTL runs out, which watchers see as ``delete``.
+
+A keepalive for a lease the server no longer holds (the owner was stopped past
+its TTL, or the server was: a SIGSTOP, a VM pause, a stalled event loop) answers
+``LEASE_EXPIRED``, and the client puts every key it held back at once.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from omniflow.control.discovery.base import RegistryError, WatchEvent
+from omniflow.control.discovery.base import Items, RegistryError, WatchEvent
 from omniflow.messages import (
     RegBarrier,
     RegDelete,
@@ -32,6 +36,7 @@ from omniflow.transport.endpoint import Inbox, fd_of, stop_reading
 
 _request_decoder = decoder_for(RegistryRequest)
 _reply_decoder = decoder_for(RegistryMessage)
+LEASE_EXPIRED = "lease expired"
 
 
 class EmbeddedRegistryServer:
@@ -76,8 +81,11 @@ class EmbeddedRegistryServer:
         if isinstance(req, RegPut):
             self._put(identity, req)
         elif isinstance(req, RegKeepalive):
-            self._refresh(identity)
-            self._reply(identity, RegReply(req.rid))
+            if identity in self._ttl:
+                self._refresh(identity)
+                self._reply(identity, RegReply(req.rid))
+            else:  # reaped (or never granted): say so, the client puts its keys back
+                self._reply(identity, RegReply(req.rid, ok=False, error=LEASE_EXPIRED))
         elif isinstance(req, RegDelete):
             self._delete(req.key)
             self._reply(identity, RegReply(req.rid))
@@ -162,7 +170,7 @@ class EmbeddedRegistry:
         self._watch_queues: dict[int, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self._leased: set[str] = set()
+        self._leased: dict[str, tuple[bytes, float]] = {}  # key -> (value, ttl), to re-put
 
     def _ensure_reader(self) -> None:
         if self._loop is None:
@@ -211,20 +219,37 @@ class EmbeddedRegistry:
     async def put(self, key: str, value: bytes, ttl: float = 0.0) -> None:
         await self._call(lambda rid: RegPut(rid, key, value, ttl))
         if ttl > 0:
-            self._leased.add(key)
+            self._leased[key] = (value, ttl)
         else:
-            self._leased.discard(key)
+            self._leased.pop(key, None)
 
     async def keepalive(self) -> None:
-        await self._call(lambda rid: RegKeepalive(rid, []))
+        try:
+            await self._call(lambda rid: RegKeepalive(rid, []))
+        except RegistryError as e:
+            if str(e) != LEASE_EXPIRED:
+                raise
+            # The server reaped this lease (one side was stopped past the TTL):
+            # put every key back now, whatever changed or did not.
+            for key, (value, ttl) in list(self._leased.items()):
+                await self._call(lambda rid, k=key, v=value, t=ttl: RegPut(rid, k, v, t))
 
     async def delete(self, key: str) -> None:
-        self._leased.discard(key)
+        self._leased.pop(key, None)
         await self._call(lambda rid: RegDelete(rid, key))
 
     async def list(self, prefix: str) -> list[tuple[str, bytes]]:
         reply = await self._call(lambda rid: RegList(rid, prefix))
         return [(k, bytes(v)) for k, v in reply.items]
+
+    async def list_watch(self, prefix: str) -> tuple[Items, _Watch]:
+        # The watch is registered before the list is sent (one socket, in order).
+        events = self.watch(prefix)
+        try:
+            return await self.list(prefix), events
+        except BaseException:
+            await events.aclose()
+            raise
 
     def watch(self, prefix: str) -> _Watch:
         # Registered now (the send is synchronous), not at the first __anext__:

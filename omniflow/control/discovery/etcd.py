@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import aetcd
 import aetcd.exceptions
 
-from omniflow.control.discovery.base import RegistryError, WatchEvent
+from omniflow.control.discovery.base import Items, RegistryError, WatchEvent
 
 BARRIER_PREFIX = "/omniflow/barriers/"
 DEFAULT_PORT = 2379
@@ -113,6 +113,17 @@ class EtcdRegistry:
             reply = await self._client.get_prefix(prefix.encode(), sort_order="ascend")
             self._saw(reply.header.revision)
             return [(kv.key.decode(), kv.value) for kv in reply]
+
+    async def list_watch(self, prefix: str) -> tuple[Items, EtcdWatch]:
+        """The listing, and a watch from the listing's revision + 1: a put between the
+        two is seen (a watch "from now" registers later than the list answers)."""
+        async with self._errors(f"list {prefix!r}"):
+            reply = await self._client.get_prefix(prefix.encode(), sort_order="ascend")
+            self._saw(reply.header.revision)
+        items = [(kv.key.decode(), kv.value) for kv in reply]
+        watch = EtcdWatch(self, prefix, reply.header.revision + 1)
+        self._watches.add(watch)
+        return items, watch
 
     def watch(self, prefix: str) -> EtcdWatch:
         # The start revision is taken now, not when iteration begins: events

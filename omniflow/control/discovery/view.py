@@ -31,9 +31,9 @@ class RegistryView:
         self.on_gone: Callable[[ActorRecord], None] | None = None
 
     async def start(self) -> None:
-        # Watch before listing: a change between the two is then seen (perhaps twice).
-        events = self._registry.watch(self._prefix)
-        for key, value in await self._registry.list(self._prefix):
+        # A watch of every change after the listing (none lost between the two).
+        listed, events = await self._registry.list_watch(self._prefix)
+        for key, value in listed:
             self._set(key, value)
         self._reindex()
         self._task = asyncio.create_task(self._follow(events), name="registry-view")
@@ -68,12 +68,9 @@ class RegistryView:
         the watch was away is then known); retried every ``delay`` seconds until it works."""
         while True:
             await asyncio.sleep(delay)
-            events: Any = self._registry.watch(self._prefix)  # an async generator: aclose()
             try:
-                listed = await self._registry.list(self._prefix)
+                listed, events = await self._registry.list_watch(self._prefix)
             except Exception as e:
-                with contextlib.suppress(Exception):
-                    await events.aclose()
                 log.debug("the registry is still away: %s", e)
                 continue
             old, self._records = self._records, {}
@@ -137,11 +134,14 @@ class RegistryView:
                 return rec
         return None
 
-    async def wait_for(self, role: str, timeout: float) -> list[ActorRecord]:
-        """The replicas of ``role``, waiting up to ``timeout`` for one to appear."""
+    async def wait_for(
+        self, role: str, timeout: float, exclude_pids: frozenset[int] = frozenset()
+    ) -> list[ActorRecord]:
+        """The replicas of ``role``, waiting up to ``timeout`` for one to appear (one whose
+        pid is not in ``exclude_pids``: a dead process still listed)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not self.replicas(role):
+        while not [r for r in self.replicas(role) if r.pid not in exclude_pids]:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
