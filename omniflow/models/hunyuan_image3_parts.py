@@ -335,6 +335,11 @@ def load_image_parts(
     for name, tensor in iter_checkpoint_tensors(path, lambda n: n.startswith(IMAGE_PART_PREFIXES)):
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the image parts")
+        if tuple(params[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, the image parts "
+                f"expect {list(params[name].shape)}"
+            )
         with torch.no_grad():
             params[name].copy_(tensor)
         loaded.add(name)

@@ -64,6 +64,13 @@ TINY_HUNYUAN_IMAGE3: dict[str, Any] = {
     },
     "vit_aligner": {"input_dim": 32},
 }
+# generation_config.json: the release's keys; 8 steps (the release's 50 is slow for a
+# random tiny model whose images are noise anyway), guidance 2.5, the release's shift.
+TINY_GENERATION: dict[str, Any] = {
+    "diff_infer_steps": 8,
+    "diff_guidance_scale": 2.5,
+    "flow_shift": 3.0,
+}
 TEXT_VOCAB = 320  # the byte-level BPE's entries; the special tokens come after
 INIT_STD = 0.08
 SHARD_BYTES = 256 << 10
@@ -132,6 +139,10 @@ def build_tiny_hunyuan_image3(
         raw[key] = tokenizer.token_to_id(token)
     config = HunyuanImage3Config.from_dict(raw)
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    generation = TINY_GENERATION | {
+        key: raw[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+    }
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
     tensors = backbone_tensors(config, seed) | image_part_tensors(config, seed + 1)
     save_safetensors(tensors, folder, max_shard_bytes)
     return folder

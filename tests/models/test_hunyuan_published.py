@@ -1,0 +1,191 @@
+"""HunyuanImage-3.0 as published: the tiny builder's folder layout, strict loading at role
+load (a renamed, missing, extra or mis-shaped tensor names itself, the role and the
+folder), generation_config.json's sampler defaults and the flow-match schedule against
+diffusers' FlowMatchEulerDiscreteScheduler."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from omniflow.models.flow_matching import model_time, shifted_sigmas
+from omniflow.models.hunyuan_image3 import backbone_checkpoint_names
+from omniflow.models.hunyuan_image3_config import (
+    RELEASE_GENERATION,
+    HunyuanImage3Config,
+    generation_defaults,
+)
+from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts
+from omniflow.models.hunyuan_image3_tokens import SPECIAL_TOKENS
+from omniflow.models.loader import checkpoint_files
+from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.roles.hunyuan_backbone import Backbone, image_parts
+from omniflow.roles.options import HunyuanAROptions, VAEDecoderOptions
+
+IMAGE_PARTS = (
+    "vae.",
+    "vision_model.",
+    "vision_aligner.",
+    "timestep_emb.",
+    "patch_embed.",
+    "time_embed.",
+    "final_layer.",
+    "time_embed_2.",
+)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_tiny_hunyuan_image3(tmp_path_factory.mktemp("published") / "tiny", seed=5)
+
+
+def names_in(folder):
+    names = set()
+    for file in checkpoint_files(folder):
+        names |= set(load_file(str(file)))
+    return names
+
+
+def test_the_folder_has_the_published_layout(folder):
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["model_type"] == "hunyuan_image_3_moe"
+    assert raw["architectures"] == ["HunyuanImage3ForCausalMM"]
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((folder / s).is_file() for s in shards)
+    names = names_in(folder)
+    assert set(index["weight_map"]) == names
+    config = HunyuanImage3Config.from_dict(raw)
+    backbone = {n for n in names if not n.startswith(IMAGE_PARTS)}
+    assert backbone == backbone_checkpoint_names(config)
+    assert {n.split(".")[0] + "." for n in names - backbone} == set(IMAGE_PARTS)
+    assert names - backbone == set(HunyuanImage3Parts(config).state_dict())
+    assert "model.layers.1.mlp.experts.3.gate_and_up_proj.weight" in names
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert "model.layers.0.mlp.gate.wg.weight" in names
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert set(RELEASE_GENERATION) <= set(generation)
+    vocab = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    added = {entry["content"] for entry in vocab}
+    assert set(SPECIAL_TOKENS) <= added
+    assert {"<boi>", "<eoi>", "<img>", "<timestep>", "<cfg>", "<img_ratio_32>"} <= added
+
+
+def test_generation_defaults_come_from_the_folder_or_the_release(folder, tmp_path):
+    got = generation_defaults(folder)
+    assert (got.steps, got.guidance_scale, got.flow_shift) == (8, 2.5, 3.0)
+    release = generation_defaults(tmp_path)  # no generation_config.json
+    assert (release.steps, release.guidance_scale, release.flow_shift) == (50, 5.0, 3.0)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"flow_shift": 0}))
+    with pytest.raises(ValueError, match="flow_shift"):
+        generation_defaults(tmp_path)
+
+
+def copy_of(folder, tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    for file in folder.iterdir():
+        (out / file.name).write_bytes(file.read_bytes())
+    return out
+
+
+def edit(folder, change):
+    """Apply change(tensors) to the shard holding the first tensor it names, keeping the
+    index in step (a renamed or extra tensor is indexed where it lies)."""
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    name, _ = change(None)
+    shard = folder / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    _, tensors = change(tensors)
+    save_file(tensors, str(shard))
+    index["weight_map"] = {n: s for n, s in index["weight_map"].items() if s != shard.name}
+    index["weight_map"] |= {n: shard.name for n in tensors}
+    index_file.write_text(json.dumps(index))
+
+
+QKV = "model.layers.1.self_attn.qkv_proj.weight"
+EXPERT = "model.layers.0.mlp.experts.2.down_proj.weight"
+
+
+def renamed(t):
+    if t is not None:
+        t["model.layers.1.self_attn.qkv.weight"] = t.pop(QKV)
+    return QKV, t
+
+
+def missing(t):
+    if t is not None:
+        del t[EXPERT]
+    return EXPERT, t
+
+
+def extra(t):
+    if t is not None:
+        t["model.layers.0.mlp.experts.9.down_proj.weight"] = t[EXPERT].clone()
+    return EXPERT, t
+
+
+def misshaped(t):
+    if t is not None:
+        t[EXPERT] = t[EXPERT][:, :-1].contiguous()
+    return EXPERT, t
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (renamed, "model.layers.1.self_attn.qkv.weight"),
+        (missing, EXPERT),
+        (extra, "model.layers.0.mlp.experts.9.down_proj.weight"),
+        (misshaped, EXPERT),
+    ],
+)
+def test_backbone_load_names_tensor_role_and_folder(folder, tmp_path, change, named):
+    model = copy_of(folder, tmp_path)
+    edit(model, change)
+    opts = HunyuanAROptions(model_path=str(model), share_weights=False)
+    with pytest.raises(ValueError) as caught:
+        Backbone.load(opts, None, "ar")
+    message = str(caught.value)
+    assert named in message and "role 'ar'" in message and str(model) in message
+
+
+def vae_change(t):
+    name = "vae.decoder.0.weight"
+    if t is not None:
+        t[name] = t[name][:1].contiguous()
+    return name, t
+
+
+def test_vae_decoder_load_names_a_misshaped_vae_tensor(folder, tmp_path):
+    model = copy_of(folder, tmp_path)
+    edit(model, vae_change)
+    with pytest.raises(ValueError) as caught:
+        image_parts(VAEDecoderOptions(model_path=str(model)), "vae_decoder")
+    message = str(caught.value)
+    assert "vae.decoder.0.weight" in message and "role 'vae_decoder'" in message
+    assert str(model) in message
+
+
+@pytest.mark.parametrize(("steps", "shift"), [(8, 3.0), (50, 3.0), (20, 1.0), (13, 7.5)])
+def test_schedule_matches_diffusers_flow_match_euler(steps, shift):
+    diffusers = pytest.importorskip("diffusers")
+    # The release's sigmas: linspace(1, 0, N + 1), shifted s x / (1 + (s - 1) x),
+    # timesteps sigma * 1000. diffusers reproduces them with the shift applied to its own
+    # linspace(1, 1/N) sigmas (static shifting) and a terminal 0.
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=shift, use_dynamic_shifting=False
+    )
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)[:-1].numpy()
+    scheduler.set_timesteps(sigmas=sigmas)
+    ours = shifted_sigmas(steps, shift)
+    torch.testing.assert_close(ours, scheduler.sigmas.float(), atol=1e-6, rtol=1e-6)
+    times = torch.tensor([model_time(s) for s in ours[:-1]])
+    torch.testing.assert_close(times, scheduler.timesteps.float(), atol=1e-3, rtol=1e-6)
+    # And one Euler step is diffusers' step.
+    sample, velocity = torch.randn(2, 4, 4), torch.randn(2, 4, 4)
+    theirs = scheduler.step(velocity, scheduler.timesteps[0], sample).prev_sample
+    mine = sample + (float(ours[1]) - float(ours[0])) * velocity
+    torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
