@@ -54,15 +54,18 @@ TINY_HUNYUAN_IMAGE3: dict[str, Any] = {
         "scaling_factor": 0.5,
         "shift_factor": 0.0,
     },
-    "vit": {
-        "image_size": 32,
+    "vit": {  # Siglip2VisionConfig's keys
+        "num_patches": 16,
         "patch_size": 8,
+        "num_channels": 3,
         "hidden_size": 32,
         "num_attention_heads": 2,
         "num_hidden_layers": 1,
         "intermediate_size": 64,
+        "hidden_act": "gelu_pytorch_tanh",
+        "layer_norm_eps": 1e-6,
     },
-    "vit_aligner": {"input_dim": 32},
+    "vit_aligner": {"projector_type": "mlp_gelu", "input_dim": 32, "n_embed": 64, "depth": 2},
 }
 # generation_config.json: the release's keys; 8 steps (the release's 50 is slow for a
 # random tiny model whose images are noise anyway), guidance 2.5, the release's shift.
@@ -133,6 +136,8 @@ def build_tiny_hunyuan_image3(
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     save_tiny_tokenizer(tokenizer, folder)
     raw = json.loads(json.dumps(TINY_HUNYUAN_IMAGE3)) | overrides
+    if "vit_aligner" not in overrides:  # the aligner projects to the backbone's width
+        raw["vit_aligner"]["n_embed"] = raw["hidden_size"]
     if tokenizer.get_vocab_size(with_added_tokens=True) > raw["vocab_size"]:
         raise ValueError(f"vocab_size {raw['vocab_size']} is below the tokenizer's entries")
     for key, token in (("bos_token_id", BOS), ("eos_token_id", EOS), ("pad_token_id", PAD)):

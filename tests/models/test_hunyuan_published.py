@@ -189,3 +189,60 @@ def test_schedule_matches_diffusers_flow_match_euler(steps, shift):
     theirs = scheduler.step(velocity, scheduler.timesteps[0], sample).prev_sample
     mine = sample + (float(ours[1]) - float(ours[0])) * velocity
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_vit_matches_transformers_siglip2_vision_model(folder):
+    transformers = pytest.importorskip("transformers")
+    from omniflow.models.hunyuan_image3_parts import load_image_parts
+
+    raw = json.loads((folder / "config.json").read_text())
+    parts = load_image_parts(folder)
+    config = transformers.Siglip2VisionConfig(**raw["vit"])
+    theirs = transformers.Siglip2VisionModel(config).eval()
+    # The published names (vision_model.*, head included) are those of transformers'
+    # Siglip2VisionTransformer (4.x: Siglip2VisionModel.vision_model; 5.x: the model's own).
+    ours = {
+        k.removeprefix("vision_model."): v
+        for k, v in parts.state_dict().items()
+        if k.startswith("vision_model.")
+    }
+    getattr(theirs, "vision_model", theirs).load_state_dict(ours, strict=True)
+    torch.manual_seed(0)
+    for shape in ((4, 4), (2, 8), (3, 5)):
+        h, w = shape
+        pixels = torch.rand(1, 3, h * 8, w * 8) * 2 - 1
+        patches, got_shape = parts.vision_model.patchify(pixels)
+        assert got_shape == shape
+        padded = torch.zeros(1, 16, patches.shape[-1])
+        padded[:, : h * w] = patches
+        mask = torch.zeros(1, 16, dtype=torch.long)
+        mask[:, : h * w] = 1
+        with torch.inference_mode():
+            expected = theirs(
+                pixel_values=padded,
+                pixel_attention_mask=mask,
+                spatial_shapes=torch.tensor([shape]),
+            ).last_hidden_state[:, : h * w]
+            got = parts.vision_model.forward_patches(patches, shape)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # The aligner: Linear, GELU, Linear under vision_aligner.layers.{0,2}.
+    rows = torch.randn(5, raw["vit"]["hidden_size"])
+    t = parts.state_dict()
+    first = rows @ t["vision_aligner.layers.0.weight"].T + t["vision_aligner.layers.0.bias"]
+    second = torch.nn.functional.gelu(first) @ t["vision_aligner.layers.2.weight"].T
+    with torch.inference_mode():
+        aligned = parts.vision_aligner(rows)
+    torch.testing.assert_close(aligned, second + t["vision_aligner.layers.2.bias"])
+
+
+def test_vit_grid_matches_siglip2_image_processor():
+    siglip2 = pytest.importorskip("transformers.models.siglip2.image_processing_pil_siglip2")
+    get_image_size_for_max_num_patches = siglip2.get_image_size_for_max_num_patches
+
+    from omniflow.models.hunyuan_image3_vit import grid_size
+
+    for height, width in ((64, 64), (100, 37), (17, 300), (8, 8), (1024, 768)):
+        for patches in (16, 256, 1024):
+            assert grid_size(height, width, 16, patches) == get_image_size_for_max_num_patches(
+                height, width, 16, patches
+            )
