@@ -3,13 +3,13 @@
 - `TimestepEmbedder`: a diffusion time t -> a row (sinusoidal features through an MLP).
 - `patch_embed` (UNetDown): latent [C, H, W] + time -> image token rows [h*w, hidden].
 - `final_layer` (UNetUp): image tokens' hidden states + time -> velocity [C, H, W].
-- a VAE (`TinyVAE`: encoder for a condition image's clean latent, decoder to RGB uint8)
+- the VAE (AutoencoderKLConv3D, hunyuan_image3_vae.py): a condition image's clean latent,
+  and the decoder to RGB uint8
 - the ViT (SigLIP2, hunyuan_image3_vit.py) and its aligner: a condition image -> rows.
 
 The timestep embedders, patch_embed and final_layer follow the reference's modules and
-checkpoint names (timestep-conditioned ResBlocks with adaptive group norm), the ViT and
-aligner too. The VAE is still a small stand-in: the release's AutoencoderKLConv3D has
-another layout and names, and does not load into it.
+checkpoint names (timestep-conditioned ResBlocks with adaptive group norm), the VAE, the
+ViT and its aligner too.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 
 from omniflow.models.hunyuan_image3 import IMAGE_PART_PREFIXES
 from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
+from omniflow.models.hunyuan_image3_vae import AutoencoderKLConv3D
 from omniflow.models.hunyuan_image3_vit import LightProjector, Siglip2Vision
 from omniflow.models.loader import iter_checkpoint_tensors
 
@@ -137,44 +138,6 @@ class UNetUp(nn.Module):
         return x
 
 
-class TinyVAE(nn.Module):
-    """RGB <-> latent, `downsample` x smaller per side (strided convs / nearest upsampling)."""
-
-    def __init__(self, latent: int, channels: int, downsample: int, scaling: float, shift: float):
-        super().__init__()
-        stages = int(math.log2(downsample))
-        if 2**stages != downsample:
-            raise ValueError(f"vae ffactor_spatial must be a power of 2, not {downsample}")
-        self.scaling, self.shift, self.downsample = scaling, shift, downsample
-        self.encoder = nn.Sequential(
-            nn.Conv2d(3, channels, 3, 1, 1),
-            *[
-                nn.Sequential(nn.Conv2d(channels, channels, 3, 2, 1), nn.SiLU())
-                for _ in range(stages)
-            ],
-            nn.Conv2d(channels, 2 * latent, 3, 1, 1),
-        )
-        self.decoder = nn.Sequential(
-            nn.Conv2d(latent, channels, 3, 1, 1),
-            *[
-                nn.Sequential(
-                    nn.Upsample(scale_factor=2), nn.Conv2d(channels, channels, 3, 1, 1), nn.SiLU()
-                )
-                for _ in range(stages)
-            ],
-            nn.Conv2d(channels, 3, 3, 1, 1),
-        )
-
-    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] in [-1, 1] -> the posterior's mean, scaled: [B, C, H/d, W/d]."""
-        mean, _ = self.encoder(pixels).chunk(2, dim=1)
-        return (mean - self.shift) * self.scaling
-
-    def decode(self, latent: torch.Tensor) -> torch.Tensor:
-        """[B, C, h, w] -> [B, 3, h*d, w*d] in [-1, 1]."""
-        return torch.tanh(self.decoder(latent / self.scaling + self.shift))
-
-
 def pixels_in(image: torch.Tensor) -> torch.Tensor:
     """RGB uint8 [H, W, 3] -> [1, 3, H, W] float in [-1, 1]."""
     if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3:
@@ -202,13 +165,7 @@ class HunyuanImage3Parts(nn.Module):
         self.time_embed = TimestepEmbedder(hidden)
         self.final_layer = UNetUp(patch, hidden, hidden, width, latent)
         self.time_embed_2 = TimestepEmbedder(hidden)
-        self.vae = TinyVAE(
-            latent,
-            int(vae.get("channels", 32)),
-            config.vae_downsample,
-            float(vae.get("scaling_factor", 1.0)),
-            float(vae.get("shift_factor", 0.0)),
-        )
+        self.vae = AutoencoderKLConv3D(vae)
         self.vision_model = Siglip2Vision(vit)
         self.vision_aligner = LightProjector(aligner, hidden)
 

@@ -47,12 +47,20 @@ TINY_HUNYUAN_IMAGE3: dict[str, Any] = {
     "patch_size": 1,
     "patch_embed_hidden_dim": 32,
     "image_base_size": 256,  # 16-pixel tokens: a 16 x 16 grid at ratio 1:1
-    "vae": {
-        "latent_channels": 4,
+    "vae": {  # AutoencoderKLConv3D's keys; the release's latent, factors and scaling
+        "in_channels": 3,
+        "out_channels": 3,
+        "latent_channels": 32,
+        "block_out_channels": [32, 32, 32, 64, 64],
+        "layers_per_block": 1,
         "ffactor_spatial": 16,
-        "channels": 16,
-        "scaling_factor": 0.5,
-        "shift_factor": 0.0,
+        "ffactor_temporal": 4,
+        "sample_size": 256,
+        "sample_tsize": 16,
+        "scaling_factor": 0.562679178327931,
+        "shift_factor": None,
+        "downsample_match_channel": True,
+        "upsample_match_channel": True,
     },
     "vit": {  # Siglip2VisionConfig's keys
         "num_patches": 16,

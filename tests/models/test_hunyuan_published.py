@@ -153,7 +153,7 @@ def test_backbone_load_names_tensor_role_and_folder(folder, tmp_path, change, na
 
 
 def vae_change(t):
-    name = "vae.decoder.0.weight"
+    name = "vae.decoder.conv_in.weight"
     if t is not None:
         t[name] = t[name][:1].contiguous()
     return name, t
@@ -165,7 +165,7 @@ def test_vae_decoder_load_names_a_misshaped_vae_tensor(folder, tmp_path):
     with pytest.raises(ValueError) as caught:
         image_parts(VAEDecoderOptions(model_path=str(model)), "vae_decoder")
     message = str(caught.value)
-    assert "vae.decoder.0.weight" in message and "role 'vae_decoder'" in message
+    assert "vae.decoder.conv_in.weight" in message and "role 'vae_decoder'" in message
     assert str(model) in message
 
 
@@ -246,3 +246,119 @@ def test_vit_grid_matches_siglip2_image_processor():
             assert grid_size(height, width, 16, patches) == get_image_size_for_max_num_patches(
                 height, width, 16, patches
             )
+
+
+# The VAE, written here from the release's AutoencoderKLConv3D as plain functions over the
+# checkpoint's vae.* tensors (einops patterns spelled with reshape/permute).
+def _gn(x, t, name):
+    return torch.nn.functional.group_norm(x, 32, t[name + ".weight"], t[name + ".bias"], 1e-6)
+
+
+def _conv(x, t, name):
+    weight = t[name + ".weight"]
+    return torch.nn.functional.conv3d(x, weight, t[name + ".bias"], padding=weight.shape[-1] // 2)
+
+
+def _res(x, t, p):
+    silu = torch.nn.functional.silu
+    h = _conv(
+        silu(_gn(_conv(silu(_gn(x, t, p + "norm1")), t, p + "conv1"), t, p + "norm2")),
+        t,
+        p + "conv2",
+    )
+    return (_conv(x, t, p + "nin_shortcut") if p + "nin_shortcut.weight" in t else x) + h
+
+
+def _attn(x, t, p):
+    b, c, f, hh, w = x.shape
+    h = _gn(x, t, p + "norm")
+    q, k, v = (_conv(h, t, p + n).reshape(b, c, -1).transpose(1, 2) for n in "qkv")
+    weights = (q @ k.transpose(1, 2) / c**0.5).softmax(-1)
+    out = (weights @ v).transpose(1, 2).reshape(b, c, f, hh, w)
+    return x + _conv(out, t, p + "proj_out")
+
+
+def _mid(x, t, p):
+    return _res(_attn(_res(x, t, p + "mid.block_1."), t, p + "mid.attn_1."), t, p + "mid.block_2.")
+
+
+def _s2c(x, r1):  # b c (f r1) (h r2) (w r3) -> b (r1 r2 r3 c) f h w
+    b, c, f, h, w = x.shape
+    x = x.reshape(b, c, f // r1, r1, h // 2, 2, w // 2, 2)
+    return x.permute(0, 3, 5, 7, 1, 2, 4, 6).reshape(b, -1, f // r1, h // 2, w // 2)
+
+
+def _c2s(x, r1):  # b (r1 r2 r3 c) f h w -> b c (f r1) (h r2) (w r3)
+    b, n, f, h, w = x.shape
+    x = x.reshape(b, r1, 2, 2, n // (4 * r1), f, h, w).permute(0, 4, 5, 1, 6, 2, 7, 3)
+    return x.reshape(b, n // (4 * r1), f * r1, h * 2, w * 2)
+
+
+def reference_vae_encode(t, cfg, image):
+    x = image[:, :, None].expand(-1, -1, cfg["ffactor_temporal"], -1, -1)
+    widths, spatial = cfg["block_out_channels"], cfg["ffactor_spatial"]
+    h = _conv(x, t, "vae.encoder.conv_in")
+    for i in range(len(widths)):
+        p = f"vae.encoder.down.{i}."
+        for j in range(cfg["layers_per_block"]):
+            h = _res(h, t, f"{p}block.{j}.")
+        if p + "downsample.conv.weight" in t:
+            r1 = 2 if i >= torch.log2(torch.tensor(spatial / cfg["ffactor_temporal"])) else 1
+            out = _s2c(_conv(h, t, p + "downsample.conv"), r1)
+            short = _s2c(h, r1)
+            b, c, f, hh, w = short.shape
+            h = out + short.view(b, out.shape[1], c // out.shape[1], f, hh, w).mean(2)
+    h = _mid(h, t, "vae.encoder.")
+    z2 = 2 * cfg["latent_channels"]
+    b, c, f, hh, w = h.shape
+    short = h.reshape(b, z2, c // z2, f, hh, w).mean(2)
+    moments = _conv(
+        torch.nn.functional.silu(_gn(h, t, "vae.encoder.norm_out")), t, "vae.encoder.conv_out"
+    )
+    mean = (moments + short).chunk(2, dim=1)[0]
+    return (mean[:, :, 0] - (cfg["shift_factor"] or 0.0)) * cfg["scaling_factor"]
+
+
+def reference_vae_decode(t, cfg, latent):
+    z = (latent / cfg["scaling_factor"] + (cfg["shift_factor"] or 0.0))[:, :, None]
+    widths = cfg["block_out_channels"][::-1]
+    h = _conv(z, t, "vae.decoder.conv_in") + z.repeat_interleave(widths[0] // z.shape[1], 1)
+    h = _mid(h, t, "vae.decoder.")
+    for i in range(len(widths)):
+        p = f"vae.decoder.up.{i}."
+        for j in range(cfg["layers_per_block"] + 1):
+            h = _res(h, t, f"{p}block.{j}.")
+        if p + "upsample.conv.weight" in t:
+            r1 = 2 if 2**i < cfg["ffactor_temporal"] else 1
+            up = _conv(h, t, p + "upsample.conv")
+            h = _c2s(up, r1) + _c2s(h.repeat_interleave(up.shape[1] // h.shape[1], 1), r1)
+    frames = _conv(
+        torch.nn.functional.silu(_gn(h, t, "vae.decoder.norm_out")), t, "vae.decoder.conv_out"
+    )
+    assert frames.shape[2] == cfg["ffactor_temporal"]  # one latent frame -> 4, keep the last
+    return frames[:, :, -1]
+
+
+def test_vae_matches_the_release_equations(folder):
+    from omniflow.models.hunyuan_image3_parts import load_image_parts
+
+    cfg = json.loads((folder / "config.json").read_text())["vae"]
+    assert (cfg["latent_channels"], cfg["ffactor_spatial"], cfg["ffactor_temporal"]) == (32, 16, 4)
+    parts = load_image_parts(folder)
+    t = {k: v for k, v in parts.state_dict().items() if k.startswith("vae.")}
+    assert all(v.dtype == torch.float32 for v in t.values())
+    tensors = {}
+    for file in checkpoint_files(folder):
+        tensors |= {k: v for k, v in load_file(str(file)).items() if k.startswith("vae.")}
+    assert set(tensors) == set(t) and all(tensors[k].dtype == torch.float32 for k in t)
+    torch.manual_seed(0)
+    image = torch.rand(1, 3, 48, 32) * 2 - 1
+    latent = torch.randn(1, 32, 3, 2)
+    with torch.inference_mode():
+        encoded = parts.vae.encode(image)
+        decoded = parts.vae.decode(latent)
+        expected_latent = reference_vae_encode(t, cfg, image)
+        expected_pixels = reference_vae_decode(t, cfg, latent).clamp(-1, 1)
+    assert encoded.shape == (1, 32, 3, 2) and decoded.shape == (1, 3, 48, 32)
+    torch.testing.assert_close(encoded, expected_latent, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decoded, expected_pixels, atol=1e-4, rtol=1e-4)
