@@ -64,7 +64,9 @@ def engine_for(folder, pool=None, share=False, num_pages=64):
 
 
 def block_rows(parts, context_len, grid=GRID, t=700.0, seed=0):
-    latent = torch.randn(parts.config.latent_channels, *grid, generator=torch.Generator().manual_seed(seed))
+    latent = torch.randn(
+        parts.config.latent_channels, *grid, generator=torch.Generator().manual_seed(seed)
+    )
     rows = torch.cat((parts.timestep_row(t), parts.image_rows(latent, t)))
     return rows, image_block(context_len, grid).positions
 
