@@ -74,6 +74,7 @@ class DiffusionRole(ModelActor):
             kv_cache_bytes=kv_bytes,
             # Shared weights stay in the pages ar maps too (no private re-layout).
             relayout_weights=self.backbone.weights is None,
+            enable_prefix_caching=self.options.reuse_prefix,
         )
         engine = LLMEngine(self.backbone.model, config, self.backbone.tokenizer, self.pool)
         return AsyncEngine(
