@@ -135,3 +135,17 @@ class SumsInParallel(Actor):
         torch.set_num_threads(2)
         total = torch.ones(1 << 22).sum().item()
         return {"sum": total, "pid": os.getpid()}
+
+
+class WhereIsTensor(Actor):
+    """Passes everything on, appending to ``offsets`` where its input ``tensor`` lies in
+    the page pool (-1: not in it)."""
+
+    async def handle(self, request, ctx):
+        from omniflow.transport.tensors import attached_pool
+
+        t = request.tensors["tensor"]
+        pool = attached_pool()
+        where = t.data_ptr() - pool.base if pool is not None and pool.contains(t) else -1
+        data = {**request.data, "offsets": [*request.data["offsets"], where]}
+        return {**data, **request.tensors}

@@ -186,6 +186,11 @@ class PagePool:
             raise
         return pt
 
+    @property
+    def mapping(self) -> Any:
+        """This process's mapping of the segment (a buffer: offsets as in ``Shm``)."""
+        return self._seg.mm
+
     def contains(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s first byte lies in this process's mapping of the pool."""
         if tensor.device.type != "cpu":

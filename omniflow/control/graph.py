@@ -46,7 +46,7 @@ PREDICATES: dict[str, Predicate] = {
     "always": lambda params, output: True,
     "has_text": _has("text"),
     "has_image": _has("image", "images"),
-    "has_audio": _has("audio"),
+    "has_audio": _has("audio", "audios"),
     "want_text": _wants("text"),
     "want_image": _wants("image"),
     "want_audio": _wants("audio"),

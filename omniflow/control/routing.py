@@ -22,7 +22,7 @@ from omniflow.control.graph import INPUT, Plan
 from omniflow.messages import ActorRecord, Call, Code, Done, Emit, Join, Timing
 from omniflow.transport.codec import encode, export_tensors, revoke_tensors, split_output
 from omniflow.transport.endpoint import Outbox, PeerUnavailable
-from omniflow.transport.links import Link
+from omniflow.transport.links import Link, client_link
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,10 @@ class Fanout:
         if not routes:
             emit = Emit(self.call.request_id, self.src, self.emitted, data)
             self.emitted += 1
-            await self.router.send(self.call.reply_to, emit, tensors)
+            link = client_link(self.call.reply_to) if tensors else _NO_LINK
+            rest = self.router.send_now(self.call.reply_to, emit, tensors, link)
+            if rest is not None:
+                await _revoke_if_unsent(rest, emit, link)
             return
         for branch in self._branches_for(routes, data):
             if branch.stream:
@@ -379,7 +382,13 @@ class Fanout:
                     self.call.request_id, self.src, credit, timings, usage, self.emitted, data
                 )
                 self.emitted += 1
-                return self.router.send_now(self.call.reply_to, done, tensors)
+                link = client_link(self.call.reply_to) if tensors else _NO_LINK
+                rest = self.router.send_now(self.call.reply_to, done, tensors, link)
+                return (
+                    rest
+                    if rest is None or not done.tensors
+                    else _revoke_if_unsent(rest, done, link)
+                )
             if not routes or any(route.edge.stream for route in routes):
                 # It goes out on its own first: an Emit, or chunks on streaming edges.
                 return self._output_then_finish(last_output, credit, timings, usage)
@@ -437,17 +446,49 @@ class Fanout:
                 msg = self._chunk(branch, data, True, share, None, None)
             closing.append((branch, msg, tensors))
         for i, (branch, msg, tensors) in enumerate(closing):
-            # Tensors are exported by _deliver, which re-exports if it retries elsewhere.
-            if tensors or not self.router.outbox.try_send(branch.record.endpoint, [encode(msg)]):
+            if tensors:
+                sent = self._try_deliver(branch, msg, tensors)
+            else:
+                sent = self.router.outbox.try_send(branch.record.endpoint, [encode(msg)])
+            if not sent:
                 return self._deliver_all(closing[i:])  # in order: after one waits, the rest do
             self._sent(branch)
             self.router.policies[branch.role].on_done(branch.record.actor_id)
         return None
 
+    def _try_deliver(self, branch: _Branch, msg: Call, tensors: dict) -> bool:
+        """Export ``tensors`` for the branch's replica and send now if its queue takes it
+        (no Task for a hop with tensors); else take the refs back, for ``_deliver`` to
+        export afresh (it may retry elsewhere), and return False."""
+        link = self.router.link(branch.record)
+        frames: list[Any] = [b""]
+        msg.tensors = export_tensors(dict(tensors), frames, link)
+        try:
+            frames[0] = encode(msg)
+            if self.router.outbox.try_send(branch.record.endpoint, frames):
+                return True
+        except BaseException:
+            revoke_tensors(msg.tensors.values(), link.pid)
+            msg.tensors = {}
+            raise
+        revoke_tensors(msg.tensors.values(), link.pid)
+        msg.tensors = {}
+        return False
+
     async def _deliver_all(self, closing: list[tuple[_Branch, Call, dict]]) -> None:
         for branch, msg, tensors in closing:
             await self._deliver(branch, msg, tensors)
             self.router.policies[branch.role].on_done(branch.record.actor_id)
+
+
+async def _revoke_if_unsent(send: Awaitable[None], msg: Any, link: Link) -> None:
+    """Await a send to the client; one that fails takes back the pool refs exported for it."""
+    try:
+        await send
+    except BaseException:
+        if msg.tensors:
+            revoke_tensors(msg.tensors.values(), link.pid)
+        raise
 
 
 def _merge(into: dict[str, Any], data: Mapping[str, Any]) -> None:

@@ -9,6 +9,21 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
+# "role: text</s>" per message, media parts as <image>/<audio> (roles/chat_template.py).
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<image>"
+    "{% elif part['type'] == 'audio' %}<audio>{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 _CORPUS = """
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
@@ -58,5 +73,6 @@ def save_tiny_tokenizer(tokenizer: Tokenizer, folder: str | Path) -> None:
         "eos_token": EOS,
         "pad_token": PAD,
         "model_max_length": 1 << 30,
+        "chat_template": TINY_CHAT_TEMPLATE,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

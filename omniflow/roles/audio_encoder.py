@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from omniflow.content import content_hash
-from omniflow.models.omni import AudioTokenizer, ensure_model, load_audio
+from omniflow.models.omni.next_audio import NextAudioTokenizer, load_next_audio
+from omniflow.models.omni.next_builder import ensure_next
 from omniflow.roles.encoder_cache import CachingEncoder, role_cache
 from omniflow.roles.options import AudioEncoderOptions, NoParams
 from omniflow.runtime.actor import BadRequest, Context, Request
@@ -123,24 +124,37 @@ class AudioEncoderRole(CachingEncoder):
         self.cache = role_cache(self)  # in the deployment's page pool when there is one
         self.encoded = 0
         self.start_model_thread()
-        self.model: AudioTokenizer = await self._run(self._load)
+        self.model: NextAudioTokenizer = await self._run(self._load)
         # Warm-up: the first forward pays for allocator and FFT setup; do it before serving.
         await self._run(self.model.encode, torch.zeros(self.model.config.samples_per_token))
 
-    def _load(self) -> AudioTokenizer:
+    def _load(self) -> NextAudioTokenizer:
         opts = self.options
         if opts.build_tiny:
-            ensure_model("audio", opts.model_path, opts.seed, hidden_size=opts.hidden_size)
-        return load_audio(opts.model_path, opts.device)
+            ensure_next(opts.model_path, opts.seed, hidden_size=opts.hidden_size)
+        return load_next_audio(opts.model_path, opts.device)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
-        raw = request.data.get("audio")
+        clips = request.data.get("audios")
+        if clips is None:
+            return await self._one(request.data.get("audio"), ctx, "audio")
+        if not isinstance(clips, list) or not clips:
+            raise BadRequest("audios", "expected a non-empty list of WAV clips")
+        outputs = [await self._one(raw, ctx, f"audios[{i}]") for i, raw in enumerate(clips)]
+        # Several clips (a dialogue's turns): embeddings back to back, audio_spans per clip.
+        return {
+            "audio_embeds": torch.cat([o["audio_embeds"] for o in outputs]),
+            "audio_spans": [[o["audio_hash"], int(o["audio_embeds"].shape[0])] for o in outputs],
+            "audio_seconds": sum(float(o["audio_seconds"]) for o in outputs),
+        }
+
+    async def _one(self, raw: Any, ctx: Context, field: str) -> dict[str, Any]:
         if not isinstance(raw, (bytes, bytearray, memoryview)):
             got = "nothing" if raw is None else type(raw).__name__
-            raise BadRequest("audio", f"expected WAV bytes, got {got}")
+            raise BadRequest(field, f"expected WAV bytes, got {got}")
         data = bytes(raw)
         if len(data) > self.max_bytes:
-            raise BadRequest("audio", f"{len(data)} bytes exceeds the limit of {self.max_bytes}")
+            raise BadRequest(field, f"{len(data)} bytes exceeds the limit of {self.max_bytes}")
         key = (
             content_hash(data)
             if len(data) < (1 << 20)

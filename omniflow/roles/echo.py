@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from typing import Any
 
 from omniflow.roles.options import EchoOptions, EchoParams, read_params
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
@@ -64,3 +65,54 @@ class Noop(Actor):
 
     async def handle(self, request: Request, ctx: Context):
         return {**request.data, **request.tensors}
+
+
+class MakeTensor(Actor):
+    """A ``Noop`` that, for data with ``tensor_bytes`` = n > 0, adds ``tensor``: n uint8
+    bytes written in the page pool (``fill_pattern``, ``seed`` from the data), as a
+    producing stage would. For measuring what a tensor costs the runtime."""
+
+    eager = True
+
+    async def handle(self, request: Request, ctx: Context):
+        n = request.data.get("tensor_bytes", 0)
+        if not n:
+            return {**request.data, **request.tensors}
+        if not isinstance(n, int) or n < 0:
+            raise BadRequest("tensor_bytes", f"expected an int >= 0, got {n!r}")
+        seed = request.data.get("seed", 0)
+        if not isinstance(seed, int):
+            raise BadRequest("seed", f"expected an int, got {type(seed).__name__}")
+        import torch
+
+        from omniflow.transport.links import attached_pool
+
+        pool = attached_pool()
+        if pool is None:
+            t = torch.empty(n, dtype=torch.uint8)
+        else:
+            t, lease = pool.empty((n,), torch.uint8)
+            ctx.hold(lease)  # sent onward by handle; this ref goes when the request ends
+        fill_pattern(t, seed)
+        return {**request.data, **request.tensors, "tensor": t}
+
+
+_PATTERNS: dict[int, Any] = {}
+
+
+def fill_pattern(t: Any, seed: int) -> Any:
+    """Write into the uint8 tensor ``t`` bytes that differ from byte to byte and from seed
+    to seed (the first 8 are ``seed``, little-endian); returns ``t``."""
+    import torch
+
+    n = t.numel()
+    base = _PATTERNS.get(n)
+    if base is None:
+        i = torch.arange(n, dtype=torch.int64)
+        base = _PATTERNS[n] = ((i * 2654435761) >> 13).to(torch.uint8)
+        while len(_PATTERNS) > 8:
+            _PATTERNS.pop(next(iter(_PATTERNS)))
+    t.copy_(base)
+    head = torch.tensor(list(seed.to_bytes(8, "little", signed=True)), dtype=torch.uint8)
+    t[: min(n, 8)] = head[: min(n, 8)]
+    return t

@@ -1,14 +1,18 @@
 """``llm`` role: the LongCat-style omni LLM — text in/out, image and audio tokens out.
 
 Input (joined from the client and the encoders):
-    data["text"]: str                      the user's turn
+    data["messages"]: [{role, content}]    the dialogue, rendered by the chat template
+                                           (llm_prompt.py); or data["text"]: one user turn;
+                                           or data["prompt"]: raw text, no template
     tensors["image_embeds"] [N, hidden], data["image_hash"]    from vision_encoder (optional)
     tensors["audio_embeds"] [M, hidden], data["audio_hash"]    from audio_encoder (optional)
     params: want ("text,image,audio"), max_tokens, temperature, top_p, top_k, seed,
             image_grid [h, w], cfg_scale, audio_chunks, audio_chunk_tokens
     session (the request's): continue that dialogue; its tokens are the prompt's prefix
 Output (streamed):
-    {"text": str}                          text deltas (to the client)
+    {"text": str}                          text deltas (to the client); the last has
+                                           "finish_reason" (stop/length), and each has
+                                           "logprobs" when params.logprobs is set
     {"image_codes": int64 [h*w, 8], "image_grid": [h, w]}   (routes to image_decoder)
     {"audio_codes": int64 [n, 8], "index": i}               chunks (stream to audio_decoder)
 
@@ -70,6 +74,15 @@ from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, load_model
 from omniflow.models.tiny import build_tiny_model
 from omniflow.roles.base import ModelActor
+from omniflow.roles.chat_template import ChatTemplate, TemplateError, load_chat_template
+from omniflow.roles.llm_prompt import (
+    Media,
+    PromptBuilder,
+    StopText,
+    media_inputs,
+    request_messages,
+    token_logprobs,
+)
 from omniflow.roles.options import LLMOptions, LLMParams, read_params
 from omniflow.runtime.actor import RESUMABLE_META, BadRequest, Context, Request
 from omniflow.runtime.kv_peers import KV_PULL_META, KVPeers
@@ -89,6 +102,7 @@ _SAMPLING_KEYS = (
     "presence_penalty",
     "frequency_penalty",
     "stop",
+    "logprobs",
 )
 
 
@@ -118,11 +132,12 @@ class _Stage(NamedTuple):
 
 
 class _Session:
-    __slots__ = ("tokens", "spans", "key")
+    __slots__ = ("tokens", "spans", "key", "messages")
 
     def __init__(self, key: int = 0) -> None:
         self.tokens: list[int] = []
         self.spans: list[EmbeddingSpan] = []
+        self.messages: list[dict[str, Any]] = []  # what the tokens render, reply included
         self.key = key  # summary_key("session", id): what the routing summary publishes
 
 
@@ -165,6 +180,11 @@ class LLMRole(ModelActor):
         # Media positions hold a placeholder id; their embeddings replace its embedding.
         self.placeholder = self.tokenizer.tokenizer.token_to_id("<pad>") or 0
         self.bos = self.tokenizer.encode("", add_special_tokens=True) or [self.placeholder]
+        try:
+            template = ChatTemplate(*load_chat_template(self.path, opts.chat_template))
+        except TemplateError as e:
+            raise ValueError(f"llm option chat_template: {e}") from None
+        self.prompts = PromptBuilder(self.tokenizer, template, self.placeholder)
         # The engine runs them (on its thread) after the LLM's step, for media tokens.
         self.image_head = MediaHead(
             "image",
@@ -246,13 +266,13 @@ class LLMRole(ModelActor):
             raise BadRequest("text", f"expected a string, got {type(text).__name__}")
         stages = self._media_stages(request, want)  # validated before anything runs
         session = self._session(request.session)
-        turn, spans = self._turn(request, text, len(session.tokens))
+        media = media_inputs(request, self.hidden_size)
+        messages, whole = request_messages(request.data, text, media)
+        messages, prompt, all_spans = self._prompt(request, session, messages, whole, media)
         pull = None
         if not session.tokens:
-            pull = self._prefix_holder(spans)
-            self._note_leading_media(spans)
-        prompt = session.tokens + turn
-        all_spans = session.spans + spans
+            pull = self._prefix_holder(all_spans)
+            self._note_leading_media(all_spans)
         if pull is not None:
             await self._pull_prefix(request.request_id, *pull, prompt, all_spans)
         params = self._sampling(request)
@@ -264,6 +284,7 @@ class LLMRole(ModelActor):
         # by the engine in between), so text, image and audio tokens never re-prefill.
         kept: list[str] = []
         previous: str | None = None
+        reply = ""  # the text sent, stop strings cut
         try:
             if "text" in want and not text_done and params.max_tokens > len(resumed):
                 rid = f"{request.request_id}-{next(self._ids)}"
@@ -275,6 +296,7 @@ class LLMRole(ModelActor):
                     )
                 first = True
                 unsent: list[int] = []  # ids whose text is not out yet (a partial character)
+                stops = StopText(params.stop)
                 async for delta in self.engine.generate(
                     rid, prompt + resumed, params, all_spans or None, keep=bool(stages)
                 ):
@@ -287,13 +309,20 @@ class LLMRole(ModelActor):
                     finished = delta.finish_reason is not None
                     if finished:
                         piece += stream.finish()
-                    if piece or (finished and unsent):
+                    piece = stops.push(piece, finished)
+                    reply += piece
+                    if piece or finished or params.logprobs is not None:
                         # "tokens": what a migration resumes from; "finished": nothing follows
                         text_out: dict[str, Any] = {"text": piece, "tokens": unsent}
+                        if params.logprobs is not None:
+                            text_out["logprobs"] = token_logprobs(self.tokenizer, delta)
                         if finished:
                             text_out["finished"] = True
+                            text_out["finish_reason"] = delta.finish_reason
                         unsent = []
                         yield text_out
+                if not resumed:  # so a resent dialogue gets these very ids back
+                    self.prompts.remember(reply, generated)
                 ctx.add_usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
                 if stages:
                     kept.append(rid)
@@ -327,6 +356,8 @@ class LLMRole(ModelActor):
         if request.session:  # the next turn starts from all of this one, media included
             session.tokens = tokens
             session.spans = all_spans
+            reply_text = reply if "text" in want and not text_done else ""
+            session.messages = [*messages, {"role": "assistant", "content": reply_text}]
 
     def _media_stages(self, request: Request, want: set[str]) -> list[_Stage]:
         """The image stage (guided) and the audio stage this request wants, checked."""
@@ -473,35 +504,43 @@ class LLMRole(ModelActor):
         self.sessions.move_to_end(session_id)
         return session
 
-    def _turn(
-        self, request: Request, text: str, offset: int
-    ) -> tuple[list[int], list[EmbeddingSpan]]:
-        """This turn's tokens: media placeholders first, then the text; spans at the placeholders."""
-        tokens: list[int] = [] if offset else list(self.bos)
-        spans: list[EmbeddingSpan] = []
-        for kind in ("image", "audio"):
-            embeds = request.tensors.get(f"{kind}_embeds")
-            if embeds is None:
-                continue
-            if embeds.dim() != 2 or embeds.shape[1] != self.hidden_size:
-                raise BadRequest(
-                    f"{kind}_embeds", f"expected [n, {self.hidden_size}], got {list(embeds.shape)}"
-                )
-            pieces = request.data.get(f"{kind}_spans") or [
-                [request.data.get(f"{kind}_hash") or _tensor_hash(embeds), embeds.shape[0]]
-            ]
-            if sum(int(n) for _, n in pieces) != embeds.shape[0]:
-                raise BadRequest(f"{kind}_spans", "token counts do not add up to the embeddings")
-            row = 0
-            for content_hash, n in pieces:
-                # The content hash, not the placeholder id, keys these positions in the
-                # prefix cache: two images of equal size never share KV.
-                part = embeds[row : row + int(n)].float().clone()
-                spans.append(EmbeddingSpan(offset + len(tokens), part, (kind, content_hash)))
-                tokens += [self.placeholder] * int(n)
-                row += int(n)
-        tokens += self.tokenizer.encode(f"user: {text}\nassistant:", add_special_tokens=False)
-        return tokens, spans
+    def _prompt(
+        self,
+        request: Request,
+        session: _Session,
+        messages: list[dict[str, Any]],
+        whole: bool,
+        media: Media,
+    ) -> tuple[list[dict[str, Any]], list[int], list[EmbeddingSpan]]:
+        """(the dialogue, its prompt, its spans): the session's tokens and the new messages'
+        when the dialogue extends the session's, else the whole dialogue rendered (the
+        prefix cache then serves what it shares with the session)."""
+        raw = request.data.get("prompt")
+        if isinstance(raw, str):  # /v1/completions: the text as it is, no chat template
+            return messages, list(self.bos) + self.tokenizer.encode(raw, False), []
+        history = session.messages
+        if session.tokens and not whole:  # a turn of its own (omniflow send): it follows on
+            messages = history + messages
+        n = len(history)
+        if session.tokens and len(messages) > n and messages[:n] == history:
+            following = self.prompts.continuation(history, messages, media, len(session.tokens))
+            if following is not None:
+                return messages, session.tokens + following[0], session.spans + following[1]
+        elif session.tokens and whole:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(history, messages, strict=False)) if a != b), n
+            )
+            log.info(
+                "request %s: the dialogue diverges from session %s at message %d; prompted whole",
+                request.request_id,
+                request.session,
+                at,
+            )
+        if session.tokens and not whole:  # the template is not prefix-stable: as a new turn
+            tokens, spans = self.prompts.full(messages[n:], media, len(session.tokens))
+            return messages, session.tokens + tokens, session.spans + spans
+        tokens, spans = self.prompts.full(messages, media)
+        return messages, tokens, spans
 
     def _sampling(self, request: Request) -> SamplingParams:
         values = {k: request.params[k] for k in _SAMPLING_KEYS if k in request.params}
@@ -544,9 +583,3 @@ def _want(params: dict[str, Any]) -> set[str]:
     if unknown or not kinds:
         raise BadRequest("params.want", f"expected some of text,image,audio; got {want!r}")
     return kinds
-
-
-def _tensor_hash(t: torch.Tensor) -> str:
-    import hashlib
-
-    return hashlib.blake2b(t.contiguous().numpy().tobytes(), digest_size=16).hexdigest()

@@ -106,6 +106,10 @@ class LLMOptions(WeightsOptions, kw_only=True):
         bool, Meta(description="K/V in the host pool, lendable to other processes")
     ] = False
     max_tokens: Annotated[int, Meta(ge=1, description="cap on a request's max_tokens")] = 64
+    chat_template: Annotated[
+        str,
+        Meta(description="a Jinja chat template or a path to one (default: the checkpoint's)"),
+    ] = ""
     max_sessions: Annotated[int, Meta(ge=1, description="dialogue sessions kept")] = 1024
     summary_media: Annotated[
         int, Meta(ge=0, description="leading media published for prefix_aware routing")
@@ -289,6 +293,9 @@ class LLMParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_d
     presence_penalty: Annotated[float, Meta(ge=-2, le=2, description="0: off")] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2, description="0: off")] = 0.0
     stop: Annotated[str | list[str], Meta(description="stop strings (cut from the text)")] = ""
+    logprobs: Annotated[
+        int, Meta(ge=0, le=20, description="report each token's logprob and this many others")
+    ] = 0
     image_grid: Annotated[
         list[Annotated[int, Meta(ge=1, le=32)]],
         Meta(min_length=2, max_length=2, description="[h, w] image tokens, 1..32 each"),

@@ -27,7 +27,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from omniflow.content import content_hash
-from omniflow.models.omni import VisionTokenizer, ensure_model, load_vision
+from omniflow.models.omni.next_builder import ensure_next
+from omniflow.models.omni.next_vision import NextVisionTokenizer, load_next_vision
 from omniflow.roles.encoder_cache import CachingEncoder, EncoderOutputCache, role_cache
 from omniflow.roles.options import NoParams, VisionEncoderOptions
 from omniflow.runtime.actor import BadRequest, Context, Request
@@ -61,18 +62,18 @@ class VisionEncoderRole(CachingEncoder):
         self.cache = role_cache(self)  # in the deployment's page pool when there is one
         self.encoded = 0
         self.start_model_thread()
-        self.model: VisionTokenizer = await self._run(self._load)
+        self.model: NextVisionTokenizer = await self._run(self._load)
         step = self.model.config.pixels_per_token
         if self.max_pixels < step * step:
             raise ValueError(f"max_pixels {self.max_pixels} is below one token ({step}x{step})")
         # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
         await self._run(self.model.encode, torch.zeros(step, step, 3, dtype=torch.uint8))
 
-    def _load(self) -> VisionTokenizer:
+    def _load(self) -> NextVisionTokenizer:
         opts = self.options
         if opts.build_tiny:
-            ensure_model("vision", opts.model_path, opts.seed, hidden_size=opts.hidden_size)
-        return load_vision(opts.model_path, opts.device)
+            ensure_next(opts.model_path, opts.seed, hidden_size=opts.hidden_size)
+        return load_next_vision(opts.model_path, opts.device)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
         images = request.data.get("images")

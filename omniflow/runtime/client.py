@@ -51,6 +51,7 @@ from omniflow.transport.codec import (
     release_tensors,
 )
 from omniflow.transport.endpoint import Inbox, Outbox, PeerUnavailable
+from omniflow.transport.links import attach_pool, attached_pool, detach_pool, pool_client_address
 
 log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
@@ -185,8 +186,15 @@ class _Collect:
 
 
 class Client:
-    def __init__(self, config: Config, registry_address: str, run_dir: Path) -> None:
+    def __init__(
+        self, config: Config, registry_address: str, run_dir: Path, pool: Any = None
+    ) -> None:
+        """``pool``: the deployment's ``PagePool``, mapped in this process (the supervisor's
+        own): outputs then come back from this host's roles as pool handles, not bytes."""
         self.config = config
+        self._pool = pool
+        self._own_pool = False  # outputs come as pool handles, inputs go as them
+        self._attached = False  # this client attached the pool: it detaches it
         self.registry_address = registry_address
         self.run_dir = Path(run_dir)
         self._pending: dict[str, _Pending] = {}
@@ -201,7 +209,14 @@ class Client:
         if self.config.runtime.transport == "tcp":
             address = f"tcp://{self.config.addresses()[0]}:*"
         else:
-            address = f"ipc://{self.run_dir}/client-{os.getpid()}-{next(_client_ids)}.sock"
+            n = next(_client_ids)
+            address = f"ipc://{self.run_dir}/client-{os.getpid()}-{n}.sock"
+            if self._pool is not None and attached_pool() in (None, self._pool):
+                if attached_pool() is None:  # else mapped for the process (a worker's)
+                    attach_pool(self._pool, self.config.cache.frame_threshold_bytes)
+                    self._attached = True
+                self._own_pool = True
+                address = pool_client_address(str(self.run_dir), os.getpid(), n)
         keys = self.config.security.load_keys()
         advertise = self.config.addresses()[1]
         self.inbox = Inbox(self.ctx, address, self._on_message, keys=keys, advertise=advertise)
@@ -215,9 +230,12 @@ class Client:
             name: make_policy(rc.policy, role=name) for name, rc in self.config.roles.items()
         }
         idempotent = frozenset(n for n, rc in self.config.roles.items() if rc.idempotent)
-        self.router = Router(
-            self.config.plan(), self.view, self.outbox, policies, idempotent, self.config.host_id
-        )
+        # Inputs go by pool handle only through this deployment's pool: where the process
+        # maps another one (a second Runtime's), no replica counts as on this host for them.
+        host = self.config.host_id
+        if attached_pool() is not None and not self._own_pool:
+            host = f"{host} (another deployment's pool is attached here)"
+        self.router = Router(self.config.plan(), self.view, self.outbox, policies, idempotent, host)
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -228,6 +246,9 @@ class Client:
         for pending in list(self._pending.values()):
             pending.push(RequestFailed(Code.CANCELLED.value, "client closed", "client", ""))
         self.inbox.close()
+        if self._attached and attached_pool() is self._pool:
+            detach_pool()  # the supervisor closes the pool itself
+        self._attached = False
         await self.view.close()
         await self.registry.close()
         self.outbox.close()
@@ -258,11 +279,11 @@ class Client:
             return  # a late message of a request that already ended
         pending.heard = True
         if isinstance(msg, Emit):
-            tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
+            tensors = materialize_tensors(msg.tensors, parts, True) if msg.tensors else {}
             pending.deliver(Output(msg.role, msg.seq, msg.data, tensors))
         elif isinstance(msg, Done):
             if msg.seq >= 0:
-                tensors = materialize_tensors(msg.tensors, parts) if msg.tensors else {}
+                tensors = materialize_tensors(msg.tensors, parts, True) if msg.tensors else {}
                 pending.deliver(Output(msg.role, msg.seq, msg.data, tensors))
             pending.credit += msg.credit
             pending.timings += msg.timings

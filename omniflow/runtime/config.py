@@ -194,6 +194,9 @@ class GatewayConfig(msgspec.Struct, **_STRICT):
     timeout_s: Annotated[
         float, Meta(ge=0, description="deadline of one HTTP request (0: [runtime]'s)")
     ] = 0.0
+    cors_origins: Annotated[
+        list[str], Meta(description="origins browsers may call from (CORS); none: CORS off")
+    ] = msgspec.field(default_factory=list)
 
 
 class Config(msgspec.Struct, **_STRICT):

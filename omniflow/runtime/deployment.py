@@ -80,7 +80,9 @@ class Runtime:
     async def start(self) -> Runtime:
         await self.supervisor.start()
         try:
-            self.client = Client(self.config, self.supervisor.registry_address, self.run_dir)
+            self.client = Client(
+                self.config, self.supervisor.registry_address, self.run_dir, self.supervisor.pool
+            )
             await self.client.start()
             # One host's share of a deployment is started when its own roles are: the
             # other hosts come up on their own.

@@ -117,13 +117,16 @@ def export_tensors(
     return {name: export(value, frames, link) for name, value in tensors.items()}
 
 
-def materialize_tensors(refs: dict[str, Any], frames: list[Any]) -> dict[str, Any]:
-    """Every tensor of a message, or none opened; see ``tensors.materialize_all``."""
+def materialize_tensors(
+    refs: dict[str, Any], frames: list[Any], owned: bool = False
+) -> dict[str, Any]:
+    """Every tensor of a message, or none opened; see ``tensors.materialize_all``
+    (``owned``: ``tensors.materialize_owned``, pool blocks copied out and released)."""
     if not refs:
         return {}
-    from omniflow.transport.tensors import materialize_all
+    from omniflow.transport.tensors import materialize_all, materialize_owned
 
-    return materialize_all(refs, frames)
+    return materialize_owned(refs, frames) if owned else materialize_all(refs, frames)
 
 
 def release_tensors(refs: Collection[Any], opened: bool = True) -> None:

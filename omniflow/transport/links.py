@@ -7,6 +7,8 @@ without importing torch (``transport.tensors`` does, where a tensor travels).
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -62,3 +64,22 @@ def attached_pool() -> PagePool | None:
 def attach_device_pool(device_pool: Any) -> None:
     """Send CUDA tensors on ``device_pool.device`` to GPU receivers on this host by CUDA IPC."""
     _attached.device_pools = {**_attached.device_pools, device_pool.device: device_pool}
+
+
+# A client that maps the deployment's page pool says so in its reply address (ipc://, so
+# on this host), with its pid: outputs sent to it go as pool handles held for that pid.
+_POOL_CLIENT = re.compile(r"^ipc://.*/client-(\d+)-\d+-pool\.sock$")
+_NO_LINK = Link()
+
+
+def pool_client_address(run_dir: str, pid: int, n: int) -> str:
+    """The reply address of a client (pid ``pid``, its ``n``-th) that maps the pool."""
+    return f"ipc://{run_dir}/client-{pid}-{n}-pool.sock"
+
+
+@functools.lru_cache(maxsize=256)
+def client_link(reply_to: str) -> Link:
+    """What a sender knows of the client behind ``reply_to``: a pool-mapping client on
+    this host (``pool_client_address``) gets handles, any other one frames."""
+    m = _POOL_CLIENT.match(reply_to)
+    return Link(same_host=True, pid=int(m.group(1))) if m else _NO_LINK

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -167,6 +168,42 @@ def materialize_all(refs: Mapping[str, TensorRef], frames: list[Any]) -> dict[st
             _count_closed(lease)
         raise
     return tensors
+
+
+def materialize_owned(refs: Mapping[str, TensorRef], frames: list[Any]) -> dict[str, torch.Tensor]:
+    """``materialize_all`` for a receiver whose caller keeps outputs as long as it likes
+    (the client): a ``Shm`` tensor stays a view of the pool, with no copy, on storage of
+    its own whose last user going releases the ref (until then the block stays
+    allocated: ``.clone()`` what is kept for long); other pool-backed ones are copied
+    out and released at once."""
+    tensors = materialize_all(refs, frames)
+    for name, ref in refs.items():
+        if isinstance(ref, Shm) and ref.nbytes and _attached.pool is not None:
+            tensors[name] = _kept_view(_attached.pool, ref, tensors[name])
+        elif not isinstance(ref, Frame):
+            tensors[name] = tensors[name].clone()
+            release(ref)
+    return tensors
+
+
+def _kept_view(pool: PagePool, ref: Shm, view: torch.Tensor) -> torch.Tensor:
+    # A numpy array of its own over the block's bytes: torch keeps it alive as long as any
+    # tensor or view shares the storage, and frees it (running the finalizer) after.
+    arr = np.frombuffer(pool.mapping, np.uint8, ref.nbytes, ref.offset)
+    kept = torch.from_numpy(arr).view(view.dtype).reshape(view.shape)
+    weakref.finalize(arr, _release_quietly, ref)
+    return kept
+
+
+def _release_quietly(ref: Shm) -> None:
+    pool = _attached.pool
+    if pool is None or pool.name != ref.pool:  # the deployment is down: nothing to give back
+        _count_closed(ref.lease)
+        return
+    try:
+        release(ref)
+    except TensorError:
+        pass
 
 
 def _count_closed(lease: int) -> None:

@@ -51,7 +51,7 @@ def test_a_repeated_image_skips_the_encoder_and_comes_by_handle(run_root, tmp_pa
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     params = {"temperature": 0, "max_tokens": 6}
-    image = image_bytes(256, 256, seed=5)  # 8x8 tokens: 16 KiB of embeddings
+    image = image_bytes(224, 224, seed=5)  # 8x8 tokens at 28 px: 16 KiB of embeddings
 
     async def main():
         async with omniflow.Runtime(config(tmp_path / "models", ssd)) as rt:
@@ -59,7 +59,7 @@ def test_a_repeated_image_skips_the_encoder_and_comes_by_handle(run_root, tmp_pa
             first_outs, first = await rt.call({"text": "look", "image": image}, params=params)
             second_outs, second = await rt.call({"text": "look", "image": image}, params=params)
             other_outs, other = await rt.call(
-                {"text": "look", "image": image_bytes(256, 256, seed=6)}, params=params
+                {"text": "look", "image": image_bytes(224, 224, seed=6)}, params=params
             )
             meta = await meta_of(rt, "vision_encoder", {"encoded": 2})
             pool = PagePool.attach(pool_name)
@@ -92,7 +92,7 @@ def test_a_killed_encoder_frees_its_pool_blocks_and_its_successor_removes_its_ss
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     params = {"temperature": 0, "max_tokens": 4}
-    image = image_bytes(256, 256, seed=8)
+    image = image_bytes(224, 224, seed=8)
 
     async def main():
         async with omniflow.Runtime(config(tmp_path / "models", ssd)) as rt:

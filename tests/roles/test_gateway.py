@@ -79,10 +79,10 @@ def test_streamed_chat_through_the_openai_client(gateway):
         c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
     ]
     assert deltas == expected_echo("hello big world")  # one event per output, as they came
-    assert chunks[-1].choices[0].finish_reason == "stop"
-    assert (
-        chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
-    )
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    # include_usage: OpenAI's last chunk, with no choices and the usage
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_plain_chat_models_and_health(gateway):

@@ -64,3 +64,28 @@ def test_a_bad_size_is_a_400_naming_it_and_chat_makes_no_text(client):
         )
     assert "makes no text" in str(text.value)
     assert generate(client, size="128x128", extra_body={"num_inference_steps": 1}).data
+
+
+def test_an_image_edit_is_conditioned_on_the_image(client):
+    from tests.roles.media import image_bytes
+
+    steps = {"seed": 5, "num_inference_steps": 2}
+
+    def edit(seed_of_image: int):
+        source = ("in.png", image_bytes(128, 128, seed=seed_of_image), "image/png")
+        return client.images.edit(
+            model="hygw", image=source, prompt="make it blue", size="128x128", extra_body=steps
+        )
+
+    one, other = edit(1), edit(2)
+    png = base64.b64decode(one.data[0].b64_json)
+    assert Image.open(io.BytesIO(png)).size == (128, 128)
+    assert png != base64.b64decode(other.data[0].b64_json)  # the input image matters
+    with pytest.raises(openai.BadRequestError) as masked:
+        client.images.edit(
+            model="hygw",
+            image=("in.png", image_bytes(64, 64, seed=1), "image/png"),
+            mask=("m.png", image_bytes(64, 64, seed=2), "image/png"),
+            prompt="x",
+        )
+    assert masked.value.body["param"] == "mask"

@@ -16,6 +16,7 @@ from omniflow.roles.gateway.schema import (
     decode_body,
     image_params,
     media_bytes,
+    refuse_unsupported,
 )
 
 
@@ -51,26 +52,69 @@ DIALOGUE = [
 ]
 
 
-def test_a_session_sends_only_the_last_user_turn():
-    inputs, want = chat_inputs(_chat(DIALOGUE), "s1", False)
-    assert inputs == {"text": "two"} and want == ["text"]
-
-
-def test_without_a_session_the_dialogue_goes_as_text():
-    inputs, _ = chat_inputs(_chat(DIALOGUE), "", False)
-    assert inputs["text"] == "system: be brief\nuser: one\nassistant: eno\nuser: two"
+def test_the_whole_dialogue_goes_as_messages_with_every_turns_media():
+    image = "data:image/png;base64," + base64.b64encode(b"img").decode()
+    turns = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]},
+        *DIALOGUE,
+    ]
+    inputs, want = chat_inputs(_chat(turns, session="s1"), False)
+    assert want == ["text"] and inputs["image"] == b"img"
+    assert inputs["messages"][0] == {"role": "user", "content": [{"type": "image"}]}
+    assert inputs["messages"][1] == {"role": "assistant", "content": "a cat"}
+    assert inputs["messages"][2:] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "eno"},
+        {"role": "user", "content": [{"type": "text", "text": "two"}]},
+    ]
+    assert inputs["text"].endswith("system: be brief\nuser: one\nassistant: eno\nuser: two")
 
 
 def test_modalities_and_sampling_become_params():
-    req = _chat(DIALOGUE, modalities=["audio", "text"], max_completion_tokens=7, seed=3)
-    _, want = chat_inputs(req, "", False)
+    req = _chat(
+        DIALOGUE,
+        modalities=["audio", "text"],
+        max_completion_tokens=7,
+        seed=3,
+        stop="END",
+        logprobs=True,
+        top_logprobs=2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+    )
+    _, want = chat_inputs(req, False)
     assert want == ["text", "audio"]
-    assert chat_params(req, want) == {"want": "text,audio", "max_tokens": 7, "seed": 3}
+    assert chat_params(req, want) == {
+        "want": "text,audio",
+        "max_tokens": 7,
+        "seed": 3,
+        "stop": ["END"],
+        "logprobs": 2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_fields_the_deployment_cannot_honour_are_refused_by_name(extra, param):
+    with pytest.raises(ApiError) as info:
+        refuse_unsupported(_chat(DIALOGUE, **extra))
+    assert info.value.status == 400 and info.value.param == param
+    refuse_unsupported(_chat(DIALOGUE, response_format={"type": "text"}))
 
 
 def test_no_user_message_is_a_400_naming_messages():
     with pytest.raises(ApiError) as info:
-        chat_inputs(_chat([{"role": "system", "content": "x"}]), "", False)
+        chat_inputs(_chat([{"role": "system", "content": "x"}]), False)
     assert info.value.param == "messages"
 
 

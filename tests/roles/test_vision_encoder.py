@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from omniflow.models.omni import has_model
+from omniflow.models.omni.checkpoint import has_checkpoint
 from omniflow.roles.vision_encoder import VisionEncoderRole, fit_to_grid
 from omniflow.runtime.actor import BadRequest
 from tests.roles.media import (
@@ -48,7 +48,7 @@ def test_png_contract_and_cache_hit(models_root):
 
     out, again = run(main())
     h, w = out["image_grid"]
-    assert (h, w) == (2, 3)  # 60x100 → 64x96 at 32 pixels per token
+    assert (h, w) == (2, 4)  # 60x100 → 56x112 at 28 pixels per token (patch 14, merge 2)
     assert out["image_codes"].shape == (h * w, 8) and out["image_codes"].dtype == torch.int64
     assert out["image_embeds"].shape == (h * w, 64) and out["image_embeds"].dtype == torch.float32
     assert len(out["image_hash"]) == 32
@@ -65,7 +65,7 @@ def test_setup_builds_the_tiny_model_on_a_fresh_path(tmp_path):
         await actor.close()
 
     run(main())
-    assert has_model(tmp_path / "v")
+    assert has_checkpoint(tmp_path / "v")  # the published layout: config + index + shards
 
 
 def test_jpeg_and_tensor_inputs(models_root):
@@ -83,7 +83,7 @@ def test_jpeg_and_tensor_inputs(models_root):
 
     jpeg, tensor = run(main())
     assert jpeg["image_grid"] == [2, 2]
-    assert tensor["image_grid"] == [1, 2]  # 40x70 → 32x64
+    assert tensor["image_grid"] == [1, 2]  # 40x70 → 28x56
 
 
 def test_max_pixels_caps_the_resize(models_root):
@@ -97,7 +97,7 @@ def test_max_pixels_caps_the_resize(models_root):
             await actor.close()
 
     h, w = run(main())["image_grid"]
-    assert h * w * 32 * 32 <= 128 * 128
+    assert h * w * 28 * 28 <= 128 * 128
     assert w > h
 
 

@@ -1,4 +1,6 @@
-"""Save, load and build the omni models: a folder with ``config.json`` + ``model.safetensors``.
+"""Save, load and build our stand-in omni models (depth heads, code embedders, decoders): a
+folder with ``config.json`` + ``model.safetensors``. The vision and audio tokenizers are read
+from the published LongCat-Next layout instead (``checkpoint.py``, ``next_*.py``).
 
 ``config.json`` holds ``{"kind": ..., <the model's config fields>}``; the weights are a flat
 safetensors state dict with the module's own parameter names. Loading is strict (a missing or
@@ -21,12 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from omniflow.models.omni.audio import AudioConfig, AudioTokenizer
 from omniflow.models.omni.audio_decoder import AudioDecoder, AudioDecoderConfig
 from omniflow.models.omni.depth_head import DepthHead, DepthHeadConfig
 from omniflow.models.omni.embedder import CodeEmbedder
 from omniflow.models.omni.image_decoder import ImageDecoder, ImageDecoderConfig
-from omniflow.models.omni.vision import VisionConfig, VisionTokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -49,8 +49,6 @@ class StoredCodeEmbedder(CodeEmbedder):
 
 KINDS: dict[str, tuple[type, type[nn.Module]]] = {
     "code_embedder": (CodeEmbedderConfig, StoredCodeEmbedder),
-    "vision": (VisionConfig, VisionTokenizer),
-    "audio": (AudioConfig, AudioTokenizer),
     "depth_head": (DepthHeadConfig, DepthHead),
     "image_decoder": (ImageDecoderConfig, ImageDecoder),
     "audio_decoder": (AudioDecoderConfig, AudioDecoder),
@@ -151,14 +149,6 @@ def ensure_model(kind: str, path: str | Path, seed: int = 0, **overrides: Any) -
     return Path(path)
 
 
-def build_tiny_vision(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
-    return build_tiny("vision", path, seed, **overrides)
-
-
-def build_tiny_audio(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
-    return build_tiny("audio", path, seed, **overrides)
-
-
 def build_tiny_depth_head(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     return build_tiny("depth_head", path, seed, **overrides)
 
@@ -169,14 +159,6 @@ def build_tiny_image_decoder(path: str | Path, seed: int = 0, **overrides: Any) 
 
 def build_tiny_audio_decoder(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     return build_tiny("audio_decoder", path, seed, **overrides)
-
-
-def load_vision(path: str | Path, device: str | torch.device = "cpu") -> VisionTokenizer:
-    return load_model("vision", path, device)  # type: ignore[return-value]
-
-
-def load_audio(path: str | Path, device: str | torch.device = "cpu") -> AudioTokenizer:
-    return load_model("audio", path, device)  # type: ignore[return-value]
 
 
 def load_depth_head(path: str | Path, device: str | torch.device = "cpu") -> DepthHead:

@@ -16,6 +16,7 @@ from omniflow.roles.options import NoParams
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
 from omniflow.runtime.client import Client
 from omniflow.runtime.config import GatewayConfig, from_json
+from omniflow.transport.links import attached_pool
 
 log = logging.getLogger("omniflow.gateway")
 
@@ -31,7 +32,8 @@ class Gateway(Actor):
         # The supervisor names the run dir; the config is the deployment's own.
         self.run_dir = Path(os.environ["OMNIFLOW_RUN_DIR"])
         config = from_json((self.run_dir / "deployment.json").read_bytes())
-        self.client = Client(config, os.environ["OMNIFLOW_REGISTRY"], self.run_dir)
+        # The worker's pool (mapped already): outputs come back by handle, with no copy.
+        self.client = Client(config, os.environ["OMNIFLOW_REGISTRY"], self.run_dir, attached_pool())
         await self.client.start()
         self.app = GatewayApp(self.client, config, self.options)
         # Bound here, not by uvicorn: port 0 then names the port it got, and a port in

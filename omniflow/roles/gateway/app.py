@@ -10,55 +10,65 @@ import asyncio
 import base64
 import contextlib
 import hmac
-import io
 import itertools
 import json
 import logging
 import time
 import uuid
-import wave
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from omniflow.roles.gateway.calls import api_error, choice, declared_params, gather
+from omniflow.roles.gateway.cors import Cors
 from omniflow.roles.gateway.http import (
-    SSE_HEADERS,
     Disconnected,
     Receive,
     Send,
     answer,
     event,
     header,
+    open_sse,
     read_body,
     until_disconnect,
 )
 from omniflow.roles.gateway.metrics import Metrics
+from omniflow.roles.gateway.multipart import form_fields, text_field
+from omniflow.roles.gateway.replies import (
+    AUDIO_RATE,
+    ChatChunks,
+    TextChunks,
+    chat_message,
+    completion_logprobs,
+    finish_reason,
+    text_of,
+    token_logprobs,
+    usage,
+)
 from omniflow.roles.gateway.schema import (
     ApiError,
     ChatRequest,
+    CompletionRequest,
     ImageRequest,
+    SpeechRequest,
     chat_inputs,
     chat_params,
+    completion_params,
     decode_body,
     image_params,
+    refuse_unsupported,
 )
+from omniflow.roles.gateway.speech import stream_speech
 from omniflow.runtime.client import Client, Output, RequestFailed, Result
 from omniflow.runtime.config import Config, GatewayConfig
-from omniflow.runtime.loading import makes_of, params_type
+from omniflow.runtime.loading import makes_of
 
-_STATUS = {
-    "bad_request": 400,
-    "overloaded": 429,
-    "unavailable": 503,
-    "shutting_down": 503,
-    "deadline": 504,
-}
 log = logging.getLogger("omniflow.gateway")
 _INPUT = "input"  # the graph's source: where a client's request enters
 _RETRY = [(b"retry-after", b"1")]
-_AUDIO_RATE = 24000  # the audio decoder's PCM16 rate, when a chunk names none
 
 
 class GatewayApp:
@@ -79,19 +89,29 @@ class GatewayApp:
         if not self.makes:  # no role says what it makes (custom roles): text, as ever
             self.makes = {"text"}
         self._first_roles = {e.dst for e in client.router.plan.edges if e.src == _INPUT}
-        self._params = _declared_params(config)
+        self._params = declared_params(config)
         self._routes = {
             ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/audio/speech"): self.speech,
             ("POST", "/v1/images/generations"): self.images,
+            ("POST", "/v1/images/edits"): self.edits,
             ("GET", "/v1/models"): self.models,
             ("GET", "/health"): self.health,
             ("GET", "/metrics"): self.prometheus,
             ("GET", "/"): self.playground,
         }
+        self._cors = Cors(self._route, options.cors_origins) if options.cors_origins else None
         page = (Path(__file__).parent / "playground.html").read_text()
         self._page = page.replace("__MODEL__", json.dumps(self.name)).encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if self._cors is not None:
+            await self._cors(scope, receive, send)
+        else:
+            await self._route(scope, receive, send)
+
+    async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         path = scope["path"]
@@ -202,34 +222,149 @@ class GatewayApp:
     async def chat(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
         req = decode_body(await read_body(scope, receive, self._limit), ChatRequest)
         self._check_model(req.model)
-        session = req.session or req.user or ""
-        inputs, want = chat_inputs(req, session, self.options.allow_local_paths)
+        refuse_unsupported(req)
+        session = req.session or (header(scope, b"x-session-id") or b"").decode()
+        if req.n > 1 and (req.stream or session):
+            field = "stream" if req.stream else "session"
+            raise ApiError(400, f"n > 1 is served without {field}", "n")
+        inputs, want = chat_inputs(req, self.options.allow_local_paths)
         for kind in want:
             if kind not in self.makes:
                 raise ApiError(400, f"this deployment makes no {kind}", "modalities")
         self._check_params(req.params)
         params = chat_params(req, want)
+        request_id = f"chatcmpl-{self._prefix}{next(self._ids):x}"
+        kwargs = {"session": session, "timeout": self._timeout(req.timeout)}
+        audio_format = req.audio.format if req.audio is not None else "wav"
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+        def reply(results: list[tuple[list[Output], Result]]) -> dict[str, Any]:
+            choices = [
+                {"index": i, **chat_message(request_id, outputs, audio_format, req.logprobs)}
+                for i, (outputs, _) in enumerate(results)
+            ]
+            return {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.name,
+                "choices": choices,
+                "usage": usage([result.usage for _, result in results]),
+            }
+
+        return await self._serve(
+            receive, send, inputs, params, kwargs, request_id, req.n, reply,
+            ChatChunks(request_id, self.name, req.logprobs, include_usage) if req.stream else None,
+        )  # fmt: skip
+
+    async def completions(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        """/v1/completions: the prompt as it is (no chat template), text out."""
+        req = decode_body(await read_body(scope, receive, self._limit), CompletionRequest)
+        self._check_model(req.model)
+        for field in ("suffix", "best_of"):
+            if getattr(req, field) not in (None, 1):
+                raise ApiError(400, f"{field} is not supported", field)
+        if req.n > 1 and req.stream:
+            raise ApiError(400, "n > 1 is served without stream", "n")
+        self._check_params(req.params)
+        prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+        inputs = {"text": prompt, "prompt": prompt}
+        params = completion_params(req)
+        request_id = f"cmpl-{self._prefix}{next(self._ids):x}"
+        kwargs = {"session": "", "timeout": self._timeout(req.timeout)}
+        echo = prompt if req.echo else ""
+
+        def reply(results: list[tuple[list[Output], Result]]) -> dict[str, Any]:
+            choices = []
+            for i, (outputs, _) in enumerate(results):
+                entries = token_logprobs(outputs)
+                logprobs = (
+                    completion_logprobs(entries, len(echo)) if req.logprobs is not None else None
+                )
+                choices.append(
+                    {
+                        "index": i,
+                        "text": echo + text_of(outputs),
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason(outputs),
+                    }
+                )
+            return {
+                "id": request_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.name,
+                "choices": choices,
+                "usage": usage([result.usage for _, result in results]),
+            }
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        chunks = TextChunks(request_id, self.name, req.logprobs is not None, include_usage, echo)
+        return await self._serve(
+            receive, send, inputs, params, kwargs, request_id, req.n, reply,
+            chunks if req.stream else None,
+        )  # fmt: skip
+
+    async def speech(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        """/v1/audio/speech: the input spoken by the llm's audio tokens, streamed."""
+        req = decode_body(await read_body(scope, receive, self._limit), SpeechRequest)
+        self._check_model(req.model)
+        req.check()
+        if "audio" not in self.makes:
+            raise ApiError(400, f"{self.name} makes no audio", "model")
+        self._check_params(req.params)
+        inputs = {"text": req.input, "messages": [{"role": "user", "content": req.input}]}
+        params = {**req.params, "want": "audio"}
         self._admit()
         self._first_hops_live(inputs, params)
-        request_id = f"chatcmpl-{self._prefix}{next(self._ids):x}"
-        kwargs = {
-            "params": params,
-            "session": session,
-            "timeout": self._timeout(req.timeout),
-            "request_id": request_id,
-        }
-        audio_format = req.audio.format if req.audio is not None else "wav"
+        rid = f"speech-{self._prefix}{next(self._ids):x}"
+        timeout = self._timeout(req.timeout)
+        stream = self.client.stream(inputs, params=params, timeout=timeout, request_id=rid)
+        self.inflight += 1
+        started = time.perf_counter()
+        clock = self.metrics.audio_clock("speech", started)
+        try:
+            sse = req.stream_format == "sse"
+            work = stream_speech(send, cast(Any, stream), req.response_format, sse, clock)
+            status, result = await until_disconnect(receive, work)
+        except RequestFailed as e:
+            raise api_error(e) from None
+        finally:
+            self.inflight -= 1
+        if result is not None:
+            self.metrics.usage(result.usage)
+        self.metrics.latency.labels("speech").observe(time.perf_counter() - started)
+        return status
+
+    async def _serve(
+        self,
+        receive: Receive,
+        send: Send,
+        inputs: dict[str, Any],
+        params: dict[str, Any],
+        kwargs: dict[str, Any],
+        request_id: str,
+        n: int,
+        reply: Any,
+        chunks: Any,
+    ) -> int:
+        """Admit a model request, run it (n times, seeds apart) or stream it, and answer."""
+        self._admit()
+        self._first_hops_live(inputs, params)
+        kwargs = {**kwargs, "request_id": request_id}
         self.inflight += 1
         started = time.perf_counter()
         try:
-            if req.stream:
-                work = self._stream_chat(send, inputs, kwargs, started)
+            if chunks is not None:
+                work = self._stream(send, inputs, {**kwargs, "params": params}, started, chunks)
                 status = await until_disconnect(receive, work)
             else:
-                outputs, result = await until_disconnect(
-                    receive, self._call(inputs, kwargs, started)
-                )
-                await answer(send, 200, self._completion(request_id, outputs, result, audio_format))
+                calls = [
+                    self._call(inputs, {**kwargs, **choice(params, i, n, request_id)}, started)
+                    for i in range(n)
+                ]
+                results = await until_disconnect(receive, gather(calls))
+                await answer(send, 200, reply(results))
                 status = 200
         finally:
             self.inflight -= 1
@@ -242,84 +377,44 @@ class GatewayApp:
         try:
             outputs, result = await self.client.call(inputs, **kwargs)
         except RequestFailed as e:
-            raise _api_error(e) from None
+            raise api_error(e) from None
         self.metrics.chat_ttft.observe(time.perf_counter() - started)
         self.metrics.usage(result.usage)
         return outputs, result
 
-    def _completion(
-        self, request_id: str, outputs: list[Output], result: Result, audio_format: str
-    ) -> dict[str, Any]:
-        text = "".join(o.data["text"] for o in outputs if isinstance(o.data.get("text"), str))
-        images = [_image_part(o) for o in outputs if "image" in o.data]
-        pcm = b"".join(o.data["audio_chunk"] for o in outputs if "audio_chunk" in o.data)
-        content: Any = [{"type": "text", "text": text}, *images] if images else text
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if pcm:
-            data = pcm if audio_format == "pcm16" else _wav(pcm, _rate(outputs))
-            message["audio"] = {
-                "id": f"audio-{request_id}",
-                "data": base64.b64encode(data).decode(),
-                "expires_at": int(time.time()) + 3600,
-                "transcript": text,
-            }
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.name,
-            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-            "usage": _usage(result.usage),
-        }
-
-    async def _stream_chat(
-        self, send: Send, inputs: dict[str, Any], kwargs: dict[str, Any], started: float
+    async def _stream(
+        self, send: Send, inputs: dict[str, Any], kwargs: dict[str, Any], started: float, chunks
     ) -> int:
         """Server-sent events, one per output. The headers wait for the first event, so a
         request that fails before any output still gets its own status."""
-        request_id = kwargs["request_id"]
-        base = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": self.name,
-        }
         opened = False
+        clock = self.metrics.audio_clock("chat", started)
         # aclosing: a disconnect's cancel ends the stream now, which sends the Cancel.
         generator = cast(
             AsyncGenerator[Output | Result, None], self.client.stream(inputs, **kwargs)
         )
-        events = contextlib.aclosing(generator)
         try:
-            async with events as stream:
+            async with contextlib.aclosing(generator) as stream:
                 async for item in stream:
                     if isinstance(item, Result):
                         self.metrics.usage(item.usage)
-                        chunk = {"index": 0, "delta": {}, "finish_reason": "stop"}
-                        last = {**base, "choices": [chunk], "usage": _usage(item.usage)}
-                        body = event(last) + b"data: [DONE]\n\n"
+                        clock.done()
                         if not opened:
-                            await _open_sse(send)
+                            await open_sse(send)
+                        body = chunks.last(item) + b"data: [DONE]\n\n"
                         await send({"type": "http.response.body", "body": body})
                         return 200
-                    delta = _delta(item, request_id)
-                    if delta is None:
+                    clock.chunk(item.role, item.data, AUDIO_RATE)
+                    body = chunks.of(item)
+                    if body is None:
                         continue
                     if not opened:
                         self.metrics.chat_ttft.observe(time.perf_counter() - started)
-                        await _open_sse(send)
+                        await open_sse(send)
                         opened = True
-                        delta["role"] = "assistant"
-                    chunk = {"index": 0, "delta": delta, "finish_reason": None}
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": event({**base, "choices": [chunk]}),
-                            "more_body": True,
-                        }
-                    )
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
         except RequestFailed as e:
-            error = _api_error(e)
+            error = api_error(e)
             if not opened:
                 raise error from None
             await send({"type": "http.response.body", "body": event(error.body())})
@@ -328,6 +423,35 @@ class GatewayApp:
 
     async def images(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
         req = decode_body(await read_body(scope, receive, self._limit), ImageRequest)
+        return await self._images(req, {"text": req.prompt}, receive, send)
+
+    async def edits(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
+        """/v1/images/edits: a multipart ``image`` and ``prompt``; the image conditions the
+        pipeline (longcat: through the vision encoder; HunyuanImage-3: ti2i)."""
+        body = await read_body(scope, receive, self._limit)
+        fields = form_fields(header(scope, b"content-type"), body)
+        if "mask" in fields:
+            raise ApiError(400, "masks are not supported: the whole image is edited", "mask")
+        images = fields.get("image") or fields.get("image[]") or []
+        if len(images) != 1 or not images[0]:
+            raise ApiError(400, "expected one image file", "image")
+        values = {k: text_field(fields, k) for k in fields if k not in ("image", "image[]")}
+        try:
+            req = msgspec.convert(values, ImageRequest, strict=False)
+        except msgspec.ValidationError as e:
+            where = str(e).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(e) else None
+            raise ApiError(400, str(e).replace("`$.", "`"), where) from None
+        content = [{"type": "image"}, {"type": "text", "text": req.prompt}]
+        inputs = {
+            "text": req.prompt,
+            "image": images[0],
+            "messages": [{"role": "user", "content": content}],
+        }
+        return await self._images(req, inputs, receive, send)
+
+    async def _images(
+        self, req: ImageRequest, inputs: dict[str, Any], receive: Receive, send: Send
+    ) -> int:
         self._check_model(req.model)
         if "image" not in self.makes:
             raise ApiError(400, f"{self.name} makes no images", "model")
@@ -335,7 +459,7 @@ class GatewayApp:
         # it); others get it as longcat's token grid.
         params = image_params(req, sized=self._params is not None and "size" in self._params)
         self._admit()
-        self._first_hops_live({"text": req.prompt}, params)
+        self._first_hops_live(inputs, params)
         started = time.perf_counter()
         self.inflight += 1
         timeout = self._timeout(req.timeout)
@@ -353,13 +477,10 @@ class GatewayApp:
             seed = {"seed": params.get("seed", 0) + i} if req.n > 1 else {}
             try:
                 return await self.client.call(
-                    {"text": req.prompt},
-                    params={**params, **seed},
-                    session=req.user or "",
-                    timeout=timeout,
+                    inputs, params={**params, **seed}, session="", timeout=timeout
                 )
             except RequestFailed as e:
-                raise _api_error(e) from None
+                raise api_error(e) from None
 
         try:
             results = await until_disconnect(receive, all_of())
@@ -376,73 +497,3 @@ class GatewayApp:
         await answer(send, 200, {"created": int(time.time()), "data": data})
         self.metrics.latency.labels("images").observe(time.perf_counter() - started)
         return 200
-
-
-def _declared_params(config: Config) -> set[str] | None:
-    """Every request param some role of the graph declares; None when a role declares none
-    (it may read any key)."""
-    keys: set[str] = set()
-    for role in config.roles.values():
-        schema = params_type(role.actor)
-        if schema is None:
-            return None
-        keys.update(schema.__struct_fields__)
-    return keys
-
-
-async def _open_sse(send: Send) -> None:
-    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-
-
-def _delta(output: Output, request_id: str) -> dict[str, Any] | None:
-    data = output.data
-    text = data.get("text")
-    if isinstance(text, str):
-        return {"content": text}
-    if "audio_chunk" in data:
-        pcm = base64.b64encode(data["audio_chunk"]).decode()
-        return {"audio": {"id": f"audio-{request_id}", "data": pcm}}
-    if "image" in data:
-        return {"images": [_image_part(output)]}
-    return None
-
-
-def _image_part(output: Output) -> dict[str, Any]:
-    mime = output.data.get("mime", "image/png")
-    url = f"data:{mime};base64,{base64.b64encode(output.data['image']).decode()}"
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def _rate(outputs: list[Output]) -> int:
-    rates = [o.data["sample_rate"] for o in outputs if "sample_rate" in o.data]
-    return int(rates[0]) if rates else _AUDIO_RATE
-
-
-def _wav(pcm: bytes, rate: int) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm)
-    return buffer.getvalue()
-
-
-def _usage(usage: dict[str, int]) -> dict[str, Any]:
-    prompt = usage.get("prompt_tokens", 0)
-    completion = usage.get("completion_tokens", 0)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
-    }
-
-
-def _api_error(e: RequestFailed) -> ApiError:
-    status = _STATUS.get(e.code, 500)
-    param = None
-    if status == 400:
-        field, sep, _ = e.detail.partition(": ")
-        param = field if sep and " " not in field else None
-    return ApiError(status, f"{e.role}: {e.detail}", param)

@@ -66,6 +66,10 @@ async def answer(
     await send({"type": "http.response.body", "body": data})
 
 
+async def open_sse(send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+
 def event(payload: Any) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 

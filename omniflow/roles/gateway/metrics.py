@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -42,6 +45,21 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.first_audio = Histogram(
+            "omniflow_time_to_first_audio_seconds",
+            "time from a request's arrival to its first audio chunk, by the role that made it",
+            ["route", "role"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.audio_rtf = Histogram(
+            "omniflow_audio_real_time_factor",
+            "wall time to a request's last audio chunk over the audio's duration (< 1: faster "
+            "than real time), by the role that made it",
+            ["route", "role"],
+            buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "omniflow_gateway_prompt_tokens", "prompt tokens", registry=self.registry
         )
@@ -79,5 +97,34 @@ class Metrics:
             self.completion_tokens.inc(usage.get("completion_tokens", 0))
             self.cached_tokens.inc(usage.get("cached_tokens", 0))
 
+    def audio_clock(self, route: str, started: float) -> AudioClock:
+        return AudioClock(self, route, started)
+
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class AudioClock:
+    """One request's audio: the first chunk's time, then the real-time factor at the end."""
+
+    def __init__(self, metrics: Metrics, route: str, started: float) -> None:
+        self.metrics, self.route, self.started = metrics, route, started
+        self.role = ""
+        self.seconds = 0.0
+        self.last = started
+
+    def chunk(self, role: str, data: dict[str, Any], default_rate: int) -> None:
+        pcm = data.get("audio_chunk")
+        if not isinstance(pcm, (bytes, bytearray)):
+            return
+        now = time.perf_counter()
+        if not self.role:
+            self.role = role
+            self.metrics.first_audio.labels(self.route, role).observe(now - self.started)
+        self.seconds += len(pcm) / 2 / int(data.get("sample_rate", default_rate))
+        self.last = now
+
+    def done(self) -> None:
+        if self.role and self.seconds > 0:
+            rtf = (self.last - self.started) / self.seconds
+            self.metrics.audio_rtf.labels(self.route, self.role).observe(rtf)

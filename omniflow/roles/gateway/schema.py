@@ -85,6 +85,10 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class ResponseFormat(msgspec.Struct):
+    type: str = "text"
+
+
 class ChatRequest(msgspec.Struct):
     model: str
     messages: Annotated[list[Message], Meta(min_length=1)]
@@ -97,12 +101,67 @@ class ChatRequest(msgspec.Struct):
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     seed: int | None = None
-    user: str | None = None
-    # Extensions (the openai client's extra_body): the session for multi-turn affinity,
-    # a deadline in seconds, and params passed to the roles as they are.
+    stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
+    n: Annotated[int, Meta(ge=1, le=8)] = 1
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    user: str | None = None  # a label (logs, metrics): OpenAI's end user, not a conversation
+    # Extensions (the openai client's extra_body): the session (or an X-Session-Id header)
+    # for multi-turn state and affinity, a deadline in seconds, and params passed to the
+    # roles as they are.
     session: str | None = None
     timeout: Annotated[float, Meta(gt=0)] | None = None
     params: dict[str, Any] = {}
+
+
+class CompletionRequest(msgspec.Struct):
+    model: str
+    prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
+    n: Annotated[int, Meta(ge=1, le=8)] = 1
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    user: str | None = None
+    timeout: Annotated[float, Meta(gt=0)] | None = None
+    params: dict[str, Any] = {}
+
+
+class SpeechRequest(msgspec.Struct):
+    input: Annotated[str, Meta(min_length=1, max_length=4096)]
+    model: str | None = None
+    voice: str | dict[str, Any] = ""
+    response_format: str = "wav"
+    stream_format: str = "audio"
+    speed: float = 1.0
+    instructions: str = ""
+    timeout: Annotated[float, Meta(gt=0)] | None = None
+    params: dict[str, Any] = {}
+
+    def check(self) -> None:
+        if self.response_format not in ("wav", "pcm"):
+            raise ApiError(
+                400, f"response_format {self.response_format!r}: wav or pcm", "response_format"
+            )
+        if self.stream_format not in ("sse", "audio"):
+            raise ApiError(400, "stream_format: sse or audio", "stream_format")
+        if self.speed != 1.0:
+            raise ApiError(400, "speed other than 1.0 is not supported", "speed")
 
 
 class ImageRequest(msgspec.Struct):
@@ -161,60 +220,74 @@ def b64(text: str, param: str) -> bytes:
         raise ApiError(400, "not valid base64", param) from None
 
 
-def chat_inputs(
-    req: ChatRequest, session: str, allow_local_paths: bool
-) -> tuple[dict[str, Any], list[str]]:
-    """The deployment's inputs for a chat: text, and the last user turn's image and audio.
+def refuse_unsupported(req: ChatRequest) -> None:
+    """Fields this deployment cannot honour: a 400 naming each, never silence."""
+    if req.tools or req.functions:
+        raise ApiError(400, "tool calls are not supported by this deployment", "tools")
+    if req.tool_choice not in (None, "none"):
+        raise ApiError(400, "tool calls are not supported by this deployment", "tool_choice")
+    if req.response_format is not None and req.response_format.type != "text":
+        kind = req.response_format.type
+        raise ApiError(
+            400, f"response_format {kind!r} is not supported; only text", "response_format"
+        )
 
-    With a session the deployment holds the earlier turns, so only the last user message
-    goes; without one the whole dialogue goes as text.
+
+def chat_inputs(req: ChatRequest, allow_local_paths: bool) -> tuple[dict[str, Any], list[str]]:
+    """The deployment's inputs for a chat: the whole dialogue as ``messages`` (each medium a
+    ``{"type": "image"|"audio"}`` part, in the order of ``images`` / ``audios``), every
+    turn's media, and ``text`` (the dialogue flattened, for roles that read no messages).
+
+    An assistant message's content goes as its text: generated media are not resent.
     """
-    last = max((i for i, m in enumerate(req.messages) if m.role == "user"), default=-1)
-    if last < 0:
+    if not any(m.role == "user" for m in req.messages):
         raise ApiError(400, "no message with role user", "messages")
+    messages: list[dict[str, Any]] = []
     texts: list[str] = []
     images: list[bytes] = []
     audio: list[bytes] = []
     for i, message in enumerate(req.messages):
-        if session and i != last:
-            continue
-        parts = message.content
-        if isinstance(parts, str):
-            text = parts
-        elif parts is None:
-            text = ""
-        else:
-            words = []
-            for j, part in enumerate(parts):
-                where = f"messages[{i}].content[{j}]"
-                if isinstance(part, TextPart):
-                    words.append(part.text)
-                elif i != last:
-                    continue  # media of earlier turns: only a session keeps it
-                elif isinstance(part, ImagePart):
-                    images.append(
-                        media_bytes(part.image_url.url, f"{where}.image_url.url", allow_local_paths)
-                    )
-                else:
-                    if part.input_audio.format != "wav":
-                        raise ApiError(400, "only wav audio is read", f"{where}.input_audio.format")
-                    audio.append(b64(part.input_audio.data, f"{where}.input_audio.data"))
-            text = " ".join(words)
-        if session or len(req.messages) == 1:
+        content, text = _content(message, i, images, audio, allow_local_paths)
+        messages.append({"role": message.role, "content": content})
+        if len(req.messages) == 1:
             texts.append(text)
         elif text:
             texts.append(f"{message.role}: {text}")
-    inputs: dict[str, Any] = {"text": "\n".join(texts)}
-    if len(images) == 1:
-        inputs["image"] = images[0]
-    elif images:
-        inputs["images"] = images
-    if len(audio) > 1:
-        raise ApiError(400, "one audio input per turn", f"messages[{last}].content")
-    if audio:
-        inputs["audio"] = audio[0]
+    inputs: dict[str, Any] = {"text": "\n".join(texts), "messages": messages}
+    for key, items in (("image", images), ("audio", audio)):
+        if len(items) == 1:
+            inputs[key] = items[0]
+        elif items:
+            inputs[f"{key}s"] = items
     want = sorted(set(req.modalities or ["text"]), key=["text", "image", "audio"].index)
     return inputs, want
+
+
+def _content(
+    message: Message, i: int, images: list[bytes], audio: list[bytes], allow_local_paths: bool
+) -> tuple[Any, str]:
+    """(the message's content as the llm reads it, its text alone)."""
+    parts = message.content
+    if isinstance(parts, str) or parts is None:
+        return parts or "", parts or ""
+    words = [p.text for p in parts if isinstance(p, TextPart)]
+    if message.role == "assistant":
+        return " ".join(words), " ".join(words)
+    content: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        where = f"messages[{i}].content[{j}]"
+        if isinstance(part, TextPart):
+            content.append({"type": "text", "text": part.text})
+        elif isinstance(part, ImagePart):
+            url = part.image_url.url
+            images.append(media_bytes(url, f"{where}.image_url.url", allow_local_paths))
+            content.append({"type": "image"})
+        else:
+            if part.input_audio.format != "wav":
+                raise ApiError(400, "only wav audio is read", f"{where}.input_audio.format")
+            audio.append(b64(part.input_audio.data, f"{where}.input_audio.data"))
+            content.append({"type": "audio"})
+    return content, " ".join(words)
 
 
 def chat_params(req: ChatRequest, want: list[str]) -> dict[str, Any]:
@@ -222,11 +295,28 @@ def chat_params(req: ChatRequest, want: list[str]) -> dict[str, Any]:
     if req.modalities is not None:
         params["want"] = ",".join(want)
     max_tokens = req.max_completion_tokens or req.max_tokens
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return _sampling(params, req, max_tokens, stop, logprobs)
+
+
+def completion_params(req: CompletionRequest) -> dict[str, Any]:
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    return _sampling(dict(req.params), req, req.max_tokens, stop, req.logprobs)
+
+
+def _sampling(
+    params: dict[str, Any], req: Any, max_tokens: int | None, stop: Any, logprobs: int | None
+) -> dict[str, Any]:
     for key, value in (
         ("max_tokens", max_tokens),
         ("temperature", req.temperature),
         ("top_p", req.top_p),
         ("seed", req.seed),
+        ("stop", stop or None),
+        ("logprobs", logprobs),
+        ("presence_penalty", req.presence_penalty),
+        ("frequency_penalty", req.frequency_penalty),
     ):
         if value is not None:
             params[key] = value

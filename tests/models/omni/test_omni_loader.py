@@ -12,10 +12,8 @@ from omniflow.models.omni import (
     KINDS,
     ModelFormatError,
     build_tiny,
-    build_tiny_vision,
     ensure_model,
     load_model,
-    load_vision,
     save_model,
 )
 
@@ -34,18 +32,10 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, kind):
         assert torch.equal(tensor, restored[name]), name
 
 
-def test_loaded_model_gives_identical_outputs(models, model_dirs):
-    image = torch.randint(0, 256, (64, 64, 3), dtype=torch.uint8)
-    again = load_vision(model_dirs["vision"])
-    first, second = models["vision"].encode(image), again.encode(image)
-    assert torch.equal(first.codes, second.codes)
-    assert torch.equal(models["vision"].embed(first.codes), again.embed(second.codes))
-
-
 def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
-    a = load_file(str(build_tiny_vision(tmp_path / "a", seed=3) / "model.safetensors"))
-    b = load_file(str(build_tiny_vision(tmp_path / "b", seed=3) / "model.safetensors"))
-    c = load_file(str(build_tiny_vision(tmp_path / "c", seed=4) / "model.safetensors"))
+    a = load_file(str(build_tiny("depth_head", tmp_path / "a", seed=3) / "model.safetensors"))
+    b = load_file(str(build_tiny("depth_head", tmp_path / "b", seed=3) / "model.safetensors"))
+    c = load_file(str(build_tiny("depth_head", tmp_path / "c", seed=4) / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
@@ -57,33 +47,33 @@ def test_build_overrides_reach_the_config(tmp_path):
 
 
 def test_ensure_model_keeps_an_existing_model(tmp_path):
-    path = build_tiny_vision(tmp_path / "v", seed=1)
+    path = build_tiny("depth_head", tmp_path / "v", seed=1)
     before = (path / "model.safetensors").read_bytes()
-    ensure_model("vision", path, seed=2)
+    ensure_model("depth_head", path, seed=2)
     assert (path / "model.safetensors").read_bytes() == before
-    ensure_model("vision", tmp_path / "fresh", seed=2)
+    ensure_model("depth_head", tmp_path / "fresh", seed=2)
     assert (tmp_path / "fresh" / "config.json").is_file()
 
 
 def test_wrong_kind_missing_folder_unknown_field(tmp_path):
-    path = build_tiny_vision(tmp_path / "v")
-    with pytest.raises(ModelFormatError, match="holds a 'vision' model"):
-        load_model("audio", path)
+    path = build_tiny("depth_head", tmp_path / "v")
+    with pytest.raises(ModelFormatError, match="holds a 'depth_head' model"):
+        load_model("image_decoder", path)
     with pytest.raises(ModelFormatError, match="config.json"):
-        load_model("vision", tmp_path / "nothing")
+        load_model("depth_head", tmp_path / "nothing")
     with pytest.raises(ModelFormatError, match="unknown model kind"):
         load_model("nope", path)
     config = json.loads((path / "config.json").read_text())
     config["bogus"] = 1
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelFormatError, match="bogus"):
-        load_model("vision", path)
+        load_model("depth_head", path)
 
 
 def test_missing_tensor_is_named(tmp_path):
-    path = build_tiny_vision(tmp_path / "v")
+    path = build_tiny("depth_head", tmp_path / "v")
     state = load_file(str(path / "model.safetensors"))
-    del state["patch_embed.weight"]
+    del state["in_proj.weight"]
     save_file(state, str(path / "model.safetensors"))
-    with pytest.raises(ModelFormatError, match="patch_embed.weight"):
-        load_model("vision", path)
+    with pytest.raises(ModelFormatError, match="in_proj.weight"):
+        load_model("depth_head", path)

@@ -1,0 +1,179 @@
+"""A tiny random LongCat-Next checkpoint in the published layout, for tests and a fresh clone.
+
+One folder: ``config.json`` (``model_type: longcat_next``, ``visual_config`` = Qwen2.5-VL vision
+keys + ``vq_config``, ``audio_config`` = Whisper keys + ``vq_config``, the vocabulary offsets),
+``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` with the published
+tensor names of the parts implemented here (vision tokenizer, audio tokenizer, the word
+embedding whose code rows they read, the n-gram embedding, the depth heads),
+``generation_config.json`` and ``tokenizer_config.json`` naming the multimodal special tokens at their published ids relative to ``text_vocab_size``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omniflow.models.omni.checkpoint import has_checkpoint, write_checkpoint
+from omniflow.models.omni.next_audio import PREFIX as AUDIO_PREFIX
+from omniflow.models.omni.next_audio import NextAudioTokenizer
+from omniflow.models.omni.next_heads import NGRAM_PREFIX, NgramEmbedding, head_for
+from omniflow.models.omni.next_vision import EMBED, NextVisionTokenizer
+from omniflow.models.omni.next_vision import PREFIX as VISION_PREFIX
+
+# Published ids minus text_vocab_size 131072 (vLLM's longcat_next.py defaults / config.json).
+SPECIAL_TOKENS = {
+    "<longcat_audio_start>": 31,
+    "<longcat_audio_end>": 32,
+    "<longcat_audio_pad>": 33,
+    "<longcat_img_start>": 34,
+    "<longcat_img_end>": 35,
+    "<longcat_img_pad>": 36,
+    "<longcat_img_newline>": 37,
+    "<longcat_audio_delim>": 44,
+    "<longcat_audiotext_start>": 48,
+    "<longcat_audiotext_end>": 49,
+    "<longcat_audiotext_pad>": 50,
+    "<longcat_audiogen_start>": 51,
+    "<longcat_audiogen_end>": 52,
+}
+N_SPECIAL = 53  # text_vocab_plus_multimodal_special_token_size - text_vocab_size
+
+
+def tiny_config(
+    hidden_size: int = 64, text_vocab_size: int = 512, quant_conv: bool = False
+) -> dict[str, Any]:
+    """A published-shaped config.json, every dimension tiny (``quant_conv``: the optional
+    MLP before the visual codebooks)."""
+    ids = {k: text_vocab_size + v for k, v in SPECIAL_TOKENS.items()}
+    audio_sizes = [64, 32, 16, 8, 8, 8, 8, 8]  # published: 8192, 4096, 2048, 1024 x 5
+    visual_sizes = [32] * 8  # published: 16384 x 8
+    audio_offset = text_vocab_size + N_SPECIAL
+    visual_offset = audio_offset + sum(audio_sizes)
+    vocab = visual_offset + sum(visual_sizes)
+    return {
+        "architectures": ["LongcatNextForCausalLM"],
+        "model_type": "longcat_next",
+        "hidden_size": hidden_size,
+        "vocab_size": -(-vocab // 64) * 64,
+        "text_vocab_size": text_vocab_size,
+        "text_vocab_plus_multimodal_special_token_size": audio_offset,
+        "audio_offset": audio_offset,
+        "visual_offset": visual_offset,
+        "visual_embedding_layer_intermediate_size": 2 * hidden_size,
+        "visual_embedding_layer_hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "emb_neighbor_num": 4,
+        "emb_split_num": 4,
+        "ngram_vocab_size_ratio": 4,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+        "visual_config": {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "in_channels": 3,
+            "hidden_act": "silu",
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [1],
+            "out_hidden_size": 32,
+            "image_head_transformer_dims": 128,
+            "image_head_transformer_layers": 1,
+            "image_head_transformer_ffn_scale": 2,
+            "image_start_token_id": ids["<longcat_img_start>"],
+            "image_end_token_id": ids["<longcat_img_end>"],
+            "image_pad_token_id": ids["<longcat_img_pad>"],
+            "image_newline_token_id": ids["<longcat_img_newline>"],
+            "vq_config": {
+                "quantizer_type": "rq",
+                "depth": len(visual_sizes),
+                "codebook_size": visual_sizes,
+                "codebook_sizes": visual_sizes,
+                "codebook_dim": 32,
+                "shared_codebook": False,
+                "quant_conv": quant_conv,
+                "in_channels": 32,
+            },
+        },
+        "audio_config": {
+            "num_mel_bins": 128,
+            "d_model": 32,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "max_source_positions": 1500,
+            "activation_function": "gelu",
+            "sampling_rate": 16000,
+            "avg_pooler": 4,
+            "audio_head_transformer_dims": 128,
+            "audio_head_transformer_layers": 1,
+            "audio_head_transformer_ffn_scale": 2,
+            "audio_start_token_id": ids["<longcat_audio_start>"],
+            "audio_end_token_id": ids["<longcat_audio_end>"],
+            "audio_pad_token_id": ids["<longcat_audio_pad>"],
+            "audio_delim_token_id": ids["<longcat_audio_delim>"],
+            "audiotext_start_token_id": ids["<longcat_audiotext_start>"],
+            "audiotext_end_token_id": ids["<longcat_audiotext_end>"],
+            "audiotext_pad_token_id": ids["<longcat_audiotext_pad>"],
+            "audiogen_start_token_id": ids["<longcat_audiogen_start>"],
+            "audiogen_end_token_id": ids["<longcat_audiogen_end>"],
+            "vq_config": {"codebook_sizes": audio_sizes},
+        },
+    }
+
+
+def tiny_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors under their published names for the parts implemented here."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vision = NextVisionTokenizer(config)
+        audio = NextAudioTokenizer(config)
+        embed = torch.randn(config["vocab_size"], config["hidden_size"]) * 0.02
+        parts = {
+            NGRAM_PREFIX: NgramEmbedding(config),
+            "visual_head.": head_for(config, "visual"),
+            "audio_head.": head_for(config, "audio"),
+        }
+    tensors: dict[str, torch.Tensor] = {EMBED: embed}
+    for prefix, module in parts.items():
+        tensors.update({prefix + n: t for n, t in module.state_dict().items()})
+    for part in ("visual_model", "visual_bridge_model", "visual_embedding_layer"):
+        for name, t in getattr(vision, part).state_dict().items():
+            tensors[f"{VISION_PREFIX}{part}.{name}"] = t
+    for part in ("audio_model", "audio_bridge_model"):
+        for name, t in getattr(audio, part).state_dict().items():
+            tensors[f"{AUDIO_PREFIX}{part}.{name}"] = t
+    return tensors
+
+
+def _text_files(config: dict[str, Any]) -> dict[str, str]:
+    base = config["text_vocab_size"]
+    added = {str(base + i): {"content": t, "special": True} for t, i in SPECIAL_TOKENS.items()}
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+    return {
+        "config.json": json.dumps(config, indent=2) + "\n",
+        "generation_config.json": json.dumps(generation, indent=2) + "\n",
+        "tokenizer_config.json": json.dumps({"added_tokens_decoder": added}, indent=2) + "\n",
+    }
+
+
+def build_tiny_next(
+    folder: str | Path, seed: int = 0, hidden_size: int = 64, quant_conv: bool = False
+) -> Path:
+    """Write the tiny published-layout checkpoint into ``folder``."""
+    config = tiny_config(hidden_size, quant_conv=quant_conv)
+    return write_checkpoint(folder, tiny_tensors(config, seed), _text_files(config), shards=3)
+
+
+def ensure_next(folder: str | Path, seed: int = 0, hidden_size: int = 64) -> Path:
+    """``folder``, after building the tiny checkpoint there if it holds none yet."""
+    if not has_checkpoint(folder):
+        build_tiny_next(folder, seed, hidden_size)
+    return Path(folder)

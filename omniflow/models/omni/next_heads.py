@@ -1,0 +1,171 @@
+"""LongCat-Next's LLM-side extras in the published names: the n-gram input embedding
+(``model.ngram_embeddings.{embedders,post_projs}.i``) and the depth heads ``visual_head`` /
+``audio_head``. Equations as vLLM's ``longcat_next.py`` implements them; the LLM role does
+not use these yet (its decoder is being restructured), see docs/models.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from omniflow.models.omni.checkpoint import load_part, read_config
+
+NGRAM_PREFIX = "model.ngram_embeddings."
+HEAD_DIM = 128  # the depth heads' attention head size (fixed in the published code)
+
+
+class NgramEmbedding(nn.Module):
+    """Word embedding + hashed 2..n-gram tables, averaged (multimodal specials excluded)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.n = int(config["emb_neighbor_num"])
+        self.k = int(config["emb_split_num"])
+        self.vocab = int(config["text_vocab_size"])
+        self.m = int(config["ngram_vocab_size_ratio"]) * self.vocab
+        self.eos = int(config.get("eos_token_id", 2))
+        special_end = int(config["text_vocab_plus_multimodal_special_token_size"])
+        self.ignored = (self.vocab, special_end)
+        count = self.k * (self.n - 1)
+        dim = int(config["hidden_size"]) // count
+        self.embedders = nn.ModuleList(nn.Embedding(self.m + 2 * i + 1, dim) for i in range(count))
+        self.post_projs = nn.ModuleList(
+            nn.Linear(dim, int(config["hidden_size"]), bias=False) for _ in range(count)
+        )
+
+    def _shifted(self, ctx: torch.Tensor, shift: int) -> torch.Tensor:
+        """ctx[t - shift] inside t's segment (segments end at EOS or 0), else 0."""
+        idx = torch.arange(ctx.numel())
+        boundary = (ctx == self.eos) | (ctx == 0)
+        after = torch.where(boundary, idx + 1, torch.zeros_like(idx)).cummax(0).values
+        start = torch.cat([torch.zeros(1, dtype=idx.dtype), after[:-1]])
+        src = idx - shift
+        valid = (src >= start) & ~boundary
+        return torch.where(valid, ctx[src.clamp(min=0)], torch.zeros_like(ctx))
+
+    def forward(self, ids: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+        """Input vectors [T, hidden] of token ids [T] given their word embeddings [T, hidden]."""
+        ignored = (ids >= self.ignored[0]) & (ids < self.ignored[1])
+        ctx = torch.where(ignored, torch.zeros_like(ids), ids)
+        x = word.clone()
+        if ids.numel() >= 2:
+            shifted = {s: self._shifted(ctx, s) for s in range(1, self.n)}
+            for i in range(2, self.n + 1):
+                for j in range(self.k):
+                    index = (i - 2) * self.k + j
+                    size = self.m + 2 * index + 1
+                    h = ctx.clone()
+                    power = 1
+                    for s in range(1, i):
+                        power = power * self.vocab % size
+                        h = h + shifted[s] * power
+                    h = h % size
+                    table = self.embedders[index](h) * (h > 0).unsqueeze(-1).to(word.dtype)
+                    x = x + self.post_projs[index](table)
+        scale = 1 + self.k * (self.n - 1)
+        return torch.where(ignored.unsqueeze(-1), x, x / scale)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class _HeadAttention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.heads = max(1, dim // HEAD_DIM)
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, depth, dim = x.shape
+        q, k, v = (
+            p(x).view(b, depth, self.heads, dim // self.heads).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(out.transpose(1, 2).reshape(b, depth, dim))
+
+
+class _HeadLayer(nn.Module):
+    def __init__(self, dim: int, scale: int, depth: int) -> None:
+        super().__init__()
+        self.dim, self.scale, self.depth = dim, scale, depth
+        self.self_attention = _HeadAttention(dim)
+        self.layernorm1 = _RMSNorm(dim)
+        self.layernorm2 = _RMSNorm(dim)
+        self.linear1 = nn.Linear(dim, scale * dim)
+        self.linear2 = nn.Linear(scale * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attention(self.layernorm1(x))
+        inner = self.scale * self.dim // self.depth
+        # Depth-wise FFN: position l uses its own slice of linear1/linear2 (biases unused).
+        w1 = self.linear1.weight.view(inner, self.depth, self.dim)
+        w2 = self.linear2.weight.view(self.dim, self.depth, inner)
+        f = nn.functional.gelu(torch.einsum("bld,tld->blt", self.layernorm2(h), w1))
+        return h + torch.einsum("blt,dlt->bld", f, w2)
+
+
+class NextDepthHead(nn.Module):
+    """``visual_head`` / ``audio_head``: hidden → a small causal depth transformer → per-level
+    logits over codebook size + 1."""
+
+    def __init__(self, hidden: int, sizes: list[int], dim: int, layers: int, scale: int) -> None:
+        super().__init__()
+        self.depth = len(sizes)
+        self.hidden_norm = _RMSNorm(hidden)
+        self.hidden_proj = nn.Linear(hidden, dim, bias=False)
+        self.transformer_layers = nn.ModuleList(
+            _HeadLayer(dim, scale, self.depth) for _ in range(layers)
+        )
+        self.headnorm = _RMSNorm(dim)
+        self.heads = nn.ModuleList(nn.Linear(dim, n + 1) for n in sizes)
+
+    def forward(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Per-level logits [B, size_l + 1] of LLM hidden states [B, hidden]."""
+        x = self.hidden_proj(self.hidden_norm(hidden[:, None].expand(-1, self.depth, -1)))
+        for layer in self.transformer_layers:
+            x = layer(x)
+        x = self.headnorm(x)
+        return [head(x[:, level]) for level, head in enumerate(self.heads)]
+
+
+def head_for(config: dict[str, Any], which: str) -> NextDepthHead:
+    """The ``visual`` or ``audio`` depth head a config describes."""
+    sub = config[f"{which}_config"]
+    key = "image" if which == "visual" else "audio"
+    return NextDepthHead(
+        int(config["hidden_size"]),
+        [int(n) for n in sub["vq_config"]["codebook_sizes"]],
+        int(sub.get(f"{key}_head_transformer_dims", 2048)),
+        int(sub.get(f"{key}_head_transformer_layers", 4)),
+        int(sub.get(f"{key}_head_transformer_ffn_scale", 16)),
+    )
+
+
+def load_next_heads(
+    folder: str | Path, role: str = "llm"
+) -> tuple[NgramEmbedding, NextDepthHead, NextDepthHead]:
+    """The n-gram embedding and both depth heads of a published-layout folder, strictly."""
+    config = read_config(folder, role)
+    ngram = NgramEmbedding(config)
+    load_part(ngram, folder, NGRAM_PREFIX, role)
+    visual, audio = head_for(config, "visual"), head_for(config, "audio")
+    load_part(visual, folder, "visual_head.", role)
+    load_part(audio, folder, "audio_head.", role)
+    return ngram.eval(), visual.eval(), audio.eval()
