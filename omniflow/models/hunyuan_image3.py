@@ -192,28 +192,38 @@ class HunyuanImage3LM(MoEDecoderLM):
             if name.endswith("gate_up_proj.weight"):
                 tensor = _swap_halves(tensor)
             if name.endswith("self_attn.qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                tensor = self._qkv_from_groups(tensor)
+                tensor = self._qkv_from_groups(hf_name, tensor)
             expert = _EXPERT.match(name)
             if expert:
                 base, index, which = expert.groups()
                 target = f"{base}.{which}"
-                if target not in params:
+                if target not in params or int(index) >= params[target].shape[0]:
                     raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
                 view = params[target][int(index)]
             elif name in params:
                 view = params[name]
             else:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            if tuple(view.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {list(tensor.shape)}, the model "
+                    f"expects {list(view.shape)}"
+                )
             with torch.no_grad():
                 view.copy_(tensor.to(view.dtype))
             loaded.add(hf_name)
         return loaded
 
-    def _qkv_from_groups(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _qkv_from_groups(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The reference's fused qkv rows, per kv head [its q heads, k, v], -> [q; k; v]."""
         config = self.config
         kv, dim = config.num_key_value_heads, config.head_dim
         groups = config.num_attention_heads // kv
+        if tensor.shape[0] != kv * (groups + 2) * dim:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, the model expects "
+                f"{kv * (groups + 2) * dim} ({kv} kv heads x ({groups} q + k + v) x {dim})"
+            )
         grouped = tensor.reshape(kv, groups + 2, dim, *tensor.shape[1:])
         q = grouped[:, :groups].reshape(kv * groups * dim, *tensor.shape[1:])
         k = grouped[:, groups].reshape(kv * dim, *tensor.shape[1:])

@@ -8,7 +8,9 @@ embedders, patch_embed, final_layer, VAE, ViT and its projector) keep their own 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omniflow.models.llama.config import DecoderConfig
@@ -125,3 +127,36 @@ class HunyuanImage3Config(DecoderConfig):
             vit=dict(raw.get("vit") or {}),
             vit_aligner=dict(raw.get("vit_aligner") or {}),
         )
+
+
+# The release's sampler defaults (hunyuan_image_3's pipeline falls back to these where its
+# generation_config.json lacks a key).
+RELEASE_GENERATION = {"diff_infer_steps": 50, "diff_guidance_scale": 5.0, "flow_shift": 3.0}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    steps: int
+    guidance_scale: float
+    flow_shift: float
+
+
+def generation_defaults(path: str | Path) -> GenerationDefaults:
+    """The sampler defaults of a HunyuanImage-3 folder: its generation_config.json's
+    diff_infer_steps, diff_guidance_scale and flow_shift (the release's values where the
+    file or a key is absent)."""
+    file = Path(path) / "generation_config.json"
+    raw: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+    values = RELEASE_GENERATION | {k: raw[k] for k in RELEASE_GENERATION if k in raw}
+    try:
+        steps = int(values["diff_infer_steps"])
+        scale = float(values["diff_guidance_scale"])
+        shift = float(values["flow_shift"])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{file}: diff_infer_steps/diff_guidance_scale/flow_shift: {exc}") from exc
+    if steps < 1 or scale < 0 or shift <= 0:
+        raise ValueError(
+            f"{file}: diff_infer_steps {steps} (>= 1), diff_guidance_scale {scale} (>= 0), "
+            f"flow_shift {shift} (> 0)"
+        )
+    return GenerationDefaults(steps, scale, shift)

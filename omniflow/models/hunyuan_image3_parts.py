@@ -3,13 +3,13 @@
 - `TimestepEmbedder`: a diffusion time t -> a row (sinusoidal features through an MLP).
 - `patch_embed` (UNetDown): latent [C, H, W] + time -> image token rows [h*w, hidden].
 - `final_layer` (UNetUp): image tokens' hidden states + time -> velocity [C, H, W].
-- a VAE (`TinyVAE`: encoder for a condition image's clean latent, decoder to RGB uint8)
-- a ViT (`TinyViT`) and its projector: a condition image -> rows for the prompt.
+- the VAE (AutoencoderKLConv3D, hunyuan_image3_vae.py): a condition image's clean latent,
+  and the decoder to RGB uint8
+- the ViT (SigLIP2, hunyuan_image3_vit.py) and its aligner: a condition image -> rows.
 
 The timestep embedders, patch_embed and final_layer follow the reference's modules and
-checkpoint names (timestep-conditioned ResBlocks with adaptive group norm). The VAE and
-the ViT are small stand-ins: the real ones (a 3D-conv KL autoencoder, SigLIP2 with
-variable resolution) have other layouts and names, and do not load into these.
+checkpoint names (timestep-conditioned ResBlocks with adaptive group norm), the VAE, the
+ViT and its aligner too.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from torch import nn
 
 from omniflow.models.hunyuan_image3 import IMAGE_PART_PREFIXES
 from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
+from omniflow.models.hunyuan_image3_vae import AutoencoderKLConv3D
+from omniflow.models.hunyuan_image3_vit import LightProjector, Siglip2Vision
 from omniflow.models.loader import iter_checkpoint_tensors
 
 
@@ -136,96 +138,6 @@ class UNetUp(nn.Module):
         return x
 
 
-class TinyVAE(nn.Module):
-    """RGB <-> latent, `downsample` x smaller per side (strided convs / nearest upsampling)."""
-
-    def __init__(self, latent: int, channels: int, downsample: int, scaling: float, shift: float):
-        super().__init__()
-        stages = int(math.log2(downsample))
-        if 2**stages != downsample:
-            raise ValueError(f"vae ffactor_spatial must be a power of 2, not {downsample}")
-        self.scaling, self.shift, self.downsample = scaling, shift, downsample
-        self.encoder = nn.Sequential(
-            nn.Conv2d(3, channels, 3, 1, 1),
-            *[
-                nn.Sequential(nn.Conv2d(channels, channels, 3, 2, 1), nn.SiLU())
-                for _ in range(stages)
-            ],
-            nn.Conv2d(channels, 2 * latent, 3, 1, 1),
-        )
-        self.decoder = nn.Sequential(
-            nn.Conv2d(latent, channels, 3, 1, 1),
-            *[
-                nn.Sequential(
-                    nn.Upsample(scale_factor=2), nn.Conv2d(channels, channels, 3, 1, 1), nn.SiLU()
-                )
-                for _ in range(stages)
-            ],
-            nn.Conv2d(channels, 3, 3, 1, 1),
-        )
-
-    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] in [-1, 1] -> the posterior's mean, scaled: [B, C, H/d, W/d]."""
-        mean, _ = self.encoder(pixels).chunk(2, dim=1)
-        return (mean - self.shift) * self.scaling
-
-    def decode(self, latent: torch.Tensor) -> torch.Tensor:
-        """[B, C, h, w] -> [B, 3, h*d, w*d] in [-1, 1]."""
-        return torch.tanh(self.decoder(latent / self.scaling + self.shift))
-
-
-class ViTBlock(nn.Module):
-    def __init__(self, width: int, heads: int, mlp: int):
-        super().__init__()
-        self.heads = heads
-        self.layer_norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.out_proj = nn.Linear(width, width)
-        self.layer_norm2 = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, mlp)
-        self.fc2 = nn.Linear(mlp, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, tokens, width = x.shape
-        qkv = self.qkv(self.layer_norm1(x)).view(batch, tokens, 3, self.heads, -1)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
-        x = x + self.out_proj(attended)
-        return x + self.fc2(F.gelu(self.fc1(self.layer_norm2(x)), approximate="tanh"))
-
-
-class TinyViT(nn.Module):
-    """An image resized to image_size -> one row per patch, [B, patches, width]."""
-
-    def __init__(self, image_size: int, patch: int, width: int, heads: int, layers: int, mlp: int):
-        super().__init__()
-        self.image_size = image_size
-        self.patch_embedding = nn.Conv2d(3, width, patch, patch)
-        self.position_embedding = nn.Parameter(torch.zeros((image_size // patch) ** 2, width))
-        self.layers = nn.ModuleList(ViTBlock(width, heads, mlp) for _ in range(layers))
-        self.post_layernorm = nn.LayerNorm(width)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        size = (self.image_size, self.image_size)
-        pixels = F.interpolate(pixels, size=size, mode="bilinear", align_corners=False)
-        x = self.patch_embedding(pixels).flatten(2).transpose(1, 2) + self.position_embedding
-        for layer in self.layers:
-            x = layer(x)
-        return self.post_layernorm(x)
-
-
-class Projector(nn.Module):
-    """ViT rows -> backbone rows."""
-
-    def __init__(self, width: int, hidden: int):
-        super().__init__()
-        self.fc1 = nn.Linear(width, hidden)
-        self.fc2 = nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
 def pixels_in(image: torch.Tensor) -> torch.Tensor:
     """RGB uint8 [H, W, 3] -> [1, 3, H, W] float in [-1, 1]."""
     if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3:
@@ -253,22 +165,9 @@ class HunyuanImage3Parts(nn.Module):
         self.time_embed = TimestepEmbedder(hidden)
         self.final_layer = UNetUp(patch, hidden, hidden, width, latent)
         self.time_embed_2 = TimestepEmbedder(hidden)
-        self.vae = TinyVAE(
-            latent,
-            int(vae.get("channels", 32)),
-            config.vae_downsample,
-            float(vae.get("scaling_factor", 1.0)),
-            float(vae.get("shift_factor", 0.0)),
-        )
-        self.vision_model = TinyViT(
-            int(vit["image_size"]),
-            int(vit["patch_size"]),
-            int(vit["hidden_size"]),
-            int(vit["num_attention_heads"]),
-            int(vit["num_hidden_layers"]),
-            int(vit["intermediate_size"]),
-        )
-        self.vision_aligner = Projector(int(aligner.get("input_dim", vit["hidden_size"])), hidden)
+        self.vae = AutoencoderKLConv3D(vae)
+        self.vision_model = Siglip2Vision(vit)
+        self.vision_aligner = LightProjector(aligner, hidden)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -335,6 +234,11 @@ def load_image_parts(
     for name, tensor in iter_checkpoint_tensors(path, lambda n: n.startswith(IMAGE_PART_PREFIXES)):
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the image parts")
+        if tuple(params[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, the image parts "
+                f"expect {list(params[name].shape)}"
+            )
         with torch.no_grad():
             params[name].copy_(tensor)
         loaded.add(name)

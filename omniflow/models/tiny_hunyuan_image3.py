@@ -53,22 +53,40 @@ TINY_HUNYUAN_IMAGE3: dict[str, Any] = {
     "patch_size": 1,
     "patch_embed_hidden_dim": 32,
     "image_base_size": 256,  # 16-pixel tokens: a 16 x 16 grid at ratio 1:1
-    "vae": {
-        "latent_channels": 4,
+    "vae": {  # AutoencoderKLConv3D's keys; the release's latent, factors and scaling
+        "in_channels": 3,
+        "out_channels": 3,
+        "latent_channels": 32,
+        "block_out_channels": [32, 32, 32, 64, 64],
+        "layers_per_block": 1,
         "ffactor_spatial": 16,
-        "channels": 16,
-        "scaling_factor": 0.5,
-        "shift_factor": 0.0,
+        "ffactor_temporal": 4,
+        "sample_size": 256,
+        "sample_tsize": 16,
+        "scaling_factor": 0.562679178327931,
+        "shift_factor": None,
+        "downsample_match_channel": True,
+        "upsample_match_channel": True,
     },
-    "vit": {
-        "image_size": 32,
+    "vit": {  # Siglip2VisionConfig's keys
+        "num_patches": 16,
         "patch_size": 8,
+        "num_channels": 3,
         "hidden_size": 32,
         "num_attention_heads": 2,
         "num_hidden_layers": 1,
         "intermediate_size": 64,
+        "hidden_act": "gelu_pytorch_tanh",
+        "layer_norm_eps": 1e-6,
     },
-    "vit_aligner": {"input_dim": 32},
+    "vit_aligner": {"projector_type": "mlp_gelu", "input_dim": 32, "n_embed": 64, "depth": 2},
+}
+# generation_config.json: the release's keys; 8 steps (the release's 50 is slow for a
+# random tiny model whose images are noise anyway), guidance 2.5, the release's shift.
+TINY_GENERATION: dict[str, Any] = {
+    "diff_infer_steps": 8,
+    "diff_guidance_scale": 2.5,
+    "flow_shift": 3.0,
 }
 TEXT_VOCAB = 320  # the byte-level BPE's entries; the special tokens come after
 INIT_STD = 0.08
@@ -132,12 +150,18 @@ def build_tiny_hunyuan_image3(
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     save_tiny_tokenizer(tokenizer, folder)
     raw = json.loads(json.dumps(TINY_HUNYUAN_IMAGE3)) | overrides
+    if "vit_aligner" not in overrides:  # the aligner projects to the backbone's width
+        raw["vit_aligner"]["n_embed"] = raw["hidden_size"]
     if tokenizer.get_vocab_size(with_added_tokens=True) > raw["vocab_size"]:
         raise ValueError(f"vocab_size {raw['vocab_size']} is below the tokenizer's entries")
     for key, token in (("bos_token_id", BOS), ("eos_token_id", EOS), ("pad_token_id", PAD)):
         raw[key] = tokenizer.token_to_id(token)
     config = HunyuanImage3Config.from_dict(raw)
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    generation = TINY_GENERATION | {
+        key: raw[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+    }
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
     tensors = backbone_tensors(config, seed) | image_part_tensors(config, seed + 1)
     save_safetensors(tensors, folder, max_shard_bytes)
     return folder

@@ -63,7 +63,7 @@ class ARRole(ModelActor):
     async def setup(self) -> None:
         opts = self.options
         self.start_model_thread()
-        self.backbone = await self._run(Backbone.load, opts, self.pool)
+        self.backbone = await self._run(Backbone.load, opts, self.pool, self.role)
         self.config = self.backbone.config
         self.tokens = ImageTokens.from_tokenizer(self.backbone.tokenizer)
         self._ids = itertools.count()

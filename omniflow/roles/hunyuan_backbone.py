@@ -12,6 +12,8 @@ file next to it lets one build while the others wait.
 from __future__ import annotations
 
 import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -41,10 +43,24 @@ def ensure_tiny(path: str | Path, seed: int) -> None:
             build_tiny_hunyuan_image3(folder, seed)
 
 
-def image_parts(opts: WeightsOptions) -> HunyuanImage3Parts:
+@contextmanager
+def loading(role: str, folder: str | Path) -> Iterator[None]:
+    """A checkpoint that does not fit (a tensor missing, extra, renamed or mis-shaped) fails
+    the role's start with the tensor, the role and the folder named."""
+    try:
+        yield
+    except (ValueError, KeyError, RuntimeError) as exc:
+        where = Path(folder)
+        raise ValueError(
+            f"role {role!r}: model_path {str(where)!r} ({where.resolve()}): {exc}"
+        ) from exc
+
+
+def image_parts(opts: WeightsOptions, role: str = "vae_decoder") -> HunyuanImage3Parts:
     if opts.build_tiny:
         ensure_tiny(opts.model_path, opts.seed)
-    return load_image_parts(opts.model_path, opts.device)
+    with loading(role, opts.model_path):
+        return load_image_parts(opts.model_path, opts.device)
 
 
 @dataclass
@@ -59,13 +75,19 @@ class Backbone:
         return self.model.config
 
     @classmethod
-    def load(cls, opts: BackboneOptions, pool: PagePool | None) -> Backbone:
-        parts = image_parts(opts)
+    def load(cls, opts: BackboneOptions, pool: PagePool | None, role: str = "") -> Backbone:
+        parts = image_parts(opts, role)
         path = Path(opts.model_path)
         shared = pool is not None and opts.device == "cpu" and opts.share_weights
         weights = SharedWeights(pool, path) if shared and pool is not None else None
         place = None if weights is None else cast(Any, weights.place)  # a WeightPlacer
-        model = load_decoder(path, opts.device, place=place)
+        try:
+            with loading(role, path):
+                model = load_decoder(path, opts.device, place=place)
+        except BaseException:
+            if weights is not None:
+                weights.close()
+            raise
         return cls(model, load_tokenizer(path), parts, weights)
 
     def where(self) -> dict[str, Any]:

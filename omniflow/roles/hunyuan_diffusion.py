@@ -35,6 +35,7 @@ import torch
 from omniflow.engine import AsyncEngine, EngineConfig, Guidance, LLMEngine
 from omniflow.engine.denoise import Denoising, denoise_steps
 from omniflow.kv.share import KVLeaseView
+from omniflow.models.hunyuan_image3_config import generation_defaults
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone, spans_of
 from omniflow.roles.image_params import ImageParams, image_params
@@ -55,8 +56,13 @@ class DiffusionRole(ModelActor):
                 "(reuse_prefix = false computes it here instead)"
             )
         self.start_model_thread()
-        self.backbone = await self._run(Backbone.load, self.options, self.pool)
+        self.backbone = await self._run(Backbone.load, self.options, self.pool, self.role)
         self.config = self.backbone.config
+        given = self.options
+        folder = generation_defaults(given.model_path)  # the request's values win over both
+        self.steps = folder.steps if given.steps is None else given.steps
+        self.cfg_scale = folder.guidance_scale if given.cfg_scale is None else given.cfg_scale
+        self.shift = folder.flow_shift if given.shift is None else given.shift
         self.engine = self._engine(self.options.kv_cache_mb << 20)
         self.weights = self.backbone.where()  # as the engine runs them
         self._ids = itertools.count()
@@ -68,6 +74,7 @@ class DiffusionRole(ModelActor):
             kv_cache_bytes=kv_bytes,
             # Shared weights stay in the pages ar maps too (no private re-layout).
             relayout_weights=self.backbone.weights is None,
+            enable_prefix_caching=self.options.reuse_prefix,
         )
         engine = LLMEngine(self.backbone.model, config, self.backbone.tokenizer, self.pool)
         return AsyncEngine(
@@ -125,9 +132,9 @@ class DiffusionRole(ModelActor):
         opts = self.options
         params = image_params(
             request.params,
-            steps=opts.steps,
+            steps=self.steps,
             max_steps=opts.max_steps,
-            cfg_scale=opts.cfg_scale,
+            cfg_scale=self.cfg_scale,
             pixels_per_token=self.config.pixels_per_token,
             max_tokens=1 << 30,  # ar checked the size; the grid is checked below
         )
@@ -204,7 +211,7 @@ class DiffusionRole(ModelActor):
                 params.steps,
                 params.cfg_scale,
                 params.seed,
-                self.options.shift,
+                self.shift,
             )
             run = await self._run(Denoising, loop, params.steps)
             while (step := run.request) is not None:

@@ -218,14 +218,41 @@ class HunyuanAROptions(BackboneOptions, kw_only=True):
 
 class HunyuanDiffusionOptions(BackboneOptions, kw_only=True):
     threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
-    steps: Annotated[
-        int, Meta(ge=1, le=1000, description="denoising steps (a request's steps wins)")
-    ] = 8
+    steps: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                le=1000,
+                description="denoising steps (a request's steps wins; unset: the folder's "
+                "generation_config.json diff_infer_steps)",
+            ),
+        ]
+        | None
+    ) = None
     max_steps: Annotated[int, Meta(ge=1, description="most steps a request may ask")] = 200
-    cfg_scale: Annotated[
-        float, Meta(ge=0, le=30, description="guidance scale (a request's cfg_scale wins)")
-    ] = 2.5
-    shift: Annotated[float, Meta(gt=0, description="flow-matching sigma shift")] = 3.0
+    cfg_scale: (
+        Annotated[
+            float,
+            Meta(
+                ge=0,
+                le=30,
+                description="guidance scale (a request's cfg_scale wins; unset: "
+                "generation_config.json diff_guidance_scale)",
+            ),
+        ]
+        | None
+    ) = None
+    shift: (
+        Annotated[
+            float,
+            Meta(
+                gt=0,
+                description="flow-matching sigma shift (unset: generation_config.json flow_shift)",
+            ),
+        ]
+        | None
+    ) = None
     kv_cache_mb: Annotated[int, Meta(ge=1, description="KV MiB for the image rows")] = 32
     reuse_prefix: Annotated[
         bool,

@@ -33,7 +33,9 @@ class VAEDecoderRole(ModelActor):
 
     async def setup(self) -> None:
         self.start_model_thread()
-        self.parts = await self._run(image_parts, self.options)  # the VAE is what it uses
+        self.parts = await self._run(
+            image_parts, self.options, self.role
+        )  # the VAE is what it uses
         self.channels = self.parts.config.latent_channels
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:

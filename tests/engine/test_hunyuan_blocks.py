@@ -64,7 +64,9 @@ def engine_for(folder, pool=None, share=False, num_pages=64):
 
 
 def block_rows(parts, context_len, grid=GRID, t=700.0, seed=0):
-    latent = torch.randn(4, *grid, generator=torch.Generator().manual_seed(seed))
+    latent = torch.randn(
+        parts.config.latent_channels, *grid, generator=torch.Generator().manual_seed(seed)
+    )
     rows = torch.cat((parts.timestep_row(t), parts.image_rows(latent, t)))
     return rows, image_block(context_len, grid).positions
 
@@ -232,7 +234,7 @@ def test_same_seed_same_latent_bytes_sync_and_async(folder, parts, prompts):
     again, _ = run_seed(11)
     other, _ = run_seed(12)
     assert seen == [(1, 3), (2, 3), (3, 3)]
-    assert first.shape == (4, *GRID)
+    assert first.shape == (parts.config.latent_channels, *GRID)
     assert first.numpy().tobytes() == again.numpy().tobytes()
     assert not torch.equal(first, other)
 

@@ -149,15 +149,15 @@ def test_image_parts_load_and_run(folder):
     raw = raw_tensors(folder)
     for name, tensor in parts.state_dict().items():
         assert torch.equal(tensor, raw[name]), name
-    latent = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(0))
+    latent = torch.randn(32, 3, 5, generator=torch.Generator().manual_seed(0))
     rows = parts.image_rows(latent, 500.0)
     assert rows.shape == (15, 64)
-    assert parts.velocity(rows, 500.0, (3, 5)).shape == (4, 3, 5)
+    assert parts.velocity(rows, 500.0, (3, 5)).shape == (32, 3, 5)
     assert not torch.equal(parts.image_rows(latent, 10.0), rows)  # timestep-conditioned
     image = parts.decode_image(latent)
     assert image.shape == (48, 80, 3) and image.dtype == torch.uint8
-    assert parts.encode_image(image).shape == (4, 3, 5)
-    assert parts.vit_rows(image).shape == (16, 64)
+    assert parts.encode_image(image).shape == (32, 3, 5)
+    assert parts.vit_rows(image).shape == (15, 64)  # SigLIP2: a 3 x 5 patch grid within 16
     assert parts.timestep_row(0.0).shape == (1, 64)
     with pytest.raises(ValueError, match="multiples of 16"):
         parts.encode_image(torch.zeros(20, 32, 3, dtype=torch.uint8))
