@@ -67,6 +67,19 @@ async def until(predicate, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def call_until_taken(rt, attempts: int = 20):
+    """A short request to the restarted replica: the first sends may race the client's
+    connection to the new process ("did not take the request"); a few tries, then it serves."""
+    for attempt in range(attempts):
+        try:
+            return await rt.call(PROMPT, params={"max_tokens": 4, "temperature": 0.0}, timeout=60)
+        except omniflow.RequestFailed as e:
+            if e.code != "unavailable" or attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
 def test_an_engine_that_raises_in_step_ends_its_worker(run_root, llm_model, monkeypatch):
     monkeypatch.setenv(FAIL_AFTER_STEPS_ENV, str(FAIL_AT))
 
@@ -90,9 +103,7 @@ def test_an_engine_that_raises_in_step_ends_its_worker(run_root, llm_model, monk
             # The restart serves again (a short request stays under FAIL_AT steps).
             await until(lambda: replica.state == "ready" and replica.proc.pid != first_pid, 120)
             await until(lambda: bool(view.replicas("llm")))
-            outputs, result = await rt.call(
-                PROMPT, params={"max_tokens": 4, "temperature": 0.0}, timeout=60
-            )
+            outputs, result = await call_until_taken(rt)
             return failed.value, waited, code, states, replica.restarts, outputs, result
 
     failure, waited, code, states, restarts, outputs, result = asyncio.run(main())
