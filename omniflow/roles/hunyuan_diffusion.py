@@ -78,7 +78,9 @@ class DiffusionRole(ModelActor):
         )
         engine = LLMEngine(self.backbone.model, config, self.backbone.tokenizer, self.pool)
         return AsyncEngine(
-            engine, thread_setup=functools.partial(lower_thread_priority, self.model_nice)
+            engine,
+            thread_setup=functools.partial(lower_thread_priority, self.model_nice),
+            on_death=self.engine_died,
         )
 
     async def reserve(self, budget: MemoryBudget) -> None:
