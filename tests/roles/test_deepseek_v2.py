@@ -44,7 +44,7 @@ def test_send_streams_text(deepseek):
     async def stream():
         conn = await omniflow.connect(run_dir=state["run_dir"])
         try:
-            params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+            params = {"max_tokens": 8, "temperature": 0.0}
             events = [e async for e in conn.stream({"text": "hi"}, params=params, timeout=60)]
             return events[:-1], events[-1]
         finally:

@@ -312,5 +312,5 @@ def test_a_port_in_use_fails_up_with_a_message_naming_it(tmp_path, run_root):
         proc = cli("up", str(config), "--detach", "--port", str(port), check=False)
     assert proc.returncode == 1
     said = " ".join((proc.stdout + proc.stderr).split())
-    assert f"gateway cannot bind 127.0.0.1:{port}: Address already in use" in said
+    assert f"gateway cannot listen on 127.0.0.1:{port}: Address already in use" in said
     assert not list(run_root.rglob("*.sock"))

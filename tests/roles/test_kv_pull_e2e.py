@@ -30,7 +30,8 @@ async def records_when(rt, check, timeout: float = 20.0):
 
 def test_a_replica_pulls_the_prefix_another_replica_prefilled(run_root, tmp_path):
     params = {"temperature": 0, "max_tokens": 6}
-    image = image_bytes(256, 256, seed=5)  # 64 image tokens after the bos: 4 pages of 16
+    # 64 image tokens after the bos and the chat template's opening: 5 whole pages of 16
+    image = image_bytes(256, 256, seed=5)
     llm = {"replicas": 2, "policy": "round_robin"}  # the second request goes to the other one
     config = vision_llm_config("kvpull", tmp_path / "models", llm=llm)
 
@@ -54,10 +55,10 @@ def test_a_replica_pulls_the_prefix_another_replica_prefilled(run_root, tmp_path
     holder, first, second, third, records = asyncio.run(main())
     assert first.usage["cached_tokens"] == 0
     # The second replica never saw the image, yet its prompt came from the cache: pulled.
-    assert second[1].usage["cached_tokens"] == 64
+    assert second[1].usage["cached_tokens"] == 80
     puller = next(r for r in records if r.replica != holder.replica)
     assert puller.meta["kv_pulls"] == {"pulled": 1, "recomputed": 0, "failed": 0}
     # The holder answers the same prompt from the pages it computed: the same greedy text.
-    assert third[1].usage["cached_tokens"] == 64
+    assert third[1].usage["cached_tokens"] == 80
     text = ["".join(o.data.get("text", "") for o in outs) for outs, _ in (second, third)]
     assert text[0] and text[0] == text[1]

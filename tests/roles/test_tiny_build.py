@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 # the tokenizer are out: what a full disk or a Ctrl-C during the first start leaves.
 KILLED_BUILD = """
 import os, sys, time
-import omniflow.models.tiny as tiny
+import omniflow.models.tiny.builder as tiny
 from omniflow.roles.llm import LLMRole
 
 def stuck(tensors, folder, max_shard_bytes):
