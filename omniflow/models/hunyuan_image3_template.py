@@ -153,7 +153,9 @@ class SequenceTemplate:
         """The diffusion sequence (the release's gen_image mode). prompt: the prompt's ids
         (no <bos>); cot: a recaption's ids between <recaption> and </recaption>."""
         if base_size not in self.tokens.sizes:
-            raise ValueError(f"base size {base_size}: the tokenizer has {sorted(self.tokens.sizes)}")
+            raise ValueError(
+                f"base size {base_size}: the tokenizer has {sorted(self.tokens.sizes)}"
+            )
         t = self.tokens
         if uncond:
             prompt = [t.cfg] * len(prompt)
@@ -187,3 +189,14 @@ class SequenceTemplate:
         self._head(layout, conditions, prompt)
         layout.ids += self._text(self.bot) + self._text(RECAPTION[0])
         return layout
+
+    def recaption_stops(self) -> list[int]:
+        """The ids that end a recaption: </recaption>, </answer> (the release's stops with
+        <eos>)."""
+        stops = []
+        for token in (RECAPTION[1], "</answer>"):
+            ids = self.encode(token)
+            if len(ids) != 1:
+                raise ValueError(f"the tokenizer lacks the special token {token!r}")
+            stops += ids
+        return stops

@@ -145,6 +145,11 @@ class Siglip2Vision(nn.Module):
             x = layer(x)
         return self.post_layernorm(x)
 
+    def patch_grid(self, height: int, width: int) -> tuple[int, int]:
+        """The (rows, columns) of patches forward makes of a height x width image."""
+        h, w = grid_size(height, width, self.patch, self.max_patches)
+        return h // self.patch, w // self.patch
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] in [-1, 1] (SigLIP2's mean = std = 0.5 normalisation), resized to
         the patch grid of at most num_patches keeping the aspect ratio."""

@@ -87,6 +87,8 @@ TINY_GENERATION: dict[str, Any] = {
     "diff_infer_steps": 8,
     "diff_guidance_scale": 2.5,
     "flow_shift": 3.0,
+    "sequence_template": "pretrain",  # the base release's: no role words, no system prompt
+    "use_system_prompt": "None",
 }
 TEXT_VOCAB = 320  # the byte-level BPE's entries; the special tokens come after
 INIT_STD = 0.08
