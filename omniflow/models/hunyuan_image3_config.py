@@ -53,6 +53,7 @@ class HunyuanImage3Config(DecoderConfig):
     vae: dict[str, Any] = field(default_factory=dict)
     vit: dict[str, Any] = field(default_factory=dict)
     vit_aligner: dict[str, Any] = field(default_factory=dict)
+    vit_processor: dict[str, Any] = field(default_factory=dict)  # Siglip2ImageProcessor's
 
     @property
     def is_longcat(self) -> bool:
@@ -126,6 +127,7 @@ class HunyuanImage3Config(DecoderConfig):
             vae=dict(raw.get("vae") or {}),
             vit=dict(raw.get("vit") or {}),
             vit_aligner=dict(raw.get("vit_aligner") or {}),
+            vit_processor=dict(raw.get("vit_processor") or {}),
         )
 
 

@@ -166,7 +166,7 @@ class HunyuanImage3Parts(nn.Module):
         self.final_layer = UNetUp(patch, hidden, hidden, width, latent)
         self.time_embed_2 = TimestepEmbedder(hidden)
         self.vae = AutoencoderKLConv3D(vae)
-        self.vision_model = Siglip2Vision(vit)
+        self.vision_model = Siglip2Vision(vit, config.vit_processor)
         self.vision_aligner = LightProjector(aligner, hidden)
 
     @property

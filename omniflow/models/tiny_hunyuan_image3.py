@@ -80,6 +80,7 @@ TINY_HUNYUAN_IMAGE3: dict[str, Any] = {
         "layer_norm_eps": 1e-6,
     },
     "vit_aligner": {"projector_type": "mlp_gelu", "input_dim": 32, "n_embed": 64, "depth": 2},
+    "vit_processor": {"patch_size": 8, "max_num_patches": 16},  # Siglip2ImageProcessor's keys
 }
 # generation_config.json: the release's keys; 8 steps (the release's 50 is slow for a
 # random tiny model whose images are noise anyway), guidance 2.5, the release's shift.
