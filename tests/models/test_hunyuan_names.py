@@ -221,3 +221,20 @@ def test_the_builder_writes_the_published_names_and_shapes(tmp_path, overrides):
     assert {n: s for n, s in got.items() if expected[n] != s} == {}
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(expected)
+
+
+def test_the_vae_decoder_role_reads_the_decoder_alone(tmp_path):
+    """vae_decoder's parts hold vae.decoder.* and nothing else, and decode as the whole
+    parts do; a bad tensor elsewhere is not its to report."""
+    import torch
+
+    from omniflow.models.hunyuan_image3_parts import load_image_parts
+
+    folder = build_tiny_hunyuan_image3(tmp_path / "tiny", seed=4)
+    alone = load_image_parts(folder, decoder_only=True)
+    names = set(alone.state_dict())
+    assert names and all(n.startswith("vae.decoder.") for n in names)
+    assert names == {n for n in written(folder) if n.startswith("vae.decoder.")}
+    whole = load_image_parts(folder)
+    latent = torch.randn(32, 2, 3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(alone.decode_image(latent), whole.decode_image(latent))

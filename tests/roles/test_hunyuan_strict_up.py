@@ -61,7 +61,7 @@ def extra(t):
     ("tensor", "change", "named", "roles"),
     [
         (QKV, renamed, "model.layers.1.self_attn.qkv.weight", ("ar", "diffusion")),
-        (FINAL, missing, FINAL, ("ar", "diffusion", "vae_decoder")),
+        (FINAL, missing, FINAL, ("ar", "diffusion")),  # vae_decoder reads vae.decoder.* alone
         (VAE, extra, "vae.decoder.conv_extra.weight", ("ar", "diffusion", "vae_decoder")),
     ],
     ids=["renamed", "missing", "extra"],
