@@ -147,7 +147,7 @@ class ARRole(ModelActor):
         image = request.data.get("image")
         conditions: list[Condition] = []
         if image is not None:
-            pixels = await self._run(self._image, image, params.size)  # decoding is compute
+            pixels = await self._run(self._image, image)  # decoding is compute
             conditions = [await self._run(self._condition, pixels)]
         ratios = list(self.tokens.ratios)
         if params.size is not None:  # the ratio token is the size's, not the model's pick
@@ -279,8 +279,9 @@ class ARRole(ModelActor):
             ids += delta.token_ids
         return [t for t in ids if t not in stops]
 
-    def _image(self, data: Any, size: tuple[int, int] | None) -> torch.Tensor:
-        """The condition image, decoded and resized: RGB uint8 [H, W, 3]."""
+    def _image(self, data: Any) -> torch.Tensor:
+        """The condition image, decoded, resized and centre-cropped to the ratio bucket
+        nearest its shape (the release's image_processor): RGB uint8 [H, W, 3]."""
         if not isinstance(data, bytes) or not data:
             raise BadRequest("image", "expected the bytes of an image file")
         if len(data) > self.options.max_image_bytes:
@@ -292,11 +293,9 @@ class ARRole(ModelActor):
                         "image", f"{img.width}x{img.height} exceeds the limit (max_image_pixels)"
                     )
                 per = self.config.pixels_per_token
-                if size is None:  # the ratio grid nearest the image's own shape
-                    ratio = ratio_of_size(self.config, img.height, img.width)
-                    h, w = grid_of_ratio(self.config, ratio)
-                    size = (w * per, h * per)
-                rgb = img.convert("RGB").resize(size, Image.Resampling.BICUBIC)
+                ratio = ratio_of_size(self.config, img.height, img.width)
+                h, w = grid_of_ratio(self.config, ratio)
+                rgb = resize_and_crop(img.convert("RGB"), w * per, h * per)
         except BadRequest:
             raise
         except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for a bad file
@@ -310,3 +309,15 @@ class ARRole(ModelActor):
         rows, keyed by content in the prefix cache."""
         with torch.inference_mode():
             return encode_condition(self.backbone.parts, pixels)
+
+
+def resize_and_crop(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Scale (LANCZOS) until the image covers width x height, then crop the centre: the
+    release's resize_and_crop, its rounding included."""
+    if image.height / image.width < height / width:
+        size = (int(round(height / image.height * image.width)), height)
+    else:
+        size = (width, int(round(width / image.width * image.height)))
+    image = image.resize(size, resample=Image.Resampling.LANCZOS)
+    top, left = int(round((size[1] - height) / 2.0)), int(round((size[0] - width) / 2.0))
+    return image.crop((left, top, left + width, top + height))

@@ -87,3 +87,21 @@ def test_the_template_comes_from_generation_config(tmp_path):
     file.write_text(json.dumps(raw | {"sequence_template": "chat"}))
     with pytest.raises(ValueError, match="sequence_template 'chat'"):
         generation_template(model)
+
+
+def test_a_condition_image_is_scaled_to_cover_its_bucket_and_centre_cropped():
+    import numpy as np
+    from PIL import Image
+
+    from omniflow.roles.hunyuan_ar import resize_and_crop
+
+    pixels = np.random.default_rng(0).integers(0, 256, (50, 100, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    # Already as tall as the bucket: kept at its size, the middle 50 columns cut out.
+    out = resize_and_crop(image, 50, 50)
+    assert out.size == (50, 50) and np.array_equal(np.asarray(out), pixels[:, 25:75])
+    # Scaled up to cover 64 x 128 (the height decides), then cropped to the width.
+    out = resize_and_crop(image, 64, 128)
+    assert out.size == (64, 128)
+    tall = image.resize((256, 128), resample=Image.Resampling.LANCZOS)
+    assert np.array_equal(np.asarray(out), np.asarray(tall)[:, 96:160])
