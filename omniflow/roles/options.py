@@ -178,6 +178,24 @@ class HunyuanAROptions(BackboneOptions, kw_only=True):
     recaption_tokens: Annotated[
         int, Meta(ge=0, description="tokens of the AR recaption stage (0: none)")
     ] = 0
+    sequence_template: Annotated[
+        Literal["pretrain", "instruct"] | None,
+        Meta(
+            description="the prompt's layout (unset: generation_config.json's "
+            "sequence_template, else 'pretrain')"
+        ),
+    ] = None
+    system_prompt: (
+        Annotated[
+            str,
+            Meta(
+                min_length=1,
+                description="a system prompt ahead of every prompt (unset: none, as "
+                "generation_config.json's use_system_prompt 'None')",
+            ),
+        ]
+        | None
+    ) = None
     max_image_bytes: Annotated[int, Meta(ge=1, description="largest condition image")] = 32 << 20
     max_image_pixels: Annotated[
         int, Meta(ge=1, description="larger condition images are refused before decoding")
