@@ -71,6 +71,7 @@ def _published_names(config) -> set[str]:
         names |= {
             f"{bridge}vq_list.{i}.codebook.{t}" for t in ("embed", "embed_avg", "cluster_size")
         }
+    names |= _llm_names(config)
     for i in range(config["emb_split_num"] * (config["emb_neighbor_num"] - 1)):
         names |= {f"model.ngram_embeddings.{t}.{i}.weight" for t in ("embedders", "post_projs")}
     for head in ("visual_head.", "audio_head."):
@@ -89,6 +90,31 @@ def _published_names(config) -> set[str]:
     return names
 
 
+def _llm_names(config) -> set[str]:
+    """transformers' LongcatFlashForCausalLM names, its fused experts as the checkpoint holds
+    them (one tensor per routed expert; none for the zero experts)."""
+    from transformers import LongcatFlashConfig, LongcatFlashForCausalLM
+
+    keys = (
+        "hidden_size num_layers num_attention_heads ffn_hidden_size expert_ffn_hidden_size "
+        "n_routed_experts zero_expert_num moe_topk q_lora_rank kv_lora_rank "
+        "qk_nope_head_dim qk_rope_head_dim head_dim v_head_dim vocab_size"
+    ).split()
+    model = LongcatFlashForCausalLM(LongcatFlashConfig(**{k: config[k] for k in keys}))
+    names = set()
+    for n in model.state_dict():
+        if n.endswith(".experts.gate_up_proj"):
+            base = n[: -len("gate_up_proj")]
+            for e in range(config["n_routed_experts"]):
+                names |= {f"{base}{e}.gate_proj.weight", f"{base}{e}.up_proj.weight"}
+        elif n.endswith(".experts.down_proj"):
+            base = n[: -len("down_proj")]
+            names |= {f"{base}{e}.down_proj.weight" for e in range(config["n_routed_experts"])}
+        else:
+            names.add(n)
+    return names
+
+
 def test_builder_writes_the_published_names_and_files(folder):
     config = read_config(folder, "test")
     assert config["model_type"] == "longcat_next"
@@ -99,6 +125,14 @@ def test_builder_writes_the_published_names_and_files(folder):
     added = json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     start = config["visual_config"]["image_start_token_id"]
     assert added[str(start)]["content"] == "<longcat_img_start>"
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for content in ("<longcat_img_start>", "<longcat_audiogen_start>", "<longcat_img_pad>"):
+        token = next(v for v in added.values() if v["content"] == content)
+        assert tokenizer.encode(content, add_special_tokens=False).ids == [
+            int(next(k for k, v in added.items() if v is token))
+        ]
 
 
 def _edit(folder, tmp_path, edit) -> object:
