@@ -204,3 +204,16 @@ def test_llm_role_setup_fails_naming_tensor_role_and_folder(folder, tmp_path, ed
 
     with pytest.raises(CheckpointError, match=rf"role llm: model folder {copy}: .*{needle}"):
         asyncio.run(setup())
+
+
+def test_generation_config_defaults(tmp_path):
+    from omniflow.roles.llm import generation_defaults
+
+    assert generation_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "do_sample": False, "top_k": 5, "max_new_tokens": 99})
+    )
+    assert generation_defaults(tmp_path) == {"top_k": 5, "max_tokens": 99, "temperature": 0.0}
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(ValueError, match="generation_config.json: not JSON"):
+        generation_defaults(tmp_path)
