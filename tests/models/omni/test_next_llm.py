@@ -217,3 +217,30 @@ def test_generation_config_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(ValueError, match="generation_config.json: not JSON"):
         generation_defaults(tmp_path)
+
+
+@pytest.mark.slow
+def test_up_fails_naming_the_extra_tensor(folder, tmp_path, monkeypatch):
+    """`omniflow up` on a folder with one expert too many: the error names it."""
+    import tempfile
+
+    from tests.helpers import cli
+
+    copy = _rewrite(folder, tmp_path, _extra)
+    monkeypatch.setenv("OMNIFLOW_RUN_ROOT", tempfile.mkdtemp(prefix="of-", dir="/tmp"))
+    config = tmp_path / "broken.toml"
+    config.write_text(
+        'name = "lc-broken"\nregistry = "embedded"\n'
+        '[roles.llm]\nactor = "omniflow.roles.llm:LLMRole"\n'
+        f'[roles.llm.options]\nmodel_path = "{copy}"\n'
+        '[graph]\nedges = [{ from = "input", to = "llm" }]\n'
+        "[runtime]\nstart_timeout_s = 60\n"
+    )
+    try:
+        out = cli("up", str(config), "--detach", check=False)
+    finally:
+        cli("down", "--name", "lc-broken", check=False)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert f"role llm: model folder {copy}" in text
+    assert "model.layers.1.mlp.experts.6.down_proj.weight" in text
