@@ -103,7 +103,7 @@ def tiny_config(
             "image_start_token_id": ids["<longcat_img_start>"],
             "image_end_token_id": ids["<longcat_img_end>"],
             "image_pad_token_id": ids["<longcat_img_pad>"],
-            "image_newline_token_id": ids["<longcat_img_newline>"],
+            "image_line_token_id": ids["<longcat_img_newline>"],
             "vq_config": {
                 "quantizer_type": "rq",
                 "depth": len(visual_sizes),
