@@ -1,7 +1,7 @@
 """LongCat-Next's LLM-side extras in the published names: the n-gram input embedding
 (``model.ngram_embeddings.{embedders,post_projs}.i``) and the depth heads ``visual_head`` /
-``audio_head``. Equations as vLLM's ``longcat_next.py`` implements them; the LLM role does
-not use these yet (its decoder is being restructured), see docs/models.md.
+``audio_head`` (the heads as the checkpoint's ``CasualDepthTransformerHead`` runs them:
+autoregressive over the code levels; the n-gram equations as vLLM's ``longcat_next.py``).
 """
 
 from __future__ import annotations
@@ -84,9 +84,19 @@ class NextDepthHead(nn.Module):
         self.headnorm = _RMSNorm(dim)
         self.heads = nn.ModuleList(nn.Linear(dim, n + 1) for n in sizes)
 
-    def forward(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        """Per-level logits [B, size_l + 1] of LLM hidden states [B, hidden]."""
-        x = self.hidden_proj(self.hidden_norm(hidden[:, None].expand(-1, self.depth, -1)))
+    def forward(
+        self, hidden: torch.Tensor, previous: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Per-level logits [B, size_l + 1] of LLM hidden states [B, hidden], given
+        ``previous`` [B, depth - 1, hidden]: at l, the sum of the word-embedding rows of
+        levels 0..l of the code (the checkpoint's ``CasualDepthTransformerHead``: position 0
+        is the hidden state, position l + 1 that running sum; causal, so level l's logits
+        read only the levels before it). None: zeros (only level 0's logits are then the
+        model's)."""
+        if previous is None:
+            previous = hidden.new_zeros(hidden.shape[0], self.depth - 1, hidden.shape[-1])
+        x = torch.cat([hidden[:, None], previous.to(hidden.dtype)], 1)
+        x = self.hidden_proj(self.hidden_norm(x))
         for layer in self.transformer_layers:
             x = layer(x)
         x = self.headnorm(x)

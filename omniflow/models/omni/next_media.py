@@ -1,8 +1,9 @@
 """The llm role's codes heads (engine/heads.py) in the published LongCat-Next layout.
 
-An image or audio token is made by ``visual_head`` / ``audio_head`` (next_heads.py): the
-LLM's last hidden state -> per-level logits over codebook size + 1, greedy over each level's
-codebook (the extra last output is never chosen). It goes back in as the sum of each level's
+An image or audio token is made by ``visual_head`` / ``audio_head`` (next_heads.py), level
+by level: the LLM's last hidden state and the running sum of the chosen levels' word-
+embedding rows -> level l's logits over codebook size + 1, greedy over the codebook (the
+extra last output, for audio level 0 the published end-of-audio flag, is never chosen). It goes back in as the sum of each level's
 row of ``model.embed_tokens`` (level l's id + ``visual_offset``/``audio_offset`` + the sizes
 of the levels before), then, for images, ``model.visual_tokenizer.visual_embedding_layer``:
 the same input the encoders give a seen image or sound (next_vision.py, next_audio.py).
@@ -42,9 +43,18 @@ class NextMediaHead:
 
     @torch.no_grad()
     def codes(self, hidden: torch.Tensor) -> torch.Tensor:
-        dtype = self.head.hidden_proj.weight.dtype
-        logits = self.head(hidden.to(dtype))
-        ids = [level[:, :n].argmax(-1) for level, n in zip(logits, self.sizes, strict=True)]
+        """Level by level: greedy id of level l, then its word-embedding row joins the
+        running sum the next level's position reads."""
+        hidden = hidden.to(self.head.hidden_proj.weight.dtype)
+        previous = hidden.new_zeros(hidden.shape[0], len(self.sizes) - 1, hidden.shape[-1])
+        total = hidden.new_zeros(hidden.shape[0], hidden.shape[-1])
+        ids = []
+        for level, size in enumerate(self.sizes):
+            code = self.head(hidden, previous)[level][:, :size].argmax(-1)
+            ids.append(code)
+            if level + 1 < len(self.sizes):
+                total = total + self.code_rows(code + self.offsets[level]).to(hidden.dtype)
+                previous[:, level] = total
         return torch.stack(ids, -1).to(torch.int64)
 
     @torch.no_grad()

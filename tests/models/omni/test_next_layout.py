@@ -354,10 +354,13 @@ def _rms(x, w):
     return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def _head_reference(hidden: torch.Tensor, t: dict, p: str, depth: int) -> list[torch.Tensor]:
-    """The depth head from the published equations, one depth position at a time."""
-    x = _rms(hidden, t[p + "hidden_norm.weight"]) @ t[p + "hidden_proj.weight"].t()
-    x = x[:, None].repeat(1, depth, 1)
+def _head_reference(
+    hidden: torch.Tensor, t: dict, p: str, depth: int, previous: torch.Tensor
+) -> list[torch.Tensor]:
+    """The depth head from the published equations (the checkpoint's
+    CasualDepthTransformerHead): positions [hidden, previous rows...], one at a time."""
+    x = torch.cat([hidden[:, None], previous], 1)
+    x = _rms(x, t[p + "hidden_norm.weight"]) @ t[p + "hidden_proj.weight"].t()
     lp = p + "transformer_layers.0."
     a = lp + "self_attention."
     h_in = _rms(x, t[lp + "layernorm1.weight"])
@@ -387,14 +390,20 @@ def test_depth_heads_match_reference(folder):
     config = read_config(folder, "test")
     t = _tensors(folder)
     _, visual, audio = load_next_heads(folder)
-    hidden = torch.randn(3, config["hidden_size"], generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(3, config["hidden_size"], generator=g)
+    previous = torch.randn(3, 7, config["hidden_size"], generator=g) * 0.1
     for head, prefix, sub in (
         (visual, "visual_head.", "visual_config"),
         (audio, "audio_head.", "audio_config"),
     ):
         with torch.no_grad():
-            got = head(hidden)
-        want = _head_reference(hidden, t, prefix, 8)
+            got = head(hidden, previous)
+            # Causal over the levels: level l's logits do not read the rows after it.
+            later = previous.clone()
+            later[:, 3:] = 0
+            torch.testing.assert_close(head(hidden, later)[3], got[3])
+        want = _head_reference(hidden, t, prefix, 8, previous)
         sizes = config[sub]["vq_config"]["codebook_sizes"]
         assert [g.shape[-1] for g in got] == [n + 1 for n in sizes]
         for g, w in zip(got, want, strict=True):

@@ -21,7 +21,7 @@ from omniflow.models.omni.next_builder import build_tiny_next
 from omniflow.models.omni.next_media import load_next_media_heads
 from omniflow.models.omni.next_vision import load_next_vision
 from omniflow.models.omni.ngram import NgramEmbedding
-from tests.models.omni.test_next_layout import _ngram_reference, _tensors
+from tests.models.omni.test_next_layout import _head_reference, _ngram_reference, _tensors
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 EXPERT = "model.layers.1.mlp.experts.{}.down_proj.weight"
@@ -142,11 +142,24 @@ def test_codes_heads_embed_as_the_encoders_do(folder):
     assert codes.shape == (3, 8) and int(codes.max()) < 32
     vision = load_next_vision(folder)
     torch.testing.assert_close(image.embed(codes), vision.embed(codes))
-    levels = audio.head(hidden)
-    want = torch.stack(
-        [lv[:, :n].argmax(-1) for lv, n in zip(levels, audio.sizes, strict=True)], -1
-    )
-    assert torch.equal(audio.codes(hidden), want)
+    # Level by level (the checkpoint's autoregressive depth loop), written out here over
+    # the in-test head reference and the word embedding's code rows.
+    config, t = read_config(folder, "t"), _tensors(folder)
+    for head, prefix, offset in (
+        (image, "visual_head.", "visual_offset"),
+        (audio, "audio_head.", "audio_offset"),
+    ):
+        sizes = head.sizes
+        first = [config[offset] + sum(sizes[:level]) for level in range(8)]
+        previous, total, want = torch.zeros(3, 7, 64), torch.zeros(3, 64), []
+        for level in range(8):
+            logits = _head_reference(hidden, t, prefix, 8, previous)[level]
+            code = logits[:, : sizes[level]].argmax(-1)
+            want.append(code)
+            if level < 7:
+                total = total + t["model.embed_tokens.weight"][first[level] + code]
+                previous[:, level] = total
+        assert torch.equal(head.codes(hidden), torch.stack(want, -1))
 
 
 def _rewrite(folder, tmp_path, edit):
