@@ -93,8 +93,17 @@ class LLMOptions(WeightsOptions, kw_only=True):
     threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
     hidden_size: Hidden = 64
     tiny_preset: Annotated[
-        Literal["llama-mha", "deepseek-v2-tiny", "deepseek-v2-lite-tiny", "longcat-flash-tiny"],
-        Meta(description="architecture of the build_tiny LLM"),
+        Literal[
+            "llama-mha",
+            "deepseek-v2-tiny",
+            "deepseek-v2-lite-tiny",
+            "longcat-flash-tiny",
+            "longcat-next-tiny",
+        ],
+        Meta(
+            description="architecture of the build_tiny LLM (longcat-next-tiny: the one "
+            "published-layout LongCat-Next folder the encoders read too)"
+        ),
     ] = "llama-mha"
     kv_cache_mb: Annotated[int, Meta(ge=1, description="device KV cache MiB")] = 64
     max_model_len: (
