@@ -244,3 +244,78 @@ def test_an_unknown_model_or_key_is_refused_at_the_handshake(deployment):
         return caught.value.response.status_code
 
     assert asyncio.run(main()) == 403
+
+
+def spoken_wav(path: Path, rate: int = 48000) -> None:
+    """A voice-like WAV (a falling pitch with two formants, syllable by syllable): what the
+    fake microphone plays."""
+    t = np.arange(int(1.5 * rate)) / rate
+    pitch = 180 - 40 * t
+    phase = 2 * np.pi * np.cumsum(pitch) / rate
+    sound = sum(np.sin(k * phase) / k for k in range(1, 12))
+    formants = 1 + 0.5 * np.sin(2 * np.pi * 700 * t) + 0.3 * np.sin(2 * np.pi * 1200 * t)
+    syllables = 0.5 * (1 - np.cos(2 * np.pi * 4 * t))
+    samples = 0.2 * sound * formants * syllables / np.max(np.abs(sound * formants))
+    import wave
+
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((samples * 32767).astype("<i2").tobytes())
+
+
+@pytest.mark.browser
+def test_the_playground_voice_mode_in_headless_chromium(deployment, tmp_path):
+    from tests.roles.test_gateway import CHROMIUM, _browser_missing
+
+    if not Path(CHROMIUM).exists():
+        _browser_missing(f"no {CHROMIUM} (apt-get install chromium)")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        _browser_missing("no playwright (the browser extra: pip install -e .[browser])")
+    url, _ = deployment
+    spoken_wav(tmp_path / "spoken.wav")
+    args = [
+        "--no-sandbox",
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={tmp_path / 'spoken.wav'}",
+        "--autoplay-policy=no-user-gesture-required",
+    ]
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=args)
+        try:
+            page = browser.new_page()
+            sockets: list[str] = []
+            page.on("websocket", lambda ws: sockets.append(ws.url))
+            page.goto(f"{url}/")
+            page.click("#voice")  # talk
+            page.wait_for_function(
+                "document.getElementById('voice-status').textContent === 'listening'"
+            )
+            page.wait_for_timeout(1200)  # ~1 s of the file through the microphone
+            page.click("#voice")  # send
+            page.wait_for_function(
+                "document.getElementById('voice-status').textContent.startsWith('completed')",
+                timeout=60_000,
+            )
+            # the reply's audio is scheduled as it comes and has played to its end
+            page.wait_for_function(
+                "voice.played > 0 && voice.played >= voice.seconds - 1e-6", timeout=20_000
+            )
+            page.screenshot(path=str(tmp_path / "voice.png"), full_page=True)
+            text = page.text_content("#voice-text")
+            chunks = page.evaluate("voice.chunks")
+            heard = page.evaluate("voice.sent / voice.ctx.sampleRate")  # seconds sent
+            status = page.text_content("#voice-status")
+            error = page.text_content("#error")
+        finally:
+            browser.close()
+    assert error == ""
+    assert text and chunks >= 2, (text, chunks)
+    assert heard >= 0.5  # the microphone's audio went up before the commit
+    assert "tokens" in status  # usage came back with response.done
+    assert sockets == [url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"]
+    assert (tmp_path / "voice.png").stat().st_size > 0
