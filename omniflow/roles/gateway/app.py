@@ -151,7 +151,7 @@ class GatewayApp:
     # ------------------------------------------------------------------ simple routes
 
     async def models(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
-        model = {"id": self.name, "object": "model", "owned_by": "omniflow"}
+        model: dict[str, Any] = {"id": self.name, "object": "model", "owned_by": "omniflow"}
         model["created"] = self.started
         await answer(send, 200, {"object": "list", "data": [model]})
         return 200
