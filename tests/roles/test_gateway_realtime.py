@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx2
 import numpy as np
 import openai
 import pytest
@@ -132,6 +133,10 @@ def test_a_voice_turn_through_the_openai_sdk_and_the_next_hits_the_cache(deploym
     # the second turn goes on from the first one's KV: all of it was prefilled before
     later = second[-1].response.usage
     assert later.input_token_details.cached_tokens >= first[-1].response.usage.input_tokens
+    metrics = httpx2.get(f"{url}/metrics").text  # the audio metrics name route, role, replica
+    labels = '{replica="0",role="audio_decoder",route="realtime"}'
+    assert f"omniflow_time_to_first_audio_seconds_count{labels} 2.0" in metrics
+    assert f"omniflow_audio_real_time_factor_count{labels} 2.0" in metrics
 
 
 def _llm_inflight(state) -> int:

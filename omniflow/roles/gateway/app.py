@@ -398,7 +398,7 @@ class GatewayApp:
                 async for item in stream:
                     if isinstance(item, Result):
                         self.metrics.usage(item.usage)
-                        clock.done()
+                        clock.done(item)
                         if not opened:
                             await open_sse(send)
                         body = chunks.last(item) + b"data: [DONE]\n\n"

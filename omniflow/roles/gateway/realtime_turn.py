@@ -144,7 +144,7 @@ class Turn:
         ) as items:
             async for item in items:
                 if isinstance(item, Result):
-                    clock.done()
+                    clock.done(item)
                     self.usage = item.usage
                     app.metrics.usage(item.usage)
                     self.status = "incomplete" if length else "completed"
