@@ -55,6 +55,7 @@ def config(models: Path, decoder_threads: int | None = None) -> omniflow.Config:
         if "model_path" in options:
             options["model_path"] = str(models / Path(options["model_path"]).name)
     raw["roles"]["llm"]["options"]["kv_cache_mb"] = 256
+    raw["roles"]["llm"]["options"]["max_model_len"] = 4096  # 20 turns with 4 images
     if decoder_threads is not None:
         raw["roles"]["audio_decoder"]["options"]["threads"] = decoder_threads
     raw["gateway"] = {"port": 0, "max_inflight": 256}
