@@ -103,7 +103,7 @@ class Session:
         self.open = True
 
     def new_id(self, kind: str) -> str:
-        return f"{kind}_{self.id[5:]}{next(self.ids):x}"
+        return f"{kind}_{self.id[5:]}_{next(self.ids):x}"
 
     async def send(self, event: dict[str, Any]) -> None:
         if not self.open:
@@ -222,8 +222,12 @@ class Session:
             )
         self.pending.append({"role": role, "content": content})
         self.media += audio
+        text_type = "output_text" if role == "assistant" else "input_text"
         shown = [
-            {"type": p["type"], **({"text": p["text"]} if "text" in p else {})} for p in content
+            {"type": text_type, "text": p["text"]}
+            if p["type"] == "text"
+            else {"type": "input_audio", "transcript": None}
+            for p in content
         ]
         item = {
             "id": item_id,
