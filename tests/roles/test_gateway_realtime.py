@@ -139,9 +139,13 @@ def test_a_voice_turn_through_the_openai_sdk_and_the_next_hits_the_cache(deploym
     assert f"omniflow_audio_real_time_factor_count{labels} 2.0" in metrics
 
 
-def _llm_inflight(state) -> int:
+def _llm_inflight(state, roles=("llm",)) -> int:
     records = asyncio.run(list_deployment_actors(state))
-    return sum(r.inflight for r in records if r.role == "llm")
+    return sum(r.inflight for r in records if r.role in roles)
+
+
+def _all_inflight(state) -> int:
+    return _llm_inflight(state, ("llm", "audio_decoder", "audio_encoder"))
 
 
 def test_barge_in_cancels_the_response_in_every_role(deployment):
@@ -170,9 +174,9 @@ def test_barge_in_cancels_the_response_in_every_role(deployment):
             done = await until(events, "response.done", seen)
             assert done["response"]["id"] == created["response"]["id"]
             deadline = time.monotonic() + 3
-            while await asyncio.to_thread(_llm_inflight, state) and time.monotonic() < deadline:
+            while await asyncio.to_thread(_all_inflight, state) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            freed = await asyncio.to_thread(_llm_inflight, state)
+            freed = await asyncio.to_thread(_all_inflight, state)
             # the session goes on: a short turn after the barge-in completes
             await ws.send(json.dumps({"type": "session.update", "session": {"params": SHORT}}))
             await ws.send(json.dumps({"type": "response.create"}))
@@ -183,8 +187,43 @@ def test_barge_in_cancels_the_response_in_every_role(deployment):
     assert busy == 1  # still generating 1024 audio tokens when the cancel went
     assert done["response"]["status"] == "cancelled"
     assert any(e["type"] == "response.output_audio.done" for e in seen)
-    assert freed == 0
+    assert freed == 0  # the llm and the audio decoder hold nothing of it
     assert after["response"]["status"] == "completed"
+
+
+def test_barge_in_and_a_bad_event_through_the_openai_sdk(deployment):
+    url, state = deployment
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+        async with client.realtime.connect(model=MODEL) as connection:
+            await connection.session.update(
+                session={
+                    "type": "realtime",
+                    "params": {"audio_chunks": 64, "audio_chunk_tokens": 16},
+                }
+            )
+            await connection.send({"type": "input_audio_buffer.append", "audio": "not base64!"})
+            await connection.input_audio_buffer.append(audio=b64(pcm16(0.3)))
+            await connection.input_audio_buffer.commit()
+            await connection.response.create()
+            events = []
+            async for event in connection:
+                events.append(event)
+                if event.type == "response.output_audio.delta":
+                    await connection.response.cancel()
+                if event.type == "response.done":
+                    break
+        return events
+
+    events = asyncio.run(main())
+    (error,) = [e for e in events if e.type == "error"]
+    assert error.error.param == "audio" and error.error.type == "invalid_request_error"
+    assert events[-1].response.status == "cancelled"
+    deadline = time.monotonic() + 3
+    while _all_inflight(state) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _all_inflight(state) == 0
 
 
 def test_bad_events_are_answered_by_an_error_naming_the_field(deployment):
@@ -237,7 +276,7 @@ def test_bad_events_are_answered_by_an_error_naming_the_field(deployment):
     assert cleared["type"] == "input_audio_buffer.cleared"
 
 
-def test_an_unknown_model_or_key_is_refused_at_the_handshake(deployment):
+def test_an_unknown_model_is_refused_at_the_handshake(deployment):
     url, _ = deployment
 
     async def main():
