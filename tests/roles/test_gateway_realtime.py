@@ -22,6 +22,7 @@ import websockets
 import omniflow
 from omniflow.runtime.deployment import list_deployment_actors
 from tests.helpers import cli
+from tests.roles.test_gateway import KEY, gateway  # noqa: F401  (the echo deployment)
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -363,3 +364,27 @@ def test_the_playground_voice_mode_in_headless_chromium(deployment, tmp_path):
     assert "tokens" in status  # usage came back with response.done
     assert sockets == [url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"]
     assert (tmp_path / "voice.png").stat().st_size > 0
+
+
+def test_the_api_key_goes_as_a_header_or_a_browser_subprotocol(gateway):  # noqa: F811
+    """The echo deployment of test_gateway.py, whose [gateway] sets an api_key."""
+    url, _ = gateway
+    ws_url = url.replace("http://", "ws://") + "/v1/realtime?model=gw"
+
+    async def main():
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(ws_url):
+                pass
+        header = {"Authorization": f"Bearer {KEY}"}
+        async with websockets.connect(ws_url, additional_headers=header) as ws:
+            by_header = json.loads(await ws.recv())
+        protocols = ["realtime", f"openai-insecure-api-key.{KEY}"]
+        async with websockets.connect(ws_url, subprotocols=protocols) as ws:
+            by_protocol = json.loads(await ws.recv())
+            chosen = ws.subprotocol
+        return refused.value.response.status_code, by_header, by_protocol, chosen
+
+    status, by_header, by_protocol, chosen = asyncio.run(main())
+    assert status == 403
+    assert by_header["type"] == by_protocol["type"] == "session.created"
+    assert by_protocol["session"]["model"] == "gw" and chosen == "realtime"
