@@ -56,6 +56,7 @@ def deployment(tmp_path_factory):
     state = omniflow.runtime.find_deployment(MODEL)
     url = (Path(state["run_dir"]) / "gateway.url").read_text().strip()
     yield url, state
+    os.environ["OMNIFLOW_RUN_ROOT"] = str(root)  # the echo deployment's teardown popped it
     cli("down", "--name", MODEL, check=False)
     os.environ.pop("OMNIFLOW_RUN_ROOT", None)
 
