@@ -7,7 +7,8 @@ Input (joined from the client and the encoders):
     tensors["image_embeds"] [N, hidden], data["image_hash"]    from vision_encoder (optional)
     tensors["audio_embeds"] [M, hidden], data["audio_hash"]    from audio_encoder (optional)
     params: want ("text,image,audio"), max_tokens, temperature, top_p, top_k, seed,
-            image_grid [h, w], cfg_scale, audio_chunks, audio_chunk_tokens
+            image_grid [h, w], cfg_scale, audio_chunks, audio_chunk_tokens,
+            audio_first_chunk_tokens (the first chunk sooner; default 1)
     session (the request's): continue that dialogue; its tokens are the prompt's prefix
 Output (streamed):
     {"text": str}                          text deltas (to the client); the last has
@@ -134,6 +135,7 @@ class _Stage(NamedTuple):
     chunk: int  # stream them in chunks of this many (0: all at once)
     cfg: float | None  # classifier-free guidance scale, or None
     grid: list[int] | None  # an image's [h, w]
+    first: int = 0  # the first chunk's tokens (0: chunk)
 
 
 class _Session:
@@ -425,9 +427,10 @@ class LLMRole(ModelActor):
             per_chunk = int(request.params.get("audio_chunk_tokens", 4))
             if not (1 <= chunks <= 64 and 1 <= per_chunk <= 256):
                 raise BadRequest("params.audio_chunks", "expected 1..64 chunks of 1..256 tokens")
-            stages.append(
-                _Stage(cast(MediaHead, self.audio_head), chunks * per_chunk, per_chunk, None, None)
-            )
+            # The first chunk sooner: the time to first audio waits for its tokens only.
+            first = int(request.params.get("audio_first_chunk_tokens", 1)) or per_chunk
+            head = cast(MediaHead, self.audio_head)
+            stages.append(_Stage(head, chunks * per_chunk, per_chunk, None, None, first))
         return stages
 
     async def _media(self, rid, stage, tokens, spans, previous, keep, ctx):
@@ -450,10 +453,14 @@ class LLMRole(ModelActor):
                 continue
             yield delta.codes
             buffered += list(delta.codes)
-            while stage.chunk and len(buffered) >= stage.chunk:
-                chunk, buffered = buffered[: stage.chunk], buffered[stage.chunk :]
+            size = (stage.first or stage.chunk) if index == 0 else stage.chunk
+            while stage.chunk and len(buffered) >= size:
+                chunk, buffered = buffered[:size], buffered[size:]
                 yield {"audio_codes": torch.stack(chunk).cpu(), "index": index}
                 index += 1  # streams on while the next chunk is made
+                size = stage.chunk
+        if stage.chunk and buffered:  # what a short first chunk left over
+            yield {"audio_codes": torch.stack(buffered).cpu(), "index": index}
         if stage.grid is not None:
             yield {"image_codes": torch.stack(buffered).cpu(), "image_grid": stage.grid}
 

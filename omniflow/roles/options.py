@@ -163,6 +163,10 @@ class ImageDecoderOptions(WeightsOptions, kw_only=True):
 
 
 class AudioDecoderOptions(WeightsOptions, kw_only=True):
+    # One thread: a chunk of a few tokens is latency-bound, and the decoder runs while the
+    # llm makes the next codes; two torch pools on the same cores slowed the first chunk
+    # several times over (benchmarks/omni_chat.py --decoder-threads).
+    threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
     max_chunk_tokens: Annotated[
         int, Meta(ge=1, description="largest chunk of audio tokens accepted")
     ] = 512
@@ -362,6 +366,14 @@ class LLMParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_d
     cfg_scale: Annotated[float, Meta(ge=0, le=30, description="image guidance scale")] = 2.0
     audio_chunks: Annotated[int, Meta(ge=1, le=64, description="audio chunks streamed")] = 3
     audio_chunk_tokens: Annotated[int, Meta(ge=1, le=256, description="audio tokens per chunk")] = 4
+    audio_first_chunk_tokens: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=256,
+            description="audio tokens in the first chunk, sent sooner (0: audio_chunk_tokens)",
+        ),
+    ] = 1
 
 
 class ImageDecoderParams(
