@@ -26,6 +26,8 @@ from omniflow.kernels.build import Unavailable, build
 log = logging.getLogger(__name__)
 
 AMX_SWITCH = "OMNIFLOW_CPU_AMX"  # "0": the kernels' AMX paths off (the AVX-512 ones stay)
+# "0": no projections on AVX-512 BF16 where AMX is off or absent (oneDNN's run instead)
+AVX512_LINEAR_SWITCH = "OMNIFLOW_CPU_AVX512_LINEAR"
 MAX_HEAD_DIM = 512  # the rotary kernel's per-head buffer
 # What CpuKernels.decode_layers reads of each layer, in order (decode_layers.c: L_NORM ...).
 DECODE_LAYER_FIELDS = (
@@ -56,6 +58,7 @@ _SIGNATURES = {
     "omniflow_silu_mul_bf16": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "omniflow_decode_attention_supported": (_INT, [_I64, _I64]),
     "omniflow_amx_supported": (_INT, []),
+    "omniflow_avx512_linear_supported": (_INT, []),
     "omniflow_context_attention_supported": (_INT, [_I64, _I64, _I64]),
     "omniflow_chunk_attention_bf16": (
         _INT,
@@ -66,9 +69,13 @@ _SIGNATURES = {
     "omniflow_decode_layers_bf16": (
         _INT,
         [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _I64, _I64, _I64]
-        + [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT],
+        + [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT, _INT],
     ),
     "omniflow_linear_bf16": (
+        _INT,
+        [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT, _PTR, _PTR, _I64, _INT],
+    ),
+    "omniflow_linear_avx512_bf16": (
         _INT,
         [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _INT, _PTR, _PTR, _I64, _INT],
     ),
@@ -97,6 +104,15 @@ class CpuKernels(AttentionKernels):
         # Asks the OS for the AMX tile state once: true where the build and the kernel allow,
         # unless OMNIFLOW_CPU_AMX=0 turns the AMX paths off (as on a CPU without AMX).
         self.amx = os.environ.get(AMX_SWITCH, "1") != "0" and bool(library.omniflow_amx_supported())
+        # Without AMX, the projections on AVX-512 BF16 where the build and the CPU have it
+        # (cpuid), unless OMNIFLOW_CPU_AVX512_LINEAR=0.
+        self.avx512_linear = (
+            not self.amx
+            and os.environ.get(AVX512_LINEAR_SWITCH, "1") != "0"
+            and bool(library.omniflow_avx512_linear_supported())
+        )
+        # Whether `linear` and `decode_layers` run here, on one path or the other.
+        self.packed_linear = self.amx or self.avx512_linear
         # Addresses per layer that decode_layers reads (see DECODE_LAYER_FIELDS).
         if library.omniflow_decode_layer_fields() != len(DECODE_LAYER_FIELDS):
             raise OSError("decode_layers.c and cpu.py disagree on the decode layer fields")
@@ -200,10 +216,10 @@ class CpuKernels(AttentionKernels):
         gate_up: int = 0,
         silu: bool = False,
     ) -> torch.Tensor:
-        """x @ W.T (+ bias) on AMX tiles for W packed by `pack_linear` (out_features: W's
-        rows). x: [rows, in] bf16, unit stride in a row. gate_up: W is a fused [gate; up]
+        """x @ W.T (+ bias) on AMX tiles, else on AVX-512 BF16, for W packed by `pack_linear`
+        (out_features: W's rows). x: [rows, in] bf16, unit stride in a row. gate_up: W is a fused [gate; up]
         weight of gate_up rows each, packed so; then `silu` returns silu(gate) * up
-        [rows, gate_up], rounded as the unfused ops round. Needs `amx`."""
+        [rows, gate_up], rounded as the unfused ops round. Needs `packed_linear`."""
         rows, in_features = x.shape
         blocks, kblocks = packed.shape[:2]
         wanted = (gate_up + 15) // 16 if gate_up else (out_features + 31) // 32
@@ -224,7 +240,8 @@ class CpuKernels(AttentionKernels):
         if bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()):
             raise ValueError(f"linear: bias {tuple(bias.shape)} for {out_features} outputs")
         out = x.new_empty((rows, gate_up if silu else out_features))
-        status = self._lib.omniflow_linear_bf16(
+        run = self._lib.omniflow_linear_bf16 if self.amx else self._lib.omniflow_linear_avx512_bf16
+        status = run(
             x.data_ptr(),
             x.stride(0),
             rows,
@@ -239,7 +256,9 @@ class CpuKernels(AttentionKernels):
             torch.get_num_threads() if rows * out_features > 1 << 14 else 1,
         )
         if status != 0:
-            raise RuntimeError("linear: this build has no AMX (check CpuKernels.amx first)")
+            raise RuntimeError(
+                "linear: this build has neither AMX nor AVX-512 BF16 (check packed_linear first)"
+            )
         return out
 
     def decode_layers(
@@ -263,7 +282,7 @@ class CpuKernels(AttentionKernels):
         no bias): norms' weights, projections packed by pack_linear (gate/up fused), each
         layer's pages, laid out as `pages` (one layer's keys, [kv_heads, pages, page_size,
         head_dim] contiguous). cos/sin [rows, head_dim]; slots [rows], tables [rows, width],
-        lengths [rows] int64. Needs `amx` and decode_attention_supported."""
+        lengths [rows] int64. Needs `packed_linear` and decode_attention_supported."""
         rows, hidden = x.shape
         kv_heads, _, page_size, head_dim = pages.shape
         if (
@@ -308,11 +327,13 @@ class CpuKernels(AttentionKernels):
             tables.shape[1],
             lengths.data_ptr(),
             scratch.data_ptr(),
+            int(self.amx),
             torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(
-                "decode_layers: needs AMX and decode attention for these heads in this build"
+                "decode_layers: needs AMX or AVX-512 BF16 projections and decode attention for "
+                "these heads in this build"
             )
 
     @staticmethod

@@ -7,12 +7,14 @@
  * Every kernel works in float32 and rounds to bf16 (nearest even) where PyTorch's op chain
  * rounds, except that a fused chain keeps float32 between its steps where noted.
  * Decode attention needs AVX-512 BF16; omniflow_decode_attention_supported() says whether
- * this build has it. The projections (omniflow_linear_bf16) need AMX; omniflow_amx_supported()
- * says whether this build and this kernel have it.
+ * this build has it. The projections run on AMX (omniflow_linear_bf16, linear_amx.c) where
+ * omniflow_amx_supported() says this build and this kernel have it, else on AVX-512 BF16
+ * (omniflow_linear_avx512_bf16, linear_avx512.c; omniflow_avx512_linear_supported()), over
+ * the same packed weights.
  *
  * The kernels by family: rows.c (norm with the residual add, rotary, K/V writes, silu * up),
  * decode_attention.c, latent_attention.c (MLA's decode attention over latent pages),
- * linear_amx.c (projections), chunk_attention.c (prefill attention on AMX) and
+ * linear_amx.c and linear_avx512.c (projections), chunk_attention.c (prefill attention on AMX) and
  * decode_layers.c (a decode step's layers in one call). This header holds what
  * they share: bf16 conversions and vector helpers, and the pieces decode_layers.c runs
  * inside its own parallel region.
@@ -89,6 +91,56 @@ static inline __attribute__((always_inline)) __m512 silu_mul16(__m512 gate, __m5
     inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
     return _mm512_mul_ps(rounded(_mm512_mul_ps(gate, inv)), up);
 }
+
+/* The projections' stores (linear_amx.c, linear_avx512.c). */
+/* The 16 values of one row of C, rounded, to out[0..min(count, 16)). */
+static inline __attribute__((always_inline)) void store_upto16(bf16 *out, __m512 v, int64_t count)
+{
+    if (count >= 16)
+        store16(out, v);
+    else if (count > 0)
+        _mm256_mask_storeu_epi16(out, (__mmask16)((1u << count) - 1), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+static inline __attribute__((always_inline)) __m512 bias_upto16(const bf16 *bias, int64_t count)
+{
+    if (count <= 0) return _mm512_setzero_ps();
+    const __mmask16 mask = count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1);
+    return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias));
+}
+
+/* One block of C of up to 32 rows (float32, [32 rows][32 columns], half h's columns at 16 h) out:
+ * bias added, rounded; for a gate/up weight (inter > 0) silu(gate) * up, or both halves. */
+static inline __attribute__((always_inline)) void store_block(
+    const float *c, int64_t m, int64_t m0, int64_t b, int64_t N, int64_t inter, int silu,
+    const bf16 *bias, bf16 *out, int64_t ldo)
+{
+    if (inter > 0) {
+        const int64_t col = b * 16, count = inter - col;
+        const __m512 bg = bias ? bias_upto16(bias + col, count) : _mm512_setzero_ps();
+        const __m512 bu = bias ? bias_upto16(bias + inter + col, count) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < m; r++) {
+            bf16 *o = out + (m0 + r) * ldo;
+            const __m512 gate = rounded(_mm512_add_ps(_mm512_load_ps(c + r * 32), bg));
+            const __m512 up = rounded(_mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bu));
+            if (silu) {
+                store_upto16(o + col, silu_mul16(gate, up), count);
+            } else {
+                store_upto16(o + col, gate, count);
+                store_upto16(o + inter + col, up, count);
+            }
+        }
+        return;
+    }
+    const int64_t col = b * 32;
+    const __m512 b0 = bias ? bias_upto16(bias + col, N - col) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? bias_upto16(bias + col + 16, N - col - 16) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < m; r++) {
+        bf16 *o = out + (m0 + r) * ldo + col;
+        store_upto16(o, _mm512_add_ps(_mm512_load_ps(c + r * 32), b0), N - col);
+        store_upto16(o + 16, _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1), N - col - 16);
+    }
+}
 #else
 #define VECTOR_ROWS 0
 #endif
@@ -121,6 +173,12 @@ INTERNAL void attention_body(const bf16 *q, int64_t q_row, const bf16 *keys, con
                              const int64_t *tables, int64_t table_width, const int64_t *lengths,
                              int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                              float scale, bf16 *out, float *scores);
+#endif
+
+#if defined(__AVX512BF16__)
+INTERNAL void avx512_linear_body(const bf16 *x, int64_t lda, int64_t rows, int64_t K,
+                                 const bf16 *packed, int64_t N, int64_t inter, int silu,
+                                 const bf16 *bias, bf16 *out, int64_t ldo);
 #endif
 
 #if AMX

@@ -29,15 +29,6 @@ typedef struct {
 /* Rows of x per task: a task's rows stay in cache while it walks its blocks of columns. */
 #define TASK_ROWS 256
 
-/* The 16 values of one C tile row, rounded, to out[0..min(count, 16)). */
-static inline __attribute__((always_inline)) void store_upto16(bf16 *out, __m512 v, int64_t count)
-{
-    if (count >= 16)
-        store16(out, v);
-    else if (count > 0)
-        _mm256_mask_storeu_epi16(out, (__mmask16)((1u << count) - 1), (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 /* Rows [first, last) of x as A tiles, contiguous: 32-row block i, k-block kb at
  * tiles + (i * kblocks + kb) * 1024, its rows 0-15 then 16-31, 32 inputs a row; zero past
  * `last` and K. Tile loads then read whole lines in order, and edges need no other path. */
@@ -55,46 +46,6 @@ static void tile_rows(const bf16 *x, int64_t lda, int64_t first, int64_t last, i
                                   : _mm512_setzero_si512();
             _mm512_store_si512(row + kb * 1024, v);
         }
-    }
-}
-
-static inline __attribute__((always_inline)) __m512 bias_upto16(const bf16 *bias, int64_t count)
-{
-    if (count <= 0) return _mm512_setzero_ps();
-    const __mmask16 mask = count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1);
-    return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias));
-}
-
-/* One 32 x 32 block of C (float32, [32 rows][32 columns], half h's columns at 16 h) out:
- * bias added, rounded; for a gate/up weight (inter > 0) silu(gate) * up, or both halves. */
-static inline __attribute__((always_inline)) void store_block(
-    const float *c, int64_t m, int64_t m0, int64_t b, int64_t N, int64_t inter, int silu,
-    const bf16 *bias, bf16 *out, int64_t ldo)
-{
-    if (inter > 0) {
-        const int64_t col = b * 16, count = inter - col;
-        const __m512 bg = bias ? bias_upto16(bias + col, count) : _mm512_setzero_ps();
-        const __m512 bu = bias ? bias_upto16(bias + inter + col, count) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < m; r++) {
-            bf16 *o = out + (m0 + r) * ldo;
-            const __m512 gate = rounded(_mm512_add_ps(_mm512_load_ps(c + r * 32), bg));
-            const __m512 up = rounded(_mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bu));
-            if (silu) {
-                store_upto16(o + col, silu_mul16(gate, up), count);
-            } else {
-                store_upto16(o + col, gate, count);
-                store_upto16(o + inter + col, up, count);
-            }
-        }
-        return;
-    }
-    const int64_t col = b * 32;
-    const __m512 b0 = bias ? bias_upto16(bias + col, N - col) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? bias_upto16(bias + col + 16, N - col - 16) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < m; r++) {
-        bf16 *o = out + (m0 + r) * ldo + col;
-        store_upto16(o, _mm512_add_ps(_mm512_load_ps(c + r * 32), b0), N - col);
-        store_upto16(o + 16, _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1), N - col - 16);
     }
 }
 

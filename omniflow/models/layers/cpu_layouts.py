@@ -1,5 +1,5 @@
 """CPU-specific weight layouts of a `DecoderLM`: input-major float32 projections, bf16
-projections packed for oneDNN (`PackedLinear`) or omniflow's AMX kernel (`KernelLinear`), and
+projections packed for oneDNN (`PackedLinear`) or omniflow's projection kernel (`KernelLinear`), and
 the per-layer pointer table the one-call decode step reads.
 
 The model (`models/llama/decoder.py`) calls these; they change how weights sit in memory, never
@@ -45,9 +45,9 @@ class PackedLinear(nn.Module):
 
 
 class KernelLinear(nn.Module):
-    """A Linear on omniflow's AMX projection kernel (`CpuKernels.linear`), its weight re-laid
-    once in the kernel's tiles (`pack_linear`); it skips oneDNN's per-call cost, which
-    dominates a decode step's small projections.
+    """A Linear on omniflow's projection kernel (`CpuKernels.linear`: AMX, else AVX-512 BF16),
+    its weight re-laid once in the kernel's tiles (`pack_linear`); it skips oneDNN's per-call
+    cost, which dominates a decode step's small projections.
     gate_up > 0: a fused [gate; up] weight of gate_up rows each, packed so that `silu_mul`
     runs silu(gate) * up in the projection's own pass. Same parameter names; the weight is
     [blocks, k-blocks, 2, 16, 16, 2] (``dense_weight()`` reads it back)."""
@@ -96,28 +96,29 @@ def use_input_major_weights(model: DecoderLM) -> None:
 def use_packed_weights(
     model: DecoderLM, rows_hint: int, kernels: CpuKernels | None
 ) -> tuple[torch.Tensor | None, CpuKernels | None]:
-    """Replace every nn.Linear of `model` by its packed form: KernelLinear when `kernels` has
-    AMX, else PackedLinear. Returns the tied output projection's packed table and the kernels
-    that multiply by it (None, None for an untied head, which is packed as a Linear)."""
-    amx = kernels if kernels is not None and kernels.amx else None
+    """Replace every nn.Linear of `model` by its packed form: KernelLinear when `kernels` run
+    projections here (AMX or AVX-512 BF16), else PackedLinear. Returns the tied output
+    projection's packed table and the kernels that multiply by it (None, None for an untied
+    head, which is packed as a Linear)."""
+    ours = kernels if kernels is not None and kernels.packed_linear else None
     for module in list(model.modules()):
         for name, child in module.named_children():
             if not isinstance(child, nn.Linear):
                 continue
-            if amx is None:
+            if ours is None:
                 setattr(module, name, PackedLinear(child, rows_hint))
             else:
                 # The fused [gate; up] projection of a SwiGLU MLP: packed so the kernel
                 # runs silu(gate) * up in its own pass.
                 fused = name == "gate_up_proj" and hasattr(module, "intermediate_size")
                 gate_up = cast(int, module.intermediate_size) if fused else 0
-                setattr(module, name, KernelLinear(child, amx, gate_up))
+                setattr(module, name, KernelLinear(child, ours, gate_up))
     if model.lm_head is not None:
         return None, None
     table = model.model.embed_tokens.weight.detach()
-    if amx is None:
+    if ours is None:
         return torch.ops.mkldnn._reorder_linear_weight(table, rows_hint), None
-    return amx.pack_linear(table), amx
+    return ours.pack_linear(table), ours
 
 
 def decode_layer_table(model: DecoderLM, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

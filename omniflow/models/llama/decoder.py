@@ -303,12 +303,13 @@ class DecoderLM(nn.Module):
         return torch.cat((norm(x[:unnormed_from]), x[unnormed_from:]))
 
     def decodes_on_pages(self) -> bool:
-        """Whether `decode_on_pages` runs here: the CPU kernels with AMX, every projection
+        """Whether `decode_on_pages` runs here: the CPU kernels' projections (AMX or AVX-512
+        BF16), every projection
         on them (use_packed_weights after use_cpu_kernels), decode attention for these heads."""
         kernels, config = self._kernels, self.config
         return (
             kernels is not None
-            and kernels.amx
+            and kernels.packed_linear
             and kernels.decode_attention_supported(
                 config.num_attention_heads, config.num_key_value_heads, config.head_dim
             )
