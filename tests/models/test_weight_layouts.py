@@ -56,26 +56,27 @@ needs_bf16_onednn = pytest.mark.skipif(
 
 
 KERNELS = cpu_kernels()
-AMX = KERNELS if KERNELS is not None and KERNELS.amx else None
+# The kernels where they run the projections here (AMX, else AVX-512 BF16).
+OURS = KERNELS if KERNELS is not None and KERNELS.packed_linear else None
 
 
 @needs_bf16_onednn
-@pytest.mark.parametrize("layout", ["onednn", "amx"])
+@pytest.mark.parametrize("layout", ["onednn", "kernels"])
 @pytest.mark.parametrize("preset", ["qwen2-tied-odd-heads", "llama-gqa", "llama-mha"])
 def test_packed_weights_give_the_plain_logits(tmp_path, preset, layout):
-    if layout == "amx" and AMX is None:
-        pytest.skip("no AMX here (or no CPU kernels)")
+    if layout == "kernels" and OURS is None:
+        pytest.skip("neither AMX nor AVX-512 BF16 here (or no CPU kernels)")
     path = build_tiny_model(tmp_path / "m", preset, seed=5)
     model = load_decoder(path, device="cpu", dtype="bfloat16")
     plain = {name: p.detach().clone() for name, p in model.named_parameters()}
     tokens = [5, 9, 2, 7, 11, 3, 8]
     expected = logits(model, tokens)
-    model.use_packed_weights(kernels=AMX if layout == "amx" else None)
+    model.use_packed_weights(kernels=OURS if layout == "kernels" else None)
     assert model.packed
     packed = dict(model.named_parameters())
     assert packed.keys() == plain.keys()
     modules = {name + ".weight": m for name, m in model.named_modules()}
-    kind = KernelLinear if layout == "amx" else PackedLinear
+    kind = KernelLinear if layout == "kernels" else PackedLinear
     projections = [n for n in packed if n.endswith("proj.weight")]
     assert projections and all(isinstance(modules[n], kind) for n in projections)
     for name, parameter in packed.items():
@@ -102,9 +103,8 @@ def test_bf16_engine_runs_on_packed_weights(tmp_path, cpu_kernels):
     for _ in range(2):
         config = EngineConfig(device="cpu", dtype="bfloat16", cpu_kernels=cpu_kernels)
         engine = LLMEngine(path, config)
-        # The AMX kernel's layout where the engine runs the CPU kernels and they have AMX.
-        on_amx = cpu_kernels and AMX is not None
-        kind = KernelLinear if on_amx else PackedLinear
+        # The kernels' layout where the engine runs them and they run projections here.
+        kind = KernelLinear if cpu_kernels and OURS is not None else PackedLinear
         layer = engine.model.model.layers[0]
         assert isinstance(layer.self_attn.qkv_proj, kind)
         assert isinstance(layer.mlp.gate_up_proj, kind) and isinstance(layer.mlp.down_proj, kind)
@@ -123,13 +123,14 @@ def test_bf16_engine_runs_on_packed_weights(tmp_path, cpu_kernels):
 
 
 @needs_bf16_onednn
-def test_kernels_without_amx_keep_onednn_projections(tmp_path, monkeypatch):
-    """A CPU with the kernels but no AMX (AVX-512 BF16 alone, or a kernel that refuses the
-    tile state): oneDNN's projections, the kernels for the rest, no one-call decode step."""
+def test_kernels_without_their_projections_keep_onednn_projections(tmp_path, monkeypatch):
+    """A CPU with the kernels but neither AMX nor AVX-512 BF16 projections (a kernel that
+    refuses the tile state, OMNIFLOW_CPU_AVX512_LINEAR=0): oneDNN's projections, the kernels
+    for the rest, no one-call decode step."""
     if KERNELS is None:
         pytest.skip("no CPU kernels here")
     without_amx = copy.copy(KERNELS)
-    without_amx.amx = False
+    without_amx.amx = without_amx.avx512_linear = without_amx.packed_linear = False
     monkeypatch.setattr(model_runner, "cpu_kernels", lambda: without_amx)
     path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=9)
     engine = LLMEngine(path, EngineConfig(device="cpu", dtype="bfloat16"))
