@@ -219,7 +219,14 @@ class Client:
                 address = pool_client_address(str(self.run_dir), os.getpid(), n)
         keys = self.config.security.load_keys()
         advertise = self.config.addresses()[1]
-        self.inbox = Inbox(self.ctx, address, self._on_message, keys=keys, advertise=advertise)
+        self.inbox = Inbox(
+            self.ctx,
+            address,
+            self._on_message,
+            keys=keys,
+            advertise=advertise,
+            max_message=self.config.runtime.max_message_bytes,
+        )
         self.inbox.start()
         self.registry = open_registry(self.registry_address)
         self.view = RegistryView(self.registry, self.config.name)

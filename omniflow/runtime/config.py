@@ -20,7 +20,7 @@ import msgspec
 from msgspec import Meta
 
 from omniflow.control.graph import GraphError, Plan, graph_from_edges
-from omniflow.memory.config import CacheConfig
+from omniflow.memory.config import CacheConfig, parse_size
 from omniflow.runtime.tables import FieldError, decode
 from omniflow.transport.security import Keys, KeysError, load_keys
 from omniflow.transport.security import generate_keys as generate_keys  # for `omniflow keys`
@@ -116,6 +116,22 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
             description="this host's id in the registry; one id, shared memory (default: hostname)",
         ),
     ] = ""
+    max_message_size: Annotated[
+        str | int,
+        Meta(
+            description="largest frame a socket reads; a larger one drops its sender (tcp tensors)"
+        ),
+    ] = "1GiB"
+
+    def __post_init__(self) -> None:
+        if parse_size(self.max_message_size, "runtime.max_message_size") < (1 << 20):
+            raise ValueError(
+                f"runtime.max_message_size: must be at least 1MiB, got {self.max_message_size!r}"
+            )
+
+    @property
+    def max_message_bytes(self) -> int:
+        return parse_size(self.max_message_size)
 
 
 class HostConfig(msgspec.Struct, **_STRICT):

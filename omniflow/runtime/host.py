@@ -35,6 +35,7 @@ from omniflow.transport.codec import (
     release_tensors,
 )
 from omniflow.transport.links import TensorError
+from omniflow.transport.throttle import Throttled
 
 log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
@@ -70,6 +71,8 @@ class ActorHost:
         self.accepting_new = True  # False: only hops of requests already in the graph
         self.served = 0
         self.bad_messages = 0
+        # Garbage from a stranger: one warning per window, with a count of the rest.
+        self._garbage = Throttled(log, "%s: dropped %s")
         self._sweeper: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -96,7 +99,7 @@ class ActorHost:
             msg = decode(parts[0], _decoder)
         except BadMessage as e:
             self.bad_messages += 1
-            log.warning("%s: dropped a malformed message: %s", self.role, e)
+            self._garbage.note(self.role, f"a malformed message: {e}")
             if self.reply is not None:  # no reply address to trust: answer the socket
                 self.reply(identity, [encode(Fail(Code.BAD_REQUEST.value, str(e), self.role, ""))])
             return
@@ -117,7 +120,7 @@ class ActorHost:
             self._on_cancel(msg)
         else:
             self.bad_messages += 1
-            log.warning("%s: dropped an unexpected %s", self.role, type(msg).__name__)
+            self._garbage.note(self.role, f"an unexpected {type(msg).__name__}")
             if self.reply is not None:
                 what = f"an actor takes Call and Cancel messages, not {type(msg).__name__}"
                 self.reply(identity, [encode(Fail(Code.BAD_REQUEST.value, what, self.role, ""))])

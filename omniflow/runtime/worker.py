@@ -38,7 +38,7 @@ from omniflow.runtime.kv_peers import KVPeers
 from omniflow.runtime.loading import load_actor_class
 from omniflow.runtime.resources import budget_after_barrier
 from omniflow.runtime.rundir import check_private, run_root_of
-from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
+from omniflow.transport.codec import MAX_HEADER_BYTES, BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, fd_of
 from omniflow.transport.links import attach_pool
 
@@ -84,6 +84,7 @@ class Worker:
         loop.add_signal_handler(signal.SIGUSR1, self._close_intake)  # the supervisor stops
         control = self.ctx.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 1000)
+        control.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)  # the supervisor's are headers
         control.connect(control_address)
         loop.add_reader(fd_of(control), self._on_control, control)
         pid = os.getpid()
@@ -159,6 +160,7 @@ class Worker:
             keys=keys,
             hwm=rt.inbox_hwm,
             advertise=cfg.addresses()[1],
+            max_message=rt.max_message_bytes,
         )
         host.reply = inbox.reply
         inbox.start()

@@ -51,8 +51,10 @@ from omniflow.transport.links import attach_device_pool as attach_device_pool
 from omniflow.transport.links import attach_pool as attach_pool
 from omniflow.transport.links import attached_pool as attached_pool
 from omniflow.transport.links import detach_pool as detach_pool
+from omniflow.transport.throttle import Throttled
 
 log = logging.getLogger(__name__)
+_skipped = Throttled(log, "skipped a tensor ref: %s")
 
 # Shm refs this process opened and has not released yet, per lease: a second message
 # naming the same lease is accepted only while the lease holds more refs for this pid.
@@ -291,4 +293,4 @@ def release_all(refs: Iterable[TensorRef], opened: bool = True) -> None:
         try:
             release(ref, opened)
         except TensorError as e:
-            log.warning("skipped a tensor ref: %s", e)
+            _skipped.note(e)
