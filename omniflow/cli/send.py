@@ -132,7 +132,7 @@ def send(
     except DeploymentNotFound as e:
         fail(str(e), EXIT_NOT_RUNNING)
     try:
-        checks.check(params, config)
+        checks.check(params, config, inputs)
     except checks.ParamError as e:
         fail(str(e), EXIT_USAGE)
 

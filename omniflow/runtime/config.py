@@ -122,6 +122,9 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
             description="largest frame a socket reads; a larger one drops its sender (tcp tensors)"
         ),
     ] = "1GiB"
+    max_prompt_chars: Annotated[
+        int, Meta(ge=1, description="a longer string in a request is refused before any work")
+    ] = 1_000_000
 
     def __post_init__(self) -> None:
         if parse_size(self.max_message_size, "runtime.max_message_size") < (1 << 20):

@@ -9,6 +9,7 @@ header too malformed to name a reply address).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from typing import Any
@@ -72,6 +73,11 @@ class LiveDeployment:
     @property
     def pool(self) -> PagePool:
         return self.rt.supervisor.pool
+
+    def submit(self, coro: Any) -> concurrent.futures.Future:
+        """Run ``coro`` on the deployment's loop (``self.rt`` lives there)."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def alive(self) -> bool:
         proc = self.replica.proc
