@@ -216,6 +216,10 @@ class GatewayConfig(msgspec.Struct, **_STRICT):
     cors_origins: Annotated[
         list[str], Meta(description="origins browsers may call from (CORS); none: CORS off")
     ] = msgspec.field(default_factory=list)
+    allowed_hosts: Annotated[
+        list[str],
+        Meta(description='Host headers served besides loopback names and host ("*": any)'),
+    ] = msgspec.field(default_factory=list)
 
 
 class Config(msgspec.Struct, **_STRICT):

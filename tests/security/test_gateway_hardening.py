@@ -1,8 +1,11 @@
 """The gateway against hostile HTTP, over real sockets to a real deployment: absurd
-numbers and sizes are 400s naming the field (never a 500, never seconds of work)."""
+numbers and sizes are 400s naming the field (never a 500, never seconds of work); a
+foreign Host or Origin is a 403 and an untyped JSON post a 415 (CSRF, DNS rebinding);
+/metrics takes the key."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -22,6 +25,13 @@ def gw(run_root_module: Path) -> Iterator[LiveGateway]:
         yield dep
     finally:
         dep.close()
+
+
+TYPED = {"Content-Type": "application/json"}
+
+
+def json_bytes(body: dict) -> bytes:
+    return json.dumps(body).encode()
 
 
 def _param(body: dict) -> str | None:
@@ -92,3 +102,35 @@ def test_omniflow_send_refuses_the_same_by_name(gw, tmp_path):
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
         assert field in proc.stderr + proc.stdout, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_a_foreign_host_or_origin_and_an_untyped_post_are_refused(gw):
+    body = {"model": gw.name, "messages": [{"role": "user", "content": "hi"}]}
+    chat = "/v1/chat/completions"
+    for headers, status, param in (
+        ({"Content-Type": "text/plain"}, 415, "Content-Type"),
+        ({"Content-Type": "application/x-www-form-urlencoded"}, 415, "Content-Type"),
+        ({"Host": f"evil.example:{gw.port}"}, 403, "Host"),
+        ({"Host": f"127.0.0.1.evil.example:{gw.port}"}, 403, "Host"),
+        ({"Origin": "http://evil.example"}, 403, "Origin"),
+        ({"Origin": "null"}, 403, "Origin"),
+        ({"Origin": f"http://localhost:{gw.port + 1}"}, 403, "Origin"),
+    ):
+        got, answer, _ = gw.request("POST", chat, json_bytes(body), {**TYPED, **headers})
+        assert (got, _param(answer)) == (status, param), (headers, answer)
+    # The gateway's own page (same origin), and a Host of a loopback name, are served.
+    for headers in (
+        {"Origin": f"http://127.0.0.1:{gw.port}"},
+        {"Host": f"localhost:{gw.port}"},
+        {"Host": f"[::1]:{gw.port}", "Origin": f"http://[::1]:{gw.port}"},
+    ):
+        got, answer, _ = gw.request("POST", chat, json_bytes(body), {**TYPED, **headers})
+        assert got == 200, (headers, answer)
+
+
+def test_metrics_need_the_key_and_health_does_not(gw):
+    bare = {"Authorization": ""}
+    assert gw.request("GET", "/metrics", headers=bare)[0] == 401
+    assert gw.request("GET", "/metrics")[0] == 200
+    assert gw.request("GET", "/health", headers=bare)[0] == 200
+    assert gw.request("GET", "/", headers=bare)[0] == 200  # the playground page asks for it

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from omniflow.roles.gateway.app import GatewayApp
+from omniflow.roles.gateway.hostcheck import HostCheck
 from omniflow.roles.gateway.protocol import GatewayProtocol
 from omniflow.roles.options import NoParams
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
@@ -52,8 +53,11 @@ class Gateway(Actor):
         self.socket.setblocking(False)
         host, port = self.socket.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        guarded = HostCheck(
+            self.app, self.options.host, self.options.allowed_hosts, self.options.cors_origins
+        )
         config_ = uvicorn.Config(
-            self.app,
+            guarded,
             loop="none",  # this replica's uvloop
             http=GatewayProtocol,  # httptools, each response in one send
             lifespan="off",

@@ -129,7 +129,7 @@ class GatewayApp:
             if handler is None:
                 known = any(p == path for _, p in self._routes)
                 raise ApiError(405 if known else 404, f"no route {scope['method']} {path}")
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") or path == "/metrics":  # /health and / stay open
                 self._authorize(scope)
             status = await handler(scope, receive, send)
         except ApiError as e:
