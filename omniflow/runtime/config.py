@@ -220,6 +220,33 @@ class GatewayConfig(msgspec.Struct, **_STRICT):
         list[str],
         Meta(description='Host headers served besides loopback names and host ("*": any)'),
     ] = msgspec.field(default_factory=list)
+    max_connections: Annotated[
+        int, Meta(ge=1, description="open HTTP connections; more get 503 (capped by the fd limit)")
+    ] = 1000
+    keepalive_timeout_s: Annotated[
+        int, Meta(ge=1, description="an idle kept-alive connection closes after this")
+    ] = 5
+    header_timeout_s: Annotated[
+        float, Meta(gt=0, description="a request's head must arrive within this (else 408)")
+    ] = 10.0
+    max_header_kb: Annotated[float, Meta(gt=0, description="a larger request head gets 431")] = 64.0
+    body_timeout_s: Annotated[
+        float, Meta(gt=0, description="a request's body must arrive within this (else 408)")
+    ] = 60.0
+    max_body_reads: Annotated[int, Meta(ge=1, description="bodies read at once; more get 503")] = 64
+    body_memory_mb: Annotated[
+        float, Meta(gt=0, description="bodies held while they arrive, all together; past: 503")
+    ] = 512.0
+    max_id_chars: Annotated[
+        int, Meta(ge=1, description="longest session or user id (the llm keeps sessions)")
+    ] = 256
+
+    def __post_init__(self) -> None:
+        if self.body_memory_mb < self.max_body_mb:
+            raise ValueError(
+                f"gateway.body_memory_mb: {self.body_memory_mb} is less than max_body_mb "
+                f"({self.max_body_mb}): no body of the largest size could be read"
+            )
 
 
 class Config(msgspec.Struct, **_STRICT):

@@ -12,7 +12,7 @@ from typing import Any
 
 from omniflow.roles.gateway.app import GatewayApp
 from omniflow.roles.gateway.hostcheck import HostCheck
-from omniflow.roles.gateway.protocol import GatewayProtocol
+from omniflow.roles.gateway.limits import BodyGuard, limited_protocol, limits_of
 from omniflow.roles.options import NoParams
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
 from omniflow.runtime.client import Client
@@ -53,13 +53,18 @@ class Gateway(Actor):
         self.socket.setblocking(False)
         host, port = self.socket.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        limits = limits_of(self.options)  # fds for ZeroMQ kept out of max_connections
         guarded = HostCheck(
-            self.app, self.options.host, self.options.allowed_hosts, self.options.cors_origins
+            BodyGuard(self.app, limits),
+            self.options.host,
+            self.options.allowed_hosts,
+            self.options.cors_origins,
         )
         config_ = uvicorn.Config(
             guarded,
             loop="none",  # this replica's uvloop
-            http=GatewayProtocol,  # httptools, each response in one send
+            http=limited_protocol(limits),  # httptools, each response in one send
+            timeout_keep_alive=self.options.keepalive_timeout_s,
             lifespan="off",
             access_log=False,
             log_level="warning",

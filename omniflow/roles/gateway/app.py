@@ -30,6 +30,7 @@ from omniflow.roles.gateway.calls import (
     declared_params,
     gather,
     seed_of,
+    session_of,
 )
 from omniflow.roles.gateway.cors import Cors
 from omniflow.roles.gateway.http import (
@@ -221,7 +222,7 @@ class GatewayApp:
         req = decode_body(await read_body(scope, receive, self._limit), ChatRequest)
         self._check_model(req.model)
         refuse_unsupported(req)
-        session = req.session or (header(scope, b"x-session-id") or b"").decode()
+        session = session_of(req, header(scope, b"x-session-id"), self.options.max_id_chars)
         if req.n > 1 and (req.stream or session):
             field = "stream" if req.stream else "session"
             raise ApiError(400, f"n > 1 is served without {field}", "n")

@@ -59,6 +59,17 @@ def check_sizes(inputs: dict[str, Any], params: dict[str, Any], max_chars: int) 
         raise ApiError(400, str(e), field) from None
 
 
+def session_of(req: Any, given: bytes | None, max_chars: int) -> str:
+    """The chat's session (its body's, else the X-Session-Id header's); a 400 for a
+    session or user id past ``max_chars`` (the llm keeps a session's state)."""
+    session = req.session or (given or b"").decode("utf-8", "replace")
+    for field, value in (("session", session), ("user", req.user or "")):
+        if len(value) > max_chars:
+            message = f"{len(value)} characters, more than {max_chars} ([gateway] max_id_chars)"
+            raise ApiError(400, f"{field}: {message}", field)
+    return session
+
+
 def seed_of(seed: int, i: int) -> int:
     """The i-th choice's seed: ``seed + i``, wrapped into 64 bits."""
     return (seed + i - INT_MIN) % (INT_MAX - INT_MIN + 1) + INT_MIN
