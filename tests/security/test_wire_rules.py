@@ -215,9 +215,7 @@ def test_a_ref_the_sender_never_shared_with_the_actor_is_refused(live, probe) ->
     assert probe.served() and _used(live) == before
 
 
-def test_a_refused_ref_never_releases_the_actors_own_ref_nor_an_anonymous_one(
-    live, probe
-) -> None:
+def test_a_refused_ref_never_releases_an_own_or_anonymous_ref(live, probe) -> None:
     """A forged ref naming a lease the actor holds for itself (as its encoder cache does)
     or one held anonymously: refused, and each keeps its ref (no release falls back to
     the receiver's own refs or to anonymous ones)."""
