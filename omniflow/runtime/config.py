@@ -180,7 +180,7 @@ class ResourcesConfig(msgspec.Struct, **_STRICT):
 
 
 class SecurityConfig(msgspec.Struct, **_STRICT):
-    """[security]: CurveZMQ on every tcp:// socket (required off loopback)."""
+    """[security]: CurveZMQ on every tcp:// socket (required with tcp, loopback too)."""
 
     keys: Annotated[
         str, Meta(description="folder from `omniflow keys DIR`; relative to the config file")
@@ -412,7 +412,8 @@ def _check_hosts(config: Config, source: str) -> None:
 
 
 def _check_exposure(config: Config, source: str) -> None:
-    """Off loopback, every socket is authenticated: CurveZMQ keys, the gateway's API key."""
+    """Every tcp socket is authenticated (CurveZMQ keys), and off loopback the gateway
+    needs its API key."""
     rt, security = config.runtime, config.security
     for name, host in config.hosts.items():
         for address in filter(None, (host.address, host.bind)):
@@ -427,6 +428,12 @@ def _check_exposure(config: Config, source: str) -> None:
             f"{source}: [runtime] bind_host = {rt.bind_host!r} is not a loopback address: "
             "set [security] keys = DIR (make them with `omniflow keys DIR`) so that peers "
             "must hold the deployment's CurveZMQ keys"
+        )
+    if rt.transport == "tcp" and not security.keys:  # any local user can dial a tcp port
+        raise ConfigError(
+            f'{source}: [runtime] transport = "tcp" (as on several hosts) needs [security] '
+            "keys = DIR, even on loopback: any local user may connect to a tcp port (make them "
+            'with `omniflow keys DIR`; on one host, transport = "ipc" needs none)'
         )
     if security.keys:
         try:

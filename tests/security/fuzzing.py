@@ -324,8 +324,8 @@ actor = "omniflow.roles.echo:Upper"
 [graph]
 edges = [{ from = "input", to = "upper" }]
 [runtime]
-transport = "tcp"
-bind_host = "127.0.0.1"
+transport = "ipc"
+heartbeat_s = 0.5
 """
 
 
