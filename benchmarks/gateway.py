@@ -8,13 +8,21 @@ asyncio streams (one connection per in-flight request), so what is measured is t
 gateway, not an HTTP client library. Targets: gateway p50 <= direct p50 + 1 ms, gateway
 requests/s >= 0.5 x direct, both judged on each round's paired figures (median).
 
+Then the cost of tracing and metrics: two gateway deployments up at once, one with
+``[tracing] enabled`` (every request traced through the OpenTelemetry SDK, spans dropped:
+no exporter) and ``/metrics`` scraped every 0.2 s while it is measured, one with neither;
+their throughput runs interleave (A B B A) and the cost is the median of each round's
+ratio. Target: <= 5%.
+
     python benchmarks/gateway.py [--requests 400] [--burst 4000] [--concurrency 16] [--rounds 5]
+        [--tracing-rounds 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -31,11 +39,12 @@ from omniflow.runtime.config import parse  # noqa: E402
 TEXT = "hello"
 
 
-def config() -> omniflow.Config:
+def config(name: str = "gwbench", tracing: bool = False) -> omniflow.Config:
     echo = "omniflow.roles.echo"
     return parse(
         {
-            "name": "gwbench",
+            "name": name,
+            "tracing": {"enabled": tracing},
             "roles": {
                 "upper": {"actor": f"{echo}:Upper"},
                 "reverse": {"actor": f"{echo}:Reverse"},
@@ -79,6 +88,17 @@ class Http:
             raise RuntimeError(f"{status_line!r}: {data[:200]!r}")
         return data
 
+    async def get(self, path: str) -> bytes:
+        self.writer.write(f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
+        await self.reader.readuntil(b"\r\n")
+        headers = await self.reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line[15:])
+            for line in headers.split(b"\r\n")
+            if line[:15].lower() == b"content-length:"
+        )
+        return await self.reader.readexactly(length)
+
     def close(self) -> None:
         self.writer.close()
 
@@ -102,6 +122,74 @@ async def throughput(sends: list, n: int) -> float:
     started = time.perf_counter()
     await asyncio.gather(*(worker(s) for s in sends))
     return per_worker * len(sends) / (time.perf_counter() - started)
+
+
+def chat_body(model: str) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": TEXT}]}).encode()
+
+
+async def gateway_conns(rt: omniflow.Runtime, n: int) -> list[Http]:
+    url = (rt.run_dir / "gateway.url").read_text().strip()
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return [await Http.open(host, int(port)) for _ in range(n)]
+
+
+async def scraping(conn: Http, period: float) -> None:
+    """GET /metrics every ``period`` seconds until cancelled (what Prometheus does)."""
+    while True:
+        text = await conn.get("/metrics")
+        assert b"omniflow_replica_served_total" in text
+        await asyncio.sleep(period)
+
+
+async def tracing_cost(args: argparse.Namespace) -> dict:
+    """requests/s through a gateway with tracing (no exporter) and scrapes vs without."""
+    expected = TEXT.upper()[::-1].encode()
+    async with (
+        omniflow.Runtime(config("gwplain")) as plain,
+        omniflow.Runtime(config("gwtraced", tracing=True)) as traced,
+    ):
+        conns = {
+            "off": await gateway_conns(plain, args.concurrency),
+            "on": await gateway_conns(traced, args.concurrency + 1),
+        }
+        bodies = {"off": chat_body("gwplain"), "on": chat_body("gwtraced")}
+
+        def sends(name: str) -> list:
+            def via(conn: Http):
+                async def send() -> None:
+                    assert expected in await conn.post("/v1/chat/completions", bodies[name])
+
+                return send
+
+            return [via(c) for c in conns[name][: args.concurrency]]
+
+        for name in ("off", "on"):  # warm both
+            await throughput(sends(name), 20 * args.concurrency)
+        rps: dict[str, list[float]] = {"off": [], "on": []}
+        for i in range(args.tracing_rounds):
+            for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                scraper = None
+                if name == "on":
+                    scraper = asyncio.create_task(scraping(conns["on"][-1], 0.2))
+                try:
+                    rps[name].append(await throughput(sends(name), args.burst))
+                finally:
+                    if scraper is not None:
+                        scraper.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await scraper
+        for conn in [*conns["off"], *conns["on"]]:
+            conn.close()
+    costs = [1 - on / off for on, off in zip(rps["on"], rps["off"], strict=True)]
+    return {
+        "rps_tracing_off": round(median(rps["off"]), 1),
+        "rps_tracing_on": round(median(rps["on"]), 1),
+        "cost": round(median(costs), 4),
+        "cost_rounds": [round(c, 4) for c in costs],
+        "rounds": args.tracing_rounds,
+        "cost_at_most_5pct": median(costs) <= 0.05,
+    }
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -143,6 +231,7 @@ async def main(args: argparse.Namespace) -> dict:
                 results[name]["rps"].append(await throughput(many, args.burst))
         for conn in conns:
             conn.close()
+    tracing = await tracing_cost(args) if args.tracing_rounds else None
     figures = {
         name: {key: round(median(values), 3) for key, values in r.items()}
         for name, r in results.items()
@@ -174,7 +263,9 @@ async def main(args: argparse.Namespace) -> dict:
         "targets_met": {
             "p50_within_1ms": median(overheads) <= 1.0,
             "rps_at_least_half": median(ratios) >= 0.5,
+            **({"tracing_cost_at_most_5pct": tracing["cost_at_most_5pct"]} if tracing else {}),
         },
+        **({"tracing_and_metrics": tracing} if tracing else {}),
     }
 
 
@@ -186,6 +277,8 @@ if __name__ == "__main__":
     # small part of it.
     parser.add_argument("--burst", type=int, default=4000)
     parser.add_argument("--rounds", type=int, default=5)
+    # Rounds of the tracing-and-metrics cost (0: skip it).
+    parser.add_argument("--tracing-rounds", type=int, default=6)
     args = parser.parse_args()
     import uvloop
 

@@ -6,10 +6,11 @@ it (its queue wait and compute as attributes, the wait as a child span) and send
 own span on as the next hops' parent; its ``Timing`` names both ids, so the client has
 the span tree without a collector (``omniflow send --trace``).
 
-With ``[tracing]`` on, spans are the SDK's (a ``TracerProvider`` of this process, not the
-global one), exported by a ``BatchSpanProcessor`` over OTLP/HTTP when an endpoint is set
-(no endpoint: recorded and dropped, what benchmarks/gateway.py measures). Off, a traced
-request still gets span ids, with nothing recorded: the tree is there, no export.
+With ``[tracing]`` on, spans are the SDK's ``ReadableSpan``s, exported by its
+``BatchSpanProcessor`` over OTLP/HTTP when an endpoint is set (no endpoint: built and
+dropped, what benchmarks/gateway.py measures); a traceparent whose sampled flag is off
+is followed, not recorded. Off, a traced request still gets span ids, with nothing
+recorded: the tree is there, no export.
 """
 
 from __future__ import annotations
@@ -49,38 +50,53 @@ def traceparent(trace: str, span: str, flags: str = "01") -> str:
 
 
 class Span:
-    """One role's span of one request: its ids, and the SDK's span when recording."""
+    """One role's span of one request: its ids and start; ``sampled``: it is recorded."""
 
-    __slots__ = ("trace", "id", "parent", "flags", "sdk")
+    __slots__ = ("trace", "id", "parent", "flags", "start")
 
-    def __init__(self, trace: str, parent: str, flags: str, sdk: Any = None) -> None:
-        self.trace, self.parent, self.flags, self.sdk = trace, parent, flags, sdk
-        self.id = f"{sdk.get_span_context().span_id:016x}" if sdk is not None else span_id()
+    def __init__(self, trace: str, parent: str, flags: str, start: float) -> None:
+        self.trace, self.parent, self.flags, self.start = trace, parent, flags, start
+        self.id = span_id()
 
     @property
     def traceparent(self) -> str:
         return traceparent(self.trace, self.id, self.flags)
 
+    @property
+    def sampled(self) -> bool:
+        return self.flags[-1] in "13579bdf"  # the W3C "sampled" bit
+
 
 class Tracer:
-    """Opens and ends the spans of one process (one role replica, or a client)."""
+    """Opens and ends the spans of one process (one role replica, or a client).
+
+    A span is built once, when it ends, as the SDK's ``ReadableSpan`` (with the ids this
+    module chose when it opened, since the next hops already hang under them) and handed
+    to the SDK's ``BatchSpanProcessor`` with its OTLP/HTTP exporter. The SDK's own
+    ``Tracer.start_span`` is passed by: it costs ten times as much per span (its sampler,
+    context and attribute plumbing run per call), which benchmarks/gateway.py measured
+    as most of tracing's cost.
+    """
 
     def __init__(self, config: TracingConfig, service: str, role: str, replica: int) -> None:
         self.on = config.on
         self.role = role
-        self._sdk: Any = None
-        self._provider: Any = None
+        self._processor: Any = None
         if not self.on:
             return
         try:
             from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace import ReadableSpan
+            from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+            from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
         except ImportError:
             raise RuntimeError(
                 "[tracing] needs the OpenTelemetry SDK: pip install 'omniflow[tracing]'"
             ) from None
-
-        resource = Resource.create(
+        self._sdk = (ReadableSpan, SpanContext, SpanKind, Status, StatusCode)
+        self._sampled = TraceFlags(TraceFlags.SAMPLED)
+        self._scope = InstrumentationScope("omniflow")
+        self._resource = Resource.create(
             {
                 "service.name": config.service or "omniflow",
                 "service.instance.id": f"{role}/{replica}",
@@ -88,42 +104,22 @@ class Tracer:
                 "omniflow.role": role,
             }
         )
-        self._provider = TracerProvider(resource=resource)
         if config.endpoint:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
             exporter = OTLPSpanExporter(endpoint=config.endpoint, timeout=5)
-            self._provider.add_span_processor(
-                BatchSpanProcessor(exporter, schedule_delay_millis=200)
-            )
-        self._sdk = self._provider.get_tracer("omniflow")
+            self._processor = BatchSpanProcessor(exporter, schedule_delay_millis=200)
 
-    def start(self, parent: str, start_s: float, name: str = "") -> Span | None:
+    def add_processor(self, processor: Any) -> None:
+        """Where ended spans go (an SDK SpanProcessor): the exporter's, or a test's."""
+        self._processor = processor
+
+    def start(self, parent: str, start_s: float) -> Span | None:
         """A span under the traceparent ``parent`` from ``start_s`` (time.time()); None
         when ``parent`` is not a valid traceparent (an untraced request)."""
         ids = parse(parent)
-        if ids is None:
-            return None
-        trace, parent_id, flags = ids
-        if self._sdk is None:
-            return Span(trace, parent_id, flags)
-        from opentelemetry import trace as api
-
-        context = api.set_span_in_context(
-            api.NonRecordingSpan(
-                api.SpanContext(
-                    int(trace, 16), int(parent_id, 16), True, api.TraceFlags(int(flags, 16))
-                )
-            )
-        )
-        sdk = self._sdk.start_span(
-            name or self.role,
-            context=context,
-            kind=api.SpanKind.SERVER if not name else api.SpanKind.INTERNAL,
-            start_time=int(start_s * 1e9),
-        )
-        return Span(trace, parent_id, flags, sdk)
+        return None if ids is None else Span(*ids, start_s)
 
     def end(
         self,
@@ -132,27 +128,53 @@ class Tracer:
         attributes: dict[str, Any],
         queued: tuple[float, float] | None = None,
         error: str = "",
+        name: str = "",
     ) -> None:
-        """End ``span`` at ``end_s``; ``queued``: (from, to) of its wait for a slot."""
-        sdk = span.sdk
-        if sdk is None:
+        """End ``span`` at ``end_s``; ``queued``: (from, to) of its wait for a slot, a
+        child span ``queue`` when it waited longer than ``QUEUE_SPAN_S``."""
+        if not self.on or not span.sampled:
             return
-        sdk.set_attributes(attributes)
-        if error:
-            from opentelemetry.trace import Status, StatusCode
-
-            sdk.set_status(Status(StatusCode.ERROR, error))
-        if queued is not None and queued[1] > queued[0]:
-            from opentelemetry import trace as api
-
-            wait = self._sdk.start_span(
-                "queue", context=api.set_span_in_context(sdk), start_time=int(queued[0] * 1e9)
+        readable, context, kind, status, code = self._sdk
+        trace = int(span.trace, 16)
+        own = context(trace, int(span.id, 16), False, self._sampled)
+        parent = context(trace, int(span.parent, 16), True, self._sampled)
+        done = readable(
+            name or self.role,
+            own,
+            parent,
+            self._resource,
+            attributes,
+            kind=kind.SERVER,
+            status=status(code.ERROR, error) if error else status(code.UNSET),
+            start_time=int(span.start * 1e9),
+            end_time=int(end_s * 1e9),
+            instrumentation_scope=self._scope,
+        )
+        spans = [done]
+        if queued is not None and queued[1] - queued[0] > QUEUE_SPAN_S:
+            wait = context(trace, int(span_id(), 16), False, self._sampled)
+            spans.append(
+                readable(
+                    "queue",
+                    wait,
+                    own,
+                    self._resource,
+                    kind=kind.INTERNAL,
+                    start_time=int(queued[0] * 1e9),
+                    end_time=int(queued[1] * 1e9),
+                    instrumentation_scope=self._scope,
+                )
             )
-            wait.end(end_time=int(queued[1] * 1e9))
-        sdk.end(end_time=int(end_s * 1e9))
+        if self._processor is not None:
+            for item in spans:
+                self._processor.on_end(item)
 
     def close(self) -> None:
         """Flush what is recorded (a few hundred ms at most) and stop the exporter."""
-        if self._provider is not None:
-            self._provider.shutdown()
-            self._provider = None
+        if self._processor is not None:
+            self._processor.shutdown()
+            self._processor = None
+
+
+# A wait for a slot shorter than this is an attribute of the role's span, not a span.
+QUEUE_SPAN_S = 0.0005

@@ -81,27 +81,34 @@ def test_spans_hang_under_the_given_parent_through_the_sdk():
 
     tracer = tracing.Tracer(TracingConfig(enabled=True), "dep", "llm", 0)
     exported = InMemorySpanExporter()
-    tracer._provider.add_span_processor(SimpleSpanProcessor(exported))
+    tracer.add_processor(SimpleSpanProcessor(exported))
     parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     span = tracer.start(parent, 100.0)
     assert span is not None and span.parent == "00f067aa0ba902b7"
     assert span.traceparent.startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-")
     tracer.end(span, 100.5, {"omniflow.compute_ms": 3.0}, queued=(100.0, 100.1))
+    short = tracer.start(parent, 200.0)
+    tracer.end(short, 200.5, {}, queued=(200.0, 200.0001), error="boom")  # no queue span
     tracer.close()
     by_name = {s.name: s for s in exported.get_finished_spans()}
-    llm, queue = by_name["llm"], by_name["queue"]
+    llm, queue = exported.get_finished_spans()[0], by_name["queue"]
     assert llm.parent.span_id == 0x00F067AA0BA902B7
     assert f"{llm.context.span_id:016x}" == span.id
     assert queue.parent.span_id == llm.context.span_id
     assert (llm.start_time, llm.end_time) == (100_000_000_000, 100_500_000_000)
     assert llm.resource.attributes["service.instance.id"] == "llm/0"
+    assert llm.attributes["omniflow.compute_ms"] == 3.0
+    assert [s.name for s in exported.get_finished_spans()] == ["llm", "queue", "llm"]
+    assert exported.get_finished_spans()[2].status.description == "boom"
+    unsampled = tracer.start("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00", 1.0)
+    assert unsampled is not None and not unsampled.sampled  # followed, never recorded
     assert tracer.start("not a traceparent", 1.0) is None
 
 
 def test_tracing_off_still_names_spans_for_the_tree():
     tracer = tracing.Tracer(TracingConfig(), "dep", "llm", 0)
     span = tracer.start("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", 1.0)
-    assert span is not None and span.sdk is None and re.fullmatch(r"[0-9a-f]{16}", span.id)
+    assert span is not None and re.fullmatch(r"[0-9a-f]{16}", span.id)
     tracer.end(span, 2.0, {})  # nothing recorded, nothing raised
 
 
