@@ -9,14 +9,15 @@ cached (the encoders' caches still serve the images). Rounds interleave the mode
 then B C A, ...), each round with conversations of its own; figures are medians over
 rounds. Late = the median of turns 10..20.
 
-First audio: streamed /v1/chat/completions with modalities text+audio (the /v1/realtime
-route is not built yet): time to the first text delta and to the first audio delta, one
-request at a time (c1) and 8 at once (c8).
+First audio: voice clients on /v1/realtime, each on its own connection (connected and
+configured before the clock starts): time from ``response.create`` to the first
+``response.output_text.delta`` and to the first ``response.output_audio.delta``, one
+client at a time (c1) and 8 at once (c8), the two interleaved round by round.
 
 Targets: stateless late TTFT <= 1.3x the session's and >= 3x below no_cache; first audio at
 c1 <= 2x first text.
 
-    python benchmarks/omni_chat.py [--turns 20] [--rounds 2] [--audio 6]
+    python benchmarks/omni_chat.py [--turns 20] [--rounds 2] [--audio 6] [--skip-chat]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import json
 import os
 import sys
 import time
@@ -33,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import openai  # noqa: E402
+import websockets  # noqa: E402
 from _common import cpu_name, emit, median, scratch_dir, short_run_root  # noqa: E402
 
 import omniflow  # noqa: E402
@@ -44,7 +47,7 @@ WORDS = "the quick brown fox jumps over the lazy dog and tells a story about riv
 MODES = ("session", "stateless", "no_cache")
 
 
-def config(models: Path) -> omniflow.Config:
+def config(models: Path, decoder_threads: int | None = None) -> omniflow.Config:
     raw = tomllib.loads((ROOT / "configs" / "longcat.toml").read_text())
     raw["name"] = "omnichat"
     for role in raw["roles"].values():
@@ -52,6 +55,9 @@ def config(models: Path) -> omniflow.Config:
         if "model_path" in options:
             options["model_path"] = str(models / Path(options["model_path"]).name)
     raw["roles"]["llm"]["options"]["kv_cache_mb"] = 256
+    raw["roles"]["llm"]["options"]["max_model_len"] = 4096  # 20 turns with 4 images
+    if decoder_threads is not None:
+        raw["roles"]["audio_decoder"]["options"]["threads"] = decoder_threads
     raw["gateway"] = {"port": 0, "max_inflight": 256}
     return parse(raw, "omni_chat")
 
@@ -98,35 +104,43 @@ async def conversation(client, mode: str, tag: str, turns: int, images: list[str
     return times
 
 
-async def first_audio(client, concurrency: int, n: int) -> tuple[list[float], list[float]]:
-    texts, audios = [], []
-
-    async def one(i: int) -> None:
+async def realtime_turn(url: str, i: int, session: dict) -> tuple[float, float]:
+    """One voice client on /v1/realtime: connected and configured first, then timed from
+    its response.create to the first text delta and the first audio delta (ms)."""
+    async with websockets.connect(f"{url}/v1/realtime?model=omnichat", max_size=None) as ws:
+        events = (json.loads(m) async for m in ws)
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+        async for event in events:
+            if event["type"] == "session.updated":
+                break
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": f"say something {i}"}],
+        }
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
         started = time.perf_counter()
-        first_text = first_audio_ = None
-        stream = await client.chat.completions.create(
-            model="omnichat",
-            messages=[{"role": "user", "content": f"say something {i}"}],
-            modalities=["text", "audio"],
-            audio={"voice": "alloy", "format": "pcm16"},
-            stream=True,
-            max_tokens=4,
-            extra_body={"params": {"audio_chunks": 3, "audio_chunk_tokens": 2}},
-        )
-        async for chunk in stream:
-            if not chunk.choices:
-                continue
-            delta = chunk.choices[0].delta
+        await ws.send(json.dumps({"type": "response.create"}))
+        first_text = first_audio_ = float("nan")
+        async for event in events:
             now = (time.perf_counter() - started) * 1e3
-            if delta.content and first_text is None:
+            if event["type"] == "response.output_text.delta" and first_text != first_text:
                 first_text = now
-            if getattr(delta, "audio", None) and first_audio_ is None:
+            elif event["type"] == "response.output_audio.delta" and first_audio_ != first_audio_:
                 first_audio_ = now
-        texts.append(first_text if first_text is not None else float("nan"))
-        audios.append(first_audio_ if first_audio_ is not None else float("nan"))
+            elif event["type"] in ("response.done", "error"):
+                assert event["type"] == "response.done", event
+                break
+    return first_text, first_audio_
 
+
+async def first_audio(url: str, concurrency: int, n: int, session: dict) -> tuple[list, list]:
+    texts, audios = [], []
     for start in range(0, n, concurrency):
-        await asyncio.gather(*(one(start + i) for i in range(concurrency)))
+        turns = [realtime_turn(url, start + i, session) for i in range(concurrency)]
+        for text, audio in await asyncio.gather(*turns):
+            texts.append(text)
+            audios.append(audio)
     return texts, audios
 
 
@@ -137,28 +151,42 @@ async def main(args: argparse.Namespace) -> dict:
         "data:image/png;base64," + base64.b64encode(image_bytes(256, 256, seed=s)).decode()
         for s in range(4)
     ]
-    async with omniflow.Runtime(config(models)) as rt:
+    async with omniflow.Runtime(config(models, args.decoder_threads)) as rt:
         url = (rt.run_dir / "gateway.url").read_text().strip()
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300)
         await conversation(client, "stateless", "warm", 2, images[:1])  # compile, load
         by_mode: dict[str, list[list[float]]] = {m: [] for m in MODES}
-        for r in range(args.rounds):
+        for r in range(0 if args.skip_chat else args.rounds):
             order = MODES[r % 3 :] + MODES[: r % 3]
             for mode in order:
                 times = await conversation(client, mode, f"r{r}{mode}", args.turns, images)
                 by_mode[mode].append(times)
                 print(f"round {r} {mode}: late {median(times[9:]):.1f} ms", file=sys.stderr)
-        text1, audio1 = await first_audio(client, 1, args.audio)
-        text8, audio8 = await first_audio(client, 8, 8)
+        ws_url = url.replace("http://", "ws://")
+        params = {"audio_chunks": 3, "audio_chunk_tokens": 2}
+        if args.first_chunk_tokens is not None:
+            params["audio_first_chunk_tokens"] = args.first_chunk_tokens
+        voice = {"params": params, "max_output_tokens": 4}
+        await first_audio(ws_url, 1, 1, voice)  # warm
+        text1, audio1, text8, audio8 = [], [], [], []
+        for _ in range(args.audio_rounds):  # c1 and c8 interleaved
+            texts, audios = await first_audio(ws_url, 1, args.audio, voice)
+            text1 += texts
+            audio1 += audios
+            texts, audios = await first_audio(ws_url, 8, 8, voice)
+            text8 += texts
+            audio8 += audios
     per_turn = {
         m: [round(median([run[t] for run in runs]), 1) for t in range(args.turns)]
         for m, runs in by_mode.items()
     }
-    late = {m: round(median(v[9:]), 1) for m, v in per_turn.items()}
+    late = {m: round(median(v[9:]), 1) if v else float("nan") for m, v in per_turn.items()}
     return {
         "cpu": cpu_name(),
         "turns": args.turns,
         "rounds": args.rounds,
+        "decoder_threads": args.decoder_threads,
+        "first_chunk_tokens": args.first_chunk_tokens,
         "ttft_ms_by_turn": per_turn,
         "late_ttft_ms_session": late["session"],
         "late_ttft_ms_stateless": late["stateless"],
@@ -166,7 +194,9 @@ async def main(args: argparse.Namespace) -> dict:
         "first_text_ms_c1": round(median(text1), 1),
         "first_audio_ms_c1": round(median(audio1), 1),
         "first_audio_ms_c8": round(median(audio8), 1),
-        "first_audio_route": "/v1/chat/completions (stream, modalities text+audio)",
+        "first_text_ms_c8": round(median(text8), 1),
+        "first_audio_route": "/v1/realtime (response.create to the first output_audio.delta)",
+        "first_audio_over_first_text_c1": round(median(audio1) / median(text1), 2),
         "stateless_over_session": round(late["stateless"] / late["session"], 2),
         "no_cache_over_stateless": round(late["no_cache"] / late["stateless"], 2),
     }
@@ -177,4 +207,8 @@ if __name__ == "__main__":
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--audio", type=int, default=6, help="first-audio requests at c1")
+    parser.add_argument("--audio-rounds", type=int, default=2, help="c1/c8 rounds, interleaved")
+    parser.add_argument("--skip-chat", action="store_true", help="first audio only")
+    parser.add_argument("--decoder-threads", type=int, help="the audio decoder's torch threads")
+    parser.add_argument("--first-chunk-tokens", type=int, help="audio tokens in the first chunk")
     emit(asyncio.run(main(parser.parse_args())))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.etcd_server import etcd_server  # noqa: F401  (a session fixture)
+from tests.watchdog import Watchdog
 
 # The shipped configs' gateways bind port 8000; `omniflow up` in tests takes any free one.
 os.environ.setdefault("OMNIFLOW_GATEWAY_PORT", "0")
@@ -20,6 +21,10 @@ try:
     _HAS_CUDA = torch.cuda.is_available()
 except Exception:  # pragma: no cover - torch is a hard dependency
     _HAS_CUDA = False
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(Watchdog(config), "omniflow-watchdog")
 
 
 def pytest_collection_modifyitems(config, items):

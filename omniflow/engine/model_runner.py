@@ -23,6 +23,7 @@ from omniflow.engine.sequence import Sequence
 from omniflow.kernels import CpuKernels, cpu_kernels
 from omniflow.models import DecoderLM, MLAConfig
 from omniflow.models.layers.cpu_layouts import packed_weights_supported
+from omniflow.models.omni.ngram import NO_NGRAM
 
 # Rows per pass of a long bf16 prefill on CPU (DecoderLM.set_row_block): over the MLPs on
 # PyTorch ops, over every projection on the CPU kernels. Measured on llama-bench-30m, 32
@@ -109,7 +110,7 @@ class ModelRunner:
         else:
             self.mirror.clear()
         ordered = decodes + prefills
-        step = gather_rows(ordered)
+        step = gather_rows(ordered, self.model.input_context)
         input_ids, positions, logits_rows = step.input_ids, step.positions, step.logits_rows
         sampling, blocks, block_rows = step.sampling, step.blocks, step.block_rows
         embed_rows, embed_values = step.embed_rows, step.embed_values
@@ -131,6 +132,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
         at = torch.tensor(positions, dtype=torch.long, device=device)
         rows = torch.tensor(logits_rows + block_rows, dtype=torch.long, device=device)
+        context = step.context_tensor(len(ids), device) if self.model.input_context else None
         if self.fused_decode and not prefills and not embed_rows and not wants_hidden:
             assert batch.decode_pages is not None and batch.decode_lengths is not None
             logits = self.model.decode_on_pages(
@@ -162,6 +164,7 @@ class ModelRunner:
             else None,
             embed_values=torch.cat([v.to(device) for v in embed_values]) if embed_values else None,
             hidden=wants_hidden,
+            context=context,
             **unnormed,
         )
         if mirrored is not None:
@@ -191,9 +194,16 @@ class StepRows:
     embed_values: list[torch.Tensor] = field(default_factory=list)
     block_rows: list[int] = field(default_factory=list)
     blocks: list[Sequence] = field(default_factory=list)
+    # Each row's predecessors in its sequence (a model with input_context > 0).
+    context: list[list[int]] = field(default_factory=list)
+
+    def context_tensor(self, rows: int, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.context, dtype=torch.long, device=device).view(rows, -1)
 
 
-def gather_rows(ordered: list[ScheduledChunk]) -> StepRows:
+def gather_rows(ordered: list[ScheduledChunk], context: int = 0) -> StepRows:
+    """The step's rows; with ``context``, each row's ``context`` predecessors too (-1 before
+    the sequence's start, NO_NGRAM for a sequence of one token)."""
     step = StepRows()
     input_ids, positions, logits_rows = step.input_ids, step.positions, step.logits_rows
     sampling, blocks, block_rows = step.sampling, step.blocks, step.block_rows
@@ -203,6 +213,8 @@ def gather_rows(ordered: list[ScheduledChunk]) -> StepRows:
         row = len(input_ids)
         input_ids += sequence.token_ids[start:end]
         positions += range(start, end)
+        if context:
+            step.context += _predecessors(sequence.token_ids, start, end, context)
         for span in sequence.embedding_spans:
             lo, hi = max(start, span.start), min(end, span.start + len(span.embeddings))
             if lo < hi:
@@ -225,12 +237,19 @@ def gather_rows(ordered: list[ScheduledChunk]) -> StepRows:
             assert block is not None, "a chunk with block rows has a block step"
             row = len(input_ids)
             input_ids += [0] * chunk.block  # ids unused: every row is replaced
+            step.context += [[-1] * context for _ in range(chunk.block)] if context else []
             positions += block.positions.tolist()
             embed_rows += range(row, row + chunk.block)
             embed_values.append(block.rows)
             block_rows += range(row, row + chunk.block)
             blocks.append(sequence)
     return step
+
+
+def _predecessors(ids: list[int], start: int, end: int, count: int) -> list[list[int]]:
+    if len(ids) == 1:
+        return [[NO_NGRAM] * count]
+    return [[ids[p - s] if p >= s else -1 for s in range(1, count + 1)] for p in range(start, end)]
 
 
 def prefill_specs(prefills: list[ScheduledChunk]) -> list[PrefillSpec]:

@@ -53,6 +53,7 @@ class HunyuanImage3Config(DecoderConfig):
     vae: dict[str, Any] = field(default_factory=dict)
     vit: dict[str, Any] = field(default_factory=dict)
     vit_aligner: dict[str, Any] = field(default_factory=dict)
+    vit_processor: dict[str, Any] = field(default_factory=dict)  # Siglip2ImageProcessor's
 
     @property
     def is_longcat(self) -> bool:
@@ -126,6 +127,7 @@ class HunyuanImage3Config(DecoderConfig):
             vae=dict(raw.get("vae") or {}),
             vit=dict(raw.get("vit") or {}),
             vit_aligner=dict(raw.get("vit_aligner") or {}),
+            vit_processor=dict(raw.get("vit_processor") or {}),
         )
 
 
@@ -160,3 +162,24 @@ def generation_defaults(path: str | Path) -> GenerationDefaults:
             f"flow_shift {shift} (> 0)"
         )
     return GenerationDefaults(steps, scale, shift)
+
+
+def generation_template(
+    path: str | Path, template: str | None = None, system_prompt: str | None = None
+) -> tuple[str, str | None]:
+    """The prompt layout of a HunyuanImage-3 folder: (sequence_template, system prompt).
+    template and system_prompt (a role's options) win over generation_config.json's
+    sequence_template (default 'pretrain') and use_system_prompt ('None': no system
+    prompt; the release's named prompts are not shipped here, so they need system_prompt)."""
+    file = Path(path) / "generation_config.json"
+    raw: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+    name = template or str(raw.get("sequence_template") or "pretrain")
+    if name not in ("pretrain", "instruct"):
+        raise ValueError(f"{file}: sequence_template {name!r}: expected 'pretrain' or 'instruct'")
+    wanted = str(raw.get("use_system_prompt") or "None")
+    if system_prompt is None and wanted not in ("None", "custom"):
+        raise ValueError(
+            f"{file}: use_system_prompt {wanted!r} names one of the release's own system "
+            "prompts, which are not shipped here: give its text as the role's system_prompt"
+        )
+    return name, system_prompt

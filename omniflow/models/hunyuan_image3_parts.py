@@ -154,9 +154,12 @@ def pixels_out(pixels: torch.Tensor) -> torch.Tensor:
 class HunyuanImage3Parts(nn.Module):
     """Everything of a HunyuanImage-3 checkpoint but the backbone, under its names."""
 
-    def __init__(self, config: HunyuanImage3Config):
+    def __init__(self, config: HunyuanImage3Config, decoder_only: bool = False):
         super().__init__()
         self.config = config
+        if decoder_only:  # the VAE's decoder alone (vae.decoder.*): decode_image only
+            self.vae = AutoencoderKLConv3D(config.vae, encoder=False)
+            return
         hidden, latent = config.hidden_size, config.latent_channels
         patch, width = config.patch_size, config.patch_embed_hidden_dim
         vae, vit, aligner = config.vae, config.vit, config.vit_aligner
@@ -166,7 +169,7 @@ class HunyuanImage3Parts(nn.Module):
         self.final_layer = UNetUp(patch, hidden, hidden, width, latent)
         self.time_embed_2 = TimestepEmbedder(hidden)
         self.vae = AutoencoderKLConv3D(vae)
-        self.vision_model = Siglip2Vision(vit)
+        self.vision_model = Siglip2Vision(vit, config.vit_processor)
         self.vision_aligner = LightProjector(aligner, hidden)
 
     @property
@@ -224,14 +227,19 @@ class HunyuanImage3Parts(nn.Module):
 
 
 def load_image_parts(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    decoder_only: bool = False,
 ) -> HunyuanImage3Parts:
-    """The image parts of a HunyuanImage-3 folder (the tensors the backbone skips)."""
+    """The image parts of a HunyuanImage-3 folder (the tensors the backbone skips); with
+    decoder_only, the VAE's decoder alone (only the vae.decoder.* tensors are read)."""
     raw: dict[str, Any] = json.loads((Path(path) / "config.json").read_text())
-    parts = HunyuanImage3Parts(HunyuanImage3Config.from_dict(raw))
+    parts = HunyuanImage3Parts(HunyuanImage3Config.from_dict(raw), decoder_only)
     params = parts.state_dict()
     loaded = set()
-    for name, tensor in iter_checkpoint_tensors(path, lambda n: n.startswith(IMAGE_PART_PREFIXES)):
+    prefixes = ("vae.decoder.",) if decoder_only else IMAGE_PART_PREFIXES
+    for name, tensor in iter_checkpoint_tensors(path, lambda n: n.startswith(prefixes)):
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the image parts")
         if tuple(params[name].shape) != tuple(tensor.shape):

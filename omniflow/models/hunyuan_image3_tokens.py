@@ -39,6 +39,12 @@ SPECIAL_TOKENS = (
     *(f"<img_ratio_{i}>" for i in range(NUM_RATIOS)),
     *(f"<img_size_{size}>" for size in BASE_SIZES),
     "<joint_img_sep>",
+    "<recaption>",
+    "</recaption>",
+    "<think>",
+    "</think>",
+    "<answer>",
+    "</answer>",
 )
 
 

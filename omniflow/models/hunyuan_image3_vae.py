@@ -229,7 +229,7 @@ class Decoder(nn.Module):
 class AutoencoderKLConv3D(nn.Module):
     """RGB images <-> latents [C, H / ffactor_spatial, W / ffactor_spatial]."""
 
-    def __init__(self, vae: dict[str, Any]):
+    def __init__(self, vae: dict[str, Any], encoder: bool = True):
         super().__init__()
         widths = [int(c) for c in vae["block_out_channels"]]
         z, blocks = int(vae["latent_channels"]), int(vae["layers_per_block"])
@@ -243,7 +243,9 @@ class AutoencoderKLConv3D(nn.Module):
         self.downsample, self.temporal = spatial, temporal
         self.scaling = float(vae.get("scaling_factor") or 1.0)
         self.shift = float(vae.get("shift_factor") or 0.0)
-        self.encoder = Encoder(int(vae.get("in_channels", 3)), z, widths, blocks, spatial, temporal)
+        if encoder:  # a decoder-only VAE (the vae_decoder role's) has none
+            in_channels = int(vae.get("in_channels", 3))
+            self.encoder = Encoder(in_channels, z, widths, blocks, spatial, temporal)
         self.decoder = Decoder(
             z, int(vae.get("out_channels", 3)), widths[::-1], blocks, spatial, temporal
         )

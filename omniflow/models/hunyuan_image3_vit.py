@@ -36,14 +36,15 @@ class SiglipAttention(nn.Module):
         self.q_proj, self.k_proj = nn.Linear(width, width), nn.Linear(width, width)
         self.v_proj, self.out_proj = nn.Linear(width, width), nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """keys: [B, 1, 1, T] bool, the rows every row may attend to (None: all)."""
         batch, tokens, width = x.shape
 
         def heads(proj: nn.Linear) -> torch.Tensor:
             return proj(x).view(batch, tokens, self.heads, -1).transpose(1, 2)
 
         out = F.scaled_dot_product_attention(
-            heads(self.q_proj), heads(self.k_proj), heads(self.v_proj)
+            heads(self.q_proj), heads(self.k_proj), heads(self.v_proj), attn_mask=keys
         )
         return self.out_proj(out.transpose(1, 2).reshape(batch, tokens, width))
 
@@ -66,8 +67,8 @@ class SiglipLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(width, eps=eps)
         self.mlp = SiglipMLP(width, hidden, act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
+    def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), keys)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -87,13 +88,16 @@ class SiglipEmbeddings(nn.Module):
             raise ValueError(f"vit num_patches {num_patches} is not a square")
 
     def forward(self, patches: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        """patches [B, h*w, C*p*p] of an h x w patch grid -> [B, h*w, width]."""
+        """patches [B, n, C*p*p] of an h x w patch grid (n >= h*w: padding after the grid,
+        which takes the first position's embedding, as the release's) -> [B, n, width]."""
         weight = self.position_embedding.weight
         grid = weight.reshape(self.grid, self.grid, -1).permute(2, 0, 1)[None].float()
         resized = F.interpolate(
             grid, size=shape, mode="bilinear", align_corners=False, antialias=True
         )
         positions = resized[0].reshape(weight.shape[1], -1).T.to(weight.dtype)
+        pad = patches.shape[1] - positions.shape[0]
+        positions = torch.cat((positions, positions[:1].expand(pad, -1)))
         return self.patch_embedding(patches.to(weight.dtype)) + positions
 
 
@@ -111,15 +115,18 @@ class PoolingHead(nn.Module):
 class Siglip2Vision(nn.Module):
     """An image -> one row per patch, [B, h*w, width] (the last hidden state)."""
 
-    def __init__(self, vit: dict[str, Any]):
+    def __init__(self, vit: dict[str, Any], processor: dict[str, Any] | None = None):
         super().__init__()
         width, heads = int(vit["hidden_size"]), int(vit["num_attention_heads"])
         hidden, eps = int(vit["intermediate_size"]), float(vit.get("layer_norm_eps", 1e-6))
         act = str(vit.get("hidden_act", "gelu_pytorch_tanh"))
         self.patch = int(vit["patch_size"])
         self.channels = int(vit.get("num_channels", 3))
-        self.max_patches = int(vit["num_patches"])
-        self.embeddings = SiglipEmbeddings(self.channels, self.patch, width, self.max_patches)
+        # The processor's (vit_processor) patch budget: each image's rows are padded to it.
+        self.max_patches = int((processor or {}).get("max_num_patches", vit["num_patches"]))
+        self.embeddings = SiglipEmbeddings(
+            self.channels, self.patch, width, int(vit["num_patches"])
+        )
         self.encoder = SiglipEncoder(
             [
                 SiglipLayer(width, heads, hidden, eps, act)
@@ -139,19 +146,34 @@ class Siglip2Vision(nn.Module):
         x = pixels.reshape(batch, channels, h, p, w, p).permute(0, 2, 4, 3, 5, 1)
         return x.reshape(batch, h * w, p * p * channels), (h, w)
 
-    def forward_patches(self, patches: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    def forward_patches(
+        self, patches: torch.Tensor, shape: tuple[int, int], pad_to: int | None = None
+    ) -> torch.Tensor:
+        """patches [B, h*w, C*p*p] -> [B, pad_to or h*w, width]: the rows past the grid are
+        zero patches that no row attends to (the release's pixel_attention_mask)."""
+        keys = None
+        count = patches.shape[1]
+        if pad_to is not None and pad_to > count:
+            patches = F.pad(patches, (0, 0, 0, pad_to - count))
+            keys = (torch.arange(pad_to, device=patches.device) < count).view(1, 1, 1, -1)
         x = self.embeddings(patches, shape)
         for layer in self.encoder.layers:
-            x = layer(x)
+            x = layer(x, keys)
         return self.post_layernorm(x)
+
+    def patch_grid(self, height: int, width: int) -> tuple[int, int]:
+        """The (rows, columns) of patches forward makes of a height x width image."""
+        h, w = grid_size(height, width, self.patch, self.max_patches)
+        return h // self.patch, w // self.patch
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] in [-1, 1] (SigLIP2's mean = std = 0.5 normalisation), resized to
-        the patch grid of at most num_patches keeping the aspect ratio."""
+        the patch grid of at most max_patches keeping the aspect ratio -> [B, max_patches,
+        width], the rows past the grid padding (the release puts them all in the sequence)."""
         height, width = grid_size(pixels.shape[2], pixels.shape[3], self.patch, self.max_patches)
         pixels = F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False)
         patches, shape = self.patchify(pixels)
-        return self.forward_patches(patches, shape)
+        return self.forward_patches(patches, shape, self.max_patches)
 
 
 def grid_size(height: int, width: int, patch: int, max_patches: int) -> tuple[int, int]:

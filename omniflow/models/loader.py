@@ -51,7 +51,13 @@ def iter_checkpoint_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of a checkpoint's tensors; with ``select``, only those it keeps (the
     others are never read from disk)."""
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    index_file = Path(path) / SAFETENSORS_INDEX
+    if select is not None and index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        wanted = {shard for name, shard in weight_map.items() if select(name)}
+        files = [f for f in files if f.name in wanted]
+    for file in files:
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():
                 if select is None or select(name):
@@ -102,7 +108,22 @@ def load_config(path: str | Path) -> DecoderConfig:
     return DecoderConfig.from_dict(raw)
 
 
-_MLA_MODEL_TYPES = ("deepseek_v2", "longcat_flash")
+_MLA_MODEL_TYPES = ("deepseek_v2", "longcat_flash", "longcat_next")
+# The LLM's part of a published LongCat-Next folder (the encoders and heads are the other
+# roles' and the codes heads'): only these tensors are read.
+NEXT_LLM_PREFIXES = (
+    "model.embed_tokens.",
+    "model.layers.",
+    "model.norm.",
+    "model.ngram_embeddings.",
+    "lm_head.",
+)
+
+
+def _part(config: DecoderConfig) -> Callable[[str], bool] | None:
+    if isinstance(config, MLAConfig) and config.ngram is not None:
+        return lambda name: name.startswith(NEXT_LLM_PREFIXES)
+    return None
 
 
 class WeightPlacer(Protocol):
@@ -149,8 +170,16 @@ def load_decoder(
     if isinstance(model, MLADecoderLM | HunyuanImage3LM):
         model.materialized()
 
+    part = _part(config)
+
     def fill(select: Callable[[str], bool] | None = None) -> None:
-        loaded = model.load_weights(iter_checkpoint_tensors(path, select))
+        keep = select
+        if part is not None:
+            keep = part if select is None else lambda n: part(n) and select(n)
+        try:
+            loaded = model.load_weights(iter_checkpoint_tensors(path, keep))
+        except ValueError as e:
+            raise ValueError(f"model folder {path}: {e}") from None
         expected = model.expected_checkpoint_names()
         missing = {n for n in expected if select is None or select(n)} - loaded
         if missing:

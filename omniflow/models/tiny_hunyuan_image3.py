@@ -80,6 +80,7 @@ TINY_HUNYUAN_IMAGE3: dict[str, Any] = {
         "layer_norm_eps": 1e-6,
     },
     "vit_aligner": {"projector_type": "mlp_gelu", "input_dim": 32, "n_embed": 64, "depth": 2},
+    "vit_processor": {"patch_size": 8, "max_num_patches": 16},  # Siglip2ImageProcessor's keys
 }
 # generation_config.json: the release's keys; 8 steps (the release's 50 is slow for a
 # random tiny model whose images are noise anyway), guidance 2.5, the release's shift.
@@ -87,6 +88,8 @@ TINY_GENERATION: dict[str, Any] = {
     "diff_infer_steps": 8,
     "diff_guidance_scale": 2.5,
     "flow_shift": 3.0,
+    "sequence_template": "pretrain",  # the base release's: no role words, no system prompt
+    "use_system_prompt": "None",
 }
 TEXT_VOCAB = 320  # the byte-level BPE's entries; the special tokens come after
 INIT_STD = 0.08

@@ -11,10 +11,12 @@ Output (to diffusion):
     size: [width, height]                   pixels
 
 Everything runs in the engine over the backbone weights this role maps from the host pool
-(the diffusion role maps the same pages). The context is
+(the diffusion role maps the same pages). The context is the release's sequence template
+(models/hunyuan_image3_template.py; ``sequence_template`` 'pretrain' or 'instruct', an
+optional system prompt) up to the ratio token:
 
-    <bos> [condition image: <timestep> + clean latent rows, ViT rows] prompt [recaption]
-    <boi> <img_size> <img_ratio>
+    <bos> [system] [condition image: <timestep> + clean latent rows, ViT rows] prompt
+    [<recaption> text </recaption>] <boi> <img_size> <img_ratio>
 
 With size "auto" the ratio token is the one AR step's pick among the 33 ratio tokens
 (sampling restricted to them); a given size fixes it. The unconditional context replaces
@@ -38,15 +40,11 @@ import torch
 from PIL import Image
 
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
-from omniflow.engine.hunyuan_prompt import condition_image_prompt
+from omniflow.engine.hunyuan_prompt import Condition, condition_spans, encode_condition
 from omniflow.kv.share import revoke
-from omniflow.models.hunyuan_image3_tokens import (
-    ImageTokens,
-    context_ids,
-    grid_of_ratio,
-    ratio_of_size,
-    unconditional_ids,
-)
+from omniflow.models.hunyuan_image3_config import generation_template
+from omniflow.models.hunyuan_image3_template import SequenceTemplate
+from omniflow.models.hunyuan_image3_tokens import ImageTokens, grid_of_ratio, ratio_of_size
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone, span_fields
 from omniflow.roles.image_params import image_params
@@ -66,6 +64,15 @@ class ARRole(ModelActor):
         self.backbone = await self._run(Backbone.load, opts, self.pool, self.role)
         self.config = self.backbone.config
         self.tokens = ImageTokens.from_tokenizer(self.backbone.tokenizer)
+        name, system = generation_template(
+            opts.model_path, opts.sequence_template, opts.system_prompt
+        )
+        tokenizer = self.backbone.tokenizer
+        self.template = SequenceTemplate(
+            self.tokens, lambda text: tokenizer.encode(text, add_special_tokens=False), name, system
+        )
+        if opts.recaption_tokens:
+            self.template.recaption_stops()  # the tokenizer has them
         self._ids = itertools.count()
         self.engine = self._engine(opts.kv_cache_mb << 20)
         self.weights = self.backbone.where()  # as the engine runs them
@@ -138,11 +145,10 @@ class ARRole(ModelActor):
                 "text", f"{len(prompt)} tokens exceeds the limit of {opts.max_prompt_tokens}"
             )
         image = request.data.get("image")
-        condition: list[int] = []
-        spans: list[EmbeddingSpan] = []
+        conditions: list[Condition] = []
         if image is not None:
-            pixels = await self._run(self._image, image, params.size)  # decoding is compute
-            condition, spans = await self._run(self._condition, pixels)
+            pixels = await self._run(self._image, image)  # decoding is compute
+            conditions = [await self._run(self._condition, pixels)]
         ratios = list(self.tokens.ratios)
         if params.size is not None:  # the ratio token is the size's, not the model's pick
             width, height = params.size
@@ -151,15 +157,15 @@ class ARRole(ModelActor):
         borrower = ctx.peer_pid(opts.lend_to) if opts.lend_kv else 0  # where it goes next
         lease = uncond_lease = None
         try:
-            text_ids = list(prompt)
-            if opts.recaption_tokens:
-                text_ids += await self._recaption(rid, condition + text_ids, spans)
+            infos = [c.info for c in conditions]
+            cot = await self._recaption(rid, list(prompt), conditions)
             base = self.config.image_base_size
-            cond = context_ids(self.tokens, condition + text_ids, base, 0)[:-1]
+            layout = self.template.context(prompt, base, 0, (1, 1), infos, cot)
+            spans = condition_spans(conditions, layout)
+            cond = layout.ids[:-1]  # the ratio step's prompt: up to <img_size>
             ratio_id = await self._pick_ratio(rid, cond, spans, ratios, keep=opts.lend_kv)
             ratio = self.tokens.ratios.index(ratio_id)
-            uncond_text = unconditional_ids(self.tokens, text_ids)
-            uncond = context_ids(self.tokens, condition + uncond_text, base, ratio)
+            uncond = self.template.context(prompt, base, ratio, (1, 1), infos, cot, True).ids
             if opts.lend_kv:
                 lease, uncond_lease = await self._lend_both(rid, uncond, spans, borrower)
         except ValueError as e:  # the engine refused the request (length, ...)
@@ -255,22 +261,27 @@ class ARRole(ModelActor):
         return lease
 
     async def _recaption(
-        self, rid: str, prompt: list[int], spans: list[EmbeddingSpan]
-    ) -> list[int]:
-        """The optional AR stage before the image: greedy text that extends the prompt."""
+        self, rid: str, prompt: list[int], conditions: list[Condition]
+    ) -> list[int] | None:
+        """The optional AR stage before the image (the release's bot_task 'recaption'):
+        greedy text after <recaption>, up to </recaption> (or </answer>, <eos>, the token
+        budget); None with recaption_tokens 0."""
+        if not self.options.recaption_tokens:
+            return None
+        layout = self.template.recaption_prompt(prompt, [c.info for c in conditions])
+        spans = condition_spans(conditions, layout)
+        stops = self.template.recaption_stops()
         params = SamplingParams(
-            max_tokens=self.options.recaption_tokens, temperature=0.0, ignore_eos=True
+            max_tokens=self.options.recaption_tokens, temperature=0.0, stop_token_ids=stops
         )
         ids: list[int] = []
-        context = [self.tokens.bos, *prompt]
-        async for delta in self.engine.generate(f"{rid}-r", context, params, spans or None):
+        async for delta in self.engine.generate(f"{rid}-r", layout.ids, params, spans or None):
             ids += delta.token_ids
-        special = set(self.tokens.ratios) | set(self.tokens.sizes.values())
-        special |= {self.tokens.boi, self.tokens.eoi, self.tokens.img, self.tokens.cfg}
-        return [t for t in ids if t not in special and t != self.tokens.timestep]
+        return [t for t in ids if t not in stops]
 
-    def _image(self, data: Any, size: tuple[int, int] | None) -> torch.Tensor:
-        """The condition image, decoded and resized: RGB uint8 [H, W, 3]."""
+    def _image(self, data: Any) -> torch.Tensor:
+        """The condition image, decoded, resized and centre-cropped to the ratio bucket
+        nearest its shape (the release's image_processor): RGB uint8 [H, W, 3]."""
         if not isinstance(data, bytes) or not data:
             raise BadRequest("image", "expected the bytes of an image file")
         if len(data) > self.options.max_image_bytes:
@@ -282,11 +293,9 @@ class ARRole(ModelActor):
                         "image", f"{img.width}x{img.height} exceeds the limit (max_image_pixels)"
                     )
                 per = self.config.pixels_per_token
-                if size is None:  # the ratio grid nearest the image's own shape
-                    ratio = ratio_of_size(self.config, img.height, img.width)
-                    h, w = grid_of_ratio(self.config, ratio)
-                    size = (w * per, h * per)
-                rgb = img.convert("RGB").resize(size, Image.Resampling.BICUBIC)
+                ratio = ratio_of_size(self.config, img.height, img.width)
+                h, w = grid_of_ratio(self.config, ratio)
+                rgb = resize_and_crop(img.convert("RGB"), w * per, h * per)
         except BadRequest:
             raise
         except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for a bad file
@@ -295,8 +304,20 @@ class ARRole(ModelActor):
             rgb.height, rgb.width, 3
         )
 
-    def _condition(self, pixels: torch.Tensor) -> tuple[list[int], list[EmbeddingSpan]]:
-        """A condition image's ids and rows right after <bos>: its clean latent (time 0, 2D
-        positions) and its ViT rows, keyed by content in the prefix cache."""
+    def _condition(self, pixels: torch.Tensor) -> Condition:
+        """A condition image's token counts and rows: its clean latent (time 0) and its ViT
+        rows, keyed by content in the prefix cache."""
         with torch.inference_mode():
-            return condition_image_prompt(self.backbone.parts, self.tokens, pixels, start=1)
+            return encode_condition(self.backbone.parts, pixels)
+
+
+def resize_and_crop(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Scale (LANCZOS) until the image covers width x height, then crop the centre: the
+    release's resize_and_crop, its rounding included."""
+    if image.height / image.width < height / width:
+        size = (int(round(height / image.height * image.width)), height)
+    else:
+        size = (width, int(round(width / image.width * image.height)))
+    image = image.resize(size, resample=Image.Resampling.LANCZOS)
+    top, left = int(round((size[1] - height) / 2.0)), int(round((size[0] - width) / 2.0))
+    return image.crop((left, top, left + width, top + height))

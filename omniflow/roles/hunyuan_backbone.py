@@ -56,11 +56,14 @@ def loading(role: str, folder: str | Path) -> Iterator[None]:
         ) from exc
 
 
-def image_parts(opts: WeightsOptions, role: str = "vae_decoder") -> HunyuanImage3Parts:
+def image_parts(
+    opts: WeightsOptions, role: str = "vae_decoder", decoder_only: bool = False
+) -> HunyuanImage3Parts:
+    """The image parts a role reads from its folder (decoder_only: vae.decoder.* alone)."""
     if opts.build_tiny:
         ensure_tiny(opts.model_path, opts.seed)
     with loading(role, opts.model_path):
-        return load_image_parts(opts.model_path, opts.device)
+        return load_image_parts(opts.model_path, opts.device, decoder_only=decoder_only)
 
 
 @dataclass

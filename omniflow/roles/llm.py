@@ -7,7 +7,8 @@ Input (joined from the client and the encoders):
     tensors["image_embeds"] [N, hidden], data["image_hash"]    from vision_encoder (optional)
     tensors["audio_embeds"] [M, hidden], data["audio_hash"]    from audio_encoder (optional)
     params: want ("text,image,audio"), max_tokens, temperature, top_p, top_k, seed,
-            image_grid [h, w], cfg_scale, audio_chunks, audio_chunk_tokens
+            image_grid [h, w], cfg_scale, audio_chunks, audio_chunk_tokens,
+            audio_first_chunk_tokens (the first chunk sooner; default 1)
     session (the request's): continue that dialogue; its tokens are the prompt's prefix
 Output (streamed):
     {"text": str}                          text deltas (to the client); the last has
@@ -50,6 +51,7 @@ import asyncio
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 from collections import OrderedDict
 from pathlib import Path
@@ -66,12 +68,16 @@ from omniflow.engine import (
     LLMEngine,
     SamplingParams,
 )
+from omniflow.engine.figures import engine_description, engine_figures
 from omniflow.engine.heads import codes_key
 from omniflow.engine.kv_transfer import EnginePrefixes, span_keys
 from omniflow.kv.pull_cost import PullCost
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni import load_depth_head
+from omniflow.models.omni.checkpoint import CheckpointError, is_next_folder
 from omniflow.models.omni.loader import ensure_model, has_model, load_model
+from omniflow.models.omni.next_builder import ensure_next
+from omniflow.models.omni.next_media import load_next_media_heads
 from omniflow.models.tiny.builder import build_tiny_model
 from omniflow.roles.base import ModelActor
 from omniflow.roles.chat_template import ChatTemplate, TemplateError, load_chat_template
@@ -130,6 +136,7 @@ class _Stage(NamedTuple):
     chunk: int  # stream them in chunks of this many (0: all at once)
     cfg: float | None  # classifier-free guidance scale, or None
     grid: list[int] | None  # an image's [h, w]
+    first: int = 0  # the first chunk's tokens (0: chunk)
 
 
 class _Session:
@@ -174,11 +181,18 @@ class LLMRole(ModelActor):
             max_model_len=opts.max_model_len,
         )
         self.tokenizer = load_tokenizer(self.path)
+        try:
+            llm_engine = LLMEngine(self.path, config, kv_pool=self.pool)
+        except CheckpointError as e:
+            raise CheckpointError(f"role {self.role}: {e}") from None
+        except ValueError as e:  # the checkpoint's tensors do not fit: name role and folder
+            raise CheckpointError(f"role {self.role}: {e}") from None
         self.engine = AsyncEngine(
-            LLMEngine(self.path, config, kv_pool=self.pool),
+            llm_engine,
             thread_setup=functools.partial(lower_thread_priority, self.model_nice),
             on_death=self.engine_died,
         )
+        self.generation_defaults = generation_defaults(self.path)
         omni = self.path / "omni"
         self.hidden_size = self.engine.backend.model_config.hidden_size  # type: ignore[attr-defined]
         self.vocab_size: int = self.engine.backend.vocab_size  # type: ignore[attr-defined]
@@ -192,8 +206,12 @@ class LLMRole(ModelActor):
         self.prompts = PromptBuilder(self.tokenizer, template, self.placeholder)
         # The engine runs them (on its thread) after the LLM's step, for media tokens. A
         # plain LLM checkpoint has none (no omni/ folder): it makes text only.
-        self.image_head = self._media_head("image", omni, device)
-        self.audio_head = self._media_head("audio", omni, device)
+        if is_next_folder(self.path):  # the published layout: visual_head, audio_head
+            heads = load_next_media_heads(self.path, self.placeholder, device, self.role)
+            self.image_head, self.audio_head = cast(tuple[Any, Any], heads)
+        else:
+            self.image_head = self._media_head("image", omni, device)
+            self.audio_head = self._media_head("audio", omni, device)
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.max_sessions = opts.max_sessions
         self.leading_media: OrderedDict[int, None] = OrderedDict()  # summary keys, LRU
@@ -212,6 +230,9 @@ class LLMRole(ModelActor):
         )
 
     def _build_tiny(self, preset: str, hidden: int, seed: int) -> None:
+        if preset == "longcat-next-tiny":  # the folder the encoders share (atomic)
+            ensure_next(self.path, seed, hidden)
+            return
         # Only where model_path names no folder yet, atomically (roles/tiny_build.py): an
         # existing checkpoint is never written into.
         build_atomically(self.path, functools.partial(self._build_tiny_into, preset, hidden, seed))
@@ -265,7 +286,9 @@ class LLMRole(ModelActor):
         peers = getattr(self, "kv_peers", None)
         if peers is not None:  # pins go back to the engine before it stops
             await peers.close()
-        await self.engine.close()
+        engine = getattr(self, "engine", None)
+        if engine is not None:  # None: setup failed before the engine was made
+            await engine.close()
         await super().close()
 
     # ------------------------------------------------------------------ requests
@@ -405,9 +428,10 @@ class LLMRole(ModelActor):
             per_chunk = int(request.params.get("audio_chunk_tokens", 4))
             if not (1 <= chunks <= 64 and 1 <= per_chunk <= 256):
                 raise BadRequest("params.audio_chunks", "expected 1..64 chunks of 1..256 tokens")
-            stages.append(
-                _Stage(cast(MediaHead, self.audio_head), chunks * per_chunk, per_chunk, None, None)
-            )
+            # The first chunk sooner: the time to first audio waits for its tokens only.
+            first = int(request.params.get("audio_first_chunk_tokens", 1)) or per_chunk
+            head = cast(MediaHead, self.audio_head)
+            stages.append(_Stage(head, chunks * per_chunk, per_chunk, None, None, first))
         return stages
 
     async def _media(self, rid, stage, tokens, spans, previous, keep, ctx):
@@ -430,10 +454,14 @@ class LLMRole(ModelActor):
                 continue
             yield delta.codes
             buffered += list(delta.codes)
-            while stage.chunk and len(buffered) >= stage.chunk:
-                chunk, buffered = buffered[: stage.chunk], buffered[stage.chunk :]
+            size = (stage.first or stage.chunk) if index == 0 else stage.chunk
+            while stage.chunk and len(buffered) >= size:
+                chunk, buffered = buffered[:size], buffered[size:]
                 yield {"audio_codes": torch.stack(chunk).cpu(), "index": index}
                 index += 1  # streams on while the next chunk is made
+                size = stage.chunk
+        if stage.chunk and buffered:  # what a short first chunk left over
+            yield {"audio_codes": torch.stack(buffered).cpu(), "index": index}
         if stage.grid is not None:
             yield {"image_codes": torch.stack(buffered).cpu(), "image_grid": stage.grid}
 
@@ -451,6 +479,13 @@ class LLMRole(ModelActor):
             meta[KV_PULL_META] = self.kv_endpoint
             meta["kv_pulls"] = dict(self.pulls)
         return meta
+
+    def figures(self) -> dict[str, float]:
+        engine = getattr(self, "engine", None)
+        return {} if engine is None else engine_figures(engine.backend)
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": str(self.path), **engine_description(self.engine.backend)}
 
     def _prefix_holder(self, spans: list[EmbeddingSpan]) -> tuple[int, Any] | None:
         """(summary key, record) of another replica holding the KV of the media that opens a
@@ -568,8 +603,10 @@ class LLMRole(ModelActor):
 
     def _sampling(self, request: Request) -> SamplingParams:
         values = {k: request.params[k] for k in _SAMPLING_KEYS if k in request.params}
-        values.setdefault("max_tokens", 16)
         cap = self.options.max_tokens
+        for key, value in self.generation_defaults.items():  # the checkpoint's, capped
+            values.setdefault(key, min(value, cap) if key == "max_tokens" else value)
+        values.setdefault("max_tokens", 16)
         if isinstance(values["max_tokens"], int) and values["max_tokens"] > cap:
             raise BadRequest(
                 "params.max_tokens", f"{values['max_tokens']} exceeds this role's cap of {cap}"
@@ -578,6 +615,32 @@ class LLMRole(ModelActor):
             return SamplingParams.from_dict(values, request.request_id)
         except (TypeError, ValueError) as e:
             raise BadRequest("params", str(e)) from None
+
+
+# generation_config.json keys -> sampling params (the checkpoint's defaults; a request's own
+# values win).
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(folder: Path) -> dict[str, Any]:
+    """The sampling defaults ``generation_config.json`` sets (``do_sample: false``: greedy)."""
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{file}: not JSON ({e})") from None
+    out = {ours: raw[theirs] for theirs, ours in _GENERATION_KEYS.items() if theirs in raw}
+    if raw.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
 
 
 def _check_length(prompt_len: int, max_tokens: int, limits: Any) -> None:

@@ -93,8 +93,17 @@ class LLMOptions(WeightsOptions, kw_only=True):
     threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
     hidden_size: Hidden = 64
     tiny_preset: Annotated[
-        Literal["llama-mha", "deepseek-v2-tiny", "deepseek-v2-lite-tiny", "longcat-flash-tiny"],
-        Meta(description="architecture of the build_tiny LLM"),
+        Literal[
+            "llama-mha",
+            "deepseek-v2-tiny",
+            "deepseek-v2-lite-tiny",
+            "longcat-flash-tiny",
+            "longcat-next-tiny",
+        ],
+        Meta(
+            description="architecture of the build_tiny LLM (longcat-next-tiny: the one "
+            "published-layout LongCat-Next folder the encoders read too)"
+        ),
     ] = "llama-mha"
     kv_cache_mb: Annotated[int, Meta(ge=1, description="device KV cache MiB")] = 64
     max_model_len: (
@@ -154,6 +163,10 @@ class ImageDecoderOptions(WeightsOptions, kw_only=True):
 
 
 class AudioDecoderOptions(WeightsOptions, kw_only=True):
+    # One thread: a chunk of a few tokens is latency-bound, and the decoder runs while the
+    # llm makes the next codes; two torch pools on the same cores slowed the first chunk
+    # several times over (benchmarks/omni_chat.py --decoder-threads).
+    threads: Annotated[int, Meta(ge=1, description="torch intra-op threads")] | None = 1
     max_chunk_tokens: Annotated[
         int, Meta(ge=1, description="largest chunk of audio tokens accepted")
     ] = 512
@@ -178,6 +191,24 @@ class HunyuanAROptions(BackboneOptions, kw_only=True):
     recaption_tokens: Annotated[
         int, Meta(ge=0, description="tokens of the AR recaption stage (0: none)")
     ] = 0
+    sequence_template: Annotated[
+        Literal["pretrain", "instruct"] | None,
+        Meta(
+            description="the prompt's layout (unset: generation_config.json's "
+            "sequence_template, else 'pretrain')"
+        ),
+    ] = None
+    system_prompt: (
+        Annotated[
+            str,
+            Meta(
+                min_length=1,
+                description="a system prompt ahead of every prompt (unset: none, as "
+                "generation_config.json's use_system_prompt 'None')",
+            ),
+        ]
+        | None
+    ) = None
     max_image_bytes: Annotated[int, Meta(ge=1, description="largest condition image")] = 32 << 20
     max_image_pixels: Annotated[
         int, Meta(ge=1, description="larger condition images are refused before decoding")
@@ -335,6 +366,14 @@ class LLMParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_d
     cfg_scale: Annotated[float, Meta(ge=0, le=30, description="image guidance scale")] = 2.0
     audio_chunks: Annotated[int, Meta(ge=1, le=64, description="audio chunks streamed")] = 3
     audio_chunk_tokens: Annotated[int, Meta(ge=1, le=256, description="audio tokens per chunk")] = 4
+    audio_first_chunk_tokens: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=256,
+            description="audio tokens in the first chunk, sent sooner (0: audio_chunk_tokens)",
+        ),
+    ] = 1
 
 
 class ImageDecoderParams(

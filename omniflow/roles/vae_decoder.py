@@ -33,9 +33,8 @@ class VAEDecoderRole(ModelActor):
 
     async def setup(self) -> None:
         self.start_model_thread()
-        self.parts = await self._run(
-            image_parts, self.options, self.role
-        )  # the VAE is what it uses
+        # The VAE's decoder is all it reads (vae.decoder.*).
+        self.parts = await self._run(image_parts, self.options, self.role, True)
         self.channels = self.parts.config.latent_channels
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:

@@ -124,6 +124,8 @@ class Inbox:
         self._monitor: zmq.Socket | None = None
         self._curve = False
         self._failures = Throttled(log, "dropped a message that its handler could not take: %s")
+        self._draining = False  # inside _drain: it looks at EVENTS again after each message
+        self._drain_due = False  # a _drain is scheduled already
         try:  # a refused bind (address in use) leaves nothing open behind it
             # CURVE on tcp:// when the deployment has keys; ipc:// stays in the 0700 run dir.
             if keys is not None and endpoint.startswith("tcp://"):
@@ -156,7 +158,7 @@ class Inbox:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(fd_of(self._sock), self._drain)
-        self._loop.call_soon(self._drain)  # messages that arrived before the reader
+        self._schedule_drain()  # messages that arrived before the reader
         if self._monitor is not None:
             self._loop.add_reader(fd_of(self._monitor), self._drain_monitor)
             self._loop.call_soon(self._drain_monitor)
@@ -168,12 +170,22 @@ class Inbox:
             self._refusals.note(describe_failure(dict(event)))
 
     def _drain(self) -> None:
+        self._drain_due = False
+        self._draining = True
+        try:
+            more = self._drain_batch()
+        finally:
+            self._draining = False
+        if more:  # more may be queued and the edge is consumed: come back after others ran
+            self._schedule_drain()
+
+    def _drain_batch(self) -> bool:
         sock = self._sock
         get, recv, on_message = sock.get, sock.recv, self._on_message
         for _ in range(_DRAIN_BATCH):
             # Checking EVENTS is far cheaper than letting recv raise EAGAIN.
             if self._closed or not get(_EVENTS) & _POLLIN:
-                return
+                return False
             identity = recv(_NOBLOCK)
             parts: list[Any] = [recv(_NOBLOCK)]
             while get(_RCVMORE):
@@ -182,9 +194,12 @@ class Inbox:
                 on_message(identity, parts)
             except Exception as e:  # one bad message must not stop the drain (the edge is gone)
                 self._failures.note(f"{type(e).__name__}: {e}", exc_info=True)
-        # More may be queued and the edge is consumed: come back after others ran.
-        assert self._loop is not None
-        self._loop.call_soon(self._drain)
+        return True
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_due and not self._closed and self._loop is not None:
+            self._drain_due = True
+            self._loop.call_soon(self._drain)
 
     def reply(self, identity: bytes, parts: list[Any], copy: bool = True) -> bool:
         """Send back to the DEALER that sent ``identity``; False if it is gone or full.
@@ -194,6 +209,14 @@ class Inbox:
             return True
         except zmq.ZMQError:  # EAGAIN (full) or EHOSTUNREACH (gone, with mandatory)
             return False
+        finally:
+            # A send outside _drain (a timer's, another task's) may take the FD's one
+            # readable edge: a message already queued would then wait for the next edge,
+            # which may never come (the registry after a SIGCONT: every lease reaped at
+            # once, each delete a watch event sent from the reaper, workers' keepalives
+            # queued behind them, unanswered for good).
+            if not self._draining:
+                self._schedule_drain()
 
     def close(self) -> None:
         if self._closed:

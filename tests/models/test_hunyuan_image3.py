@@ -157,7 +157,9 @@ def test_image_parts_load_and_run(folder):
     image = parts.decode_image(latent)
     assert image.shape == (48, 80, 3) and image.dtype == torch.uint8
     assert parts.encode_image(image).shape == (32, 3, 5)
-    assert parts.vit_rows(image).shape == (15, 64)  # SigLIP2: a 3 x 5 patch grid within 16
+    # SigLIP2: a 3 x 5 patch grid within 16, padded to the processor's 16 (max_num_patches)
+    assert parts.vision_model.patch_grid(48, 80) == (3, 5)
+    assert parts.vit_rows(image).shape == (16, 64)
     assert parts.timestep_row(0.0).shape == (1, 64)
     with pytest.raises(ValueError, match="multiples of 16"):
         parts.encode_image(torch.zeros(20, 32, 3, dtype=torch.uint8))

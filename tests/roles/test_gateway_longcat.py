@@ -214,7 +214,10 @@ def test_speech_streams_sse_deltas_as_the_decoder_makes_them(client):
     metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
     first = [m for m in metrics.splitlines() if m.startswith("omniflow_time_to_first_audio")]
     assert any('route="speech"' in m and 'role="audio_decoder"' in m for m in first)
-    assert 'omniflow_audio_real_time_factor_count{role="audio_decoder",route="speech"}' in metrics
+    assert (
+        'omniflow_audio_real_time_factor_count{replica="0",role="audio_decoder",route="speech"}'
+        in metrics
+    )
 
 
 def test_speech_as_a_wav_stream_and_refused_formats(client):

@@ -77,11 +77,6 @@ def _healthy_within(url: str, since: float, limit: float) -> float:
     return time.monotonic() - since
 
 
-# Passed on its branch (0.05 s / 0.03 s back after SIGCONT). Bisected after the merge: that
-# branch plus the tensor-path branch (issue 39) fails: after the supervisor's SIGCONT the
-# workers' next two heartbeats time out (5 s each) and /health is back only after ~12 s.
-# Known failure, left visible rather than weakened: issue 40 stays open on it.
-@pytest.mark.xfail(reason="issue 40: registry silent after SIGCONT since the merge", strict=False)
 def test_health_comes_back_after_the_supervisor_and_a_role_were_stopped(deployment):
     url, state = deployment
     assert _status(url) == 200

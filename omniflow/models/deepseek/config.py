@@ -7,13 +7,22 @@ tables are built for it alone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omniflow.models.llama.config import DecoderConfig, _rope_parameters
 
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "LongcatFlashForCausalLM")
 TOPK_METHODS = ("greedy", "group_limited_greedy")
+NGRAM_KEYS = (
+    "emb_neighbor_num",
+    "emb_split_num",
+    "text_vocab_size",
+    "ngram_vocab_size_ratio",
+    "eos_token_id",
+    "text_vocab_plus_multimodal_special_token_size",
+    "hidden_size",
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,11 @@ class MLAConfig(DecoderConfig):
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
     router_bias: bool = False
+    # LongCat-Next (model_type longcat_next): lm_head's rows (the text vocabulary and the
+    # multimodal specials; the word embedding also has the codebook rows), 0: vocab_size;
+    # and the n-gram input embedding's config.json keys (None: none).
+    output_vocab_size: int = 0
+    ngram: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     @property
     def is_longcat(self) -> bool:
@@ -79,6 +93,9 @@ class MLAConfig(DecoderConfig):
             "deepseek_v2": "DeepseekV2ForCausalLM",
             "longcat_flash": "LongcatFlashForCausalLM",
         }.get(raw.get("model_type", ""), "")
+        next_ = raw.get("model_type") == "longcat_next"
+        if next_:  # its decoder layers are LongCat-Flash's
+            architecture = "LongcatFlashForCausalLM"
         if architecture not in MLA_ARCHITECTURES:
             raise NotImplementedError(f"config.json architecture {architecture!r} is not MLA")
         if raw.get("hidden_act", "silu") != "silu":
@@ -133,4 +150,8 @@ class MLAConfig(DecoderConfig):
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
             router_bias=bool(raw.get("router_bias", False)),
+            output_vocab_size=int(raw["text_vocab_plus_multimodal_special_token_size"])
+            if next_
+            else 0,
+            ngram={k: raw[k] for k in NGRAM_KEYS if k in raw} if next_ else None,
         )

@@ -22,6 +22,7 @@ from omniflow.models.deepseek.config import MLAConfig
 from omniflow.models.deepseek.mla import InterleavedRotary, MLAttention, latent_causal_attention
 from omniflow.models.deepseek.moe import MoE, MoEDecoderLM
 from omniflow.models.llama.decoder import AttentionFn, DecoderBody, RMSNorm, SwiGLU
+from omniflow.models.omni.ngram import NgramEmbedding
 
 if TYPE_CHECKING:
     from omniflow.kernels import CpuKernels
@@ -117,6 +118,21 @@ class MLADecoderLM(MoEDecoderLM):
 
     def __init__(self, config: MLAConfig):
         super().__init__(config)
+        self.ngram: NgramEmbedding | None = None
+        if config.output_vocab_size:
+            self.lm_head = nn.Linear(config.hidden_size, config.output_vocab_size, bias=False)
+        if config.ngram is not None:
+            self.ngram = NgramEmbedding(config.ngram)
+            self.model.ngram_embeddings = self.ngram  # its published names
+            self.input_context = self.ngram.context
+
+    def embed(self, input_ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        word = self.model.embed_tokens(input_ids)
+        if self.ngram is None:
+            return word
+        if context is None:
+            raise ValueError("an n-gram input embedding needs each row's predecessors (context)")
+        return self.ngram.rows(input_ids, context, word)
 
     def materialized(self) -> None:
         """After `to_empty`: routers back to float32 in a half-precision model (transformers
@@ -136,6 +152,7 @@ class MLADecoderLM(MoEDecoderLM):
             raise RuntimeError("load_weights after use_packed_weights: load into a new model")
         params = dict(self.named_parameters()) | dict(self.named_buffers())
         loaded: set[str] = set()
+        seen: dict[str, set[tuple[int, str]]] = {}  # fused experts -> (expert, kind) loaded
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or name.startswith("model.mtp."):
                 continue
@@ -147,22 +164,59 @@ class MLADecoderLM(MoEDecoderLM):
                 ".mlp.router.e_score_correction_bias", ".mlp.e_score_correction_bias"
             )
             target, view = self._target(name, params)
+            expert = _EXPERT.match(name)
+            if expert:
+                seen.setdefault(expert[1], set()).add((int(expert[2]), expert[3]))
+            if tensor.shape != view.shape:
+                tensor = self._fit(name, tensor, view)
             with torch.no_grad():
-                tensor = tensor.to(view.dtype)
-                view.copy_(tensor[: view.shape[0]] if tensor.shape != view.shape else tensor)
+                view.copy_(tensor.to(view.dtype))
             loaded.add(target)
+        self._all_experts(seen)
         return loaded
+
+    def _all_experts(self, seen: dict[str, set[tuple[int, str]]]) -> None:
+        """Per-expert tensors fill the fused ones: every routed expert's three must come."""
+        kinds = ("gate_proj", "up_proj", "down_proj")
+        for prefix, got in seen.items():
+            for index in range(self.config.n_routed_experts):
+                for kind in kinds:
+                    if (index, kind) not in got:
+                        raise ValueError(
+                            f"checkpoint tensor {prefix}.{index}.{kind}.weight missing"
+                        )
+
+    def _fit(self, name: str, tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        """A fused experts tensor with rows for the weightless zero experts (transformers'
+        save_pretrained writes them) keeps its routed experts' rows; any other shape that
+        differs is an error (always, in the published LongCat-Next layout)."""
+        fused_extra = (
+            ".experts." in name
+            and self.ngram is None
+            and tensor.shape[1:] == view.shape[1:]
+            and tensor.shape[0] > view.shape[0]
+        )
+        if not fused_extra:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {list(tensor.shape)}, "
+                f"expected {list(view.shape)}"
+            )
+        return tensor[: view.shape[0]]
 
     def _target(self, name: str, params: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
         expert = _EXPERT.match(name)
         if expert:
             prefix, index, kind = expert.groups()
+            target = f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+            stacked = self._param(params, target, name)
+            if int(index) >= stacked.shape[0]:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {self.config.architecture}: "
+                    f"expert {index}, but the config has {stacked.shape[0]} routed experts"
+                )
             if kind == "down_proj":
-                target = f"{prefix}.down_proj"
-                return target, self._param(params, target, name)[int(index)]
-            target = f"{prefix}.gate_up_proj"
-            fused = self._param(params, target, name)[int(index)]
-            return target, fused.chunk(2)[kind == "up_proj"]
+                return target, stacked[int(index)]
+            return target, stacked[int(index)].chunk(2)[kind == "up_proj"]
         gate_up = _GATE_UP.match(name)
         if gate_up:
             target = f"{gate_up.group(1)}.gate_up_proj.weight"

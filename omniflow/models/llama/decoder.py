@@ -228,7 +228,13 @@ class DecoderLM(nn.Module):
             return cpu_layouts.packed_linear(x, self._packed_output)
         return nn.functional.linear(x, self.model.embed_tokens.weight)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    # How many predecessors each row's input embedding reads (LongCat-Next's n-gram
+    # embedding); 0: the token's own row. The engine passes them as forward's ``context``.
+    input_context = 0
+
+    def embed(self, input_ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """Input rows of ``input_ids``; ``context`` [T, input_context]: each row's
+        predecessors, for a model whose input embedding reads them."""
         return self.model.embed_tokens(input_ids)
 
     def forward(
@@ -241,6 +247,7 @@ class DecoderLM(nn.Module):
         embed_values: torch.Tensor | None = None,
         hidden: bool = False,
         unnormed_from: int | None = None,
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Flat batch: input_ids, positions [tokens]. Returns logits [len(logits_rows), vocab],
         or with ``hidden`` the final normed hidden states of those rows [rows, hidden_size]
@@ -250,9 +257,9 @@ class DecoderLM(nn.Module):
         placeholder positions) with precomputed embeddings. With ``hidden`` and
         ``unnormed_from``, the rows from that index on come back before the final norm (a
         model whose block steps' own head reads the last layer's output,
-        ``block_rows_unnormed``).
+        ``block_rows_unnormed``). ``context``: see `embed`.
         """
-        x = self.embed(input_ids)
+        x = self.embed(input_ids, context)
         if embed_rows is not None and embed_rows.numel():
             if embed_values is None:
                 raise ValueError("embed_rows needs embed_values")

@@ -171,3 +171,14 @@ def write_checkpoint(
 def has_checkpoint(folder: str | Path) -> bool:
     folder = Path(folder)
     return (folder / CONFIG_FILE).is_file() and (folder / INDEX_FILE).is_file()
+
+
+def is_next_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a published-layout LongCat-Next checkpoint."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("model_type") == "longcat_next"
+    except ValueError:
+        return False

@@ -4,7 +4,8 @@ One folder: ``config.json`` (``model_type: longcat_next``, ``visual_config`` = Q
 keys + ``vq_config``, ``audio_config`` = Whisper keys + ``vq_config``, the vocabulary offsets),
 ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` with the published
 tensor names of the parts implemented here (vision tokenizer, audio tokenizer, the word
-embedding whose code rows they read, the n-gram embedding, the depth heads),
+embedding, the LLM's LongCat-Flash decoder layers, final norm and ``lm_head``, the n-gram
+embedding, the depth heads), ``tokenizer.json`` (the tiny BPE + the multimodal specials),
 ``generation_config.json`` and ``tokenizer_config.json`` naming the multimodal special tokens at their published ids relative to ``text_vocab_size``.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import AddedToken, Tokenizer
 
 from omniflow.models.omni.checkpoint import has_checkpoint, write_checkpoint
 from omniflow.models.omni.next_audio import PREFIX as AUDIO_PREFIX
@@ -22,6 +24,15 @@ from omniflow.models.omni.next_audio import NextAudioTokenizer
 from omniflow.models.omni.next_heads import NGRAM_PREFIX, NgramEmbedding, head_for
 from omniflow.models.omni.next_vision import EMBED, NextVisionTokenizer
 from omniflow.models.omni.next_vision import PREFIX as VISION_PREFIX
+from omniflow.models.tiny.builder import TinySpec
+from omniflow.models.tiny.mla import mla_random_state_dict
+from omniflow.models.tiny.tokenizer import (
+    BOS,
+    EOS,
+    PAD,
+    TINY_CHAT_TEMPLATE,
+    build_tiny_tokenizer,
+)
 
 # Published ids minus text_vocab_size 131072 (vLLM's longcat_next.py defaults / config.json).
 SPECIAL_TOKENS = {
@@ -70,7 +81,9 @@ def tiny_config(
         "ngram_vocab_size_ratio": 4,
         "bos_token_id": 1,
         "eos_token_id": 2,
+        "pad_token_id": 0,
         "torch_dtype": "float32",
+        **_llm_config(hidden_size),
         "visual_config": {
             "depth": 2,
             "hidden_size": 32,
@@ -90,7 +103,7 @@ def tiny_config(
             "image_start_token_id": ids["<longcat_img_start>"],
             "image_end_token_id": ids["<longcat_img_end>"],
             "image_pad_token_id": ids["<longcat_img_pad>"],
-            "image_newline_token_id": ids["<longcat_img_newline>"],
+            "image_line_token_id": ids["<longcat_img_newline>"],
             "vq_config": {
                 "quantizer_type": "rq",
                 "depth": len(visual_sizes),
@@ -142,6 +155,7 @@ def tiny_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tenso
             "audio_head.": head_for(config, "audio"),
         }
     tensors: dict[str, torch.Tensor] = {EMBED: embed}
+    tensors |= _llm_tensors(config, seed)
     for prefix, module in parts.items():
         tensors.update({prefix + n: t for n, t in module.state_dict().items()})
     for part in ("visual_model", "visual_bridge_model", "visual_embedding_layer"):
@@ -153,15 +167,95 @@ def tiny_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tenso
     return tensors
 
 
-def _text_files(config: dict[str, Any]) -> dict[str, str]:
+def _llm_config(hidden: int) -> dict[str, Any]:
+    """LongCat-Flash's decoder keys (LongcatNextConfig subclasses LongcatFlashConfig)."""
+    return {
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "ffn_hidden_size": 2 * hidden,
+        "expert_ffn_hidden_size": 32,
+        "n_routed_experts": 6,
+        "zero_expert_num": 2,
+        "moe_topk": 2,
+        "routed_scaling_factor": 2.5,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "head_dim": 8,
+        "v_head_dim": 16,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+
+
+def _llm_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """The decoder layers, final norm and lm_head under LongCat-Flash's Hugging Face names
+    (one tensor per expert, as the published shards hold them)."""
+    spec = TinySpec(
+        architecture="LongcatFlashForCausalLM",
+        vocab_size=config["text_vocab_plus_multimodal_special_token_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["ffn_hidden_size"],
+        num_hidden_layers=config["num_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_attention_heads"],
+        extra={
+            "n_routed_experts": config["n_routed_experts"],
+            "zero_expert_num": config["zero_expert_num"],
+            "num_experts_per_tok": config["moe_topk"],
+        },
+    )
+    tensors = mla_random_state_dict(spec, seed + 5)
+    del tensors[EMBED]  # the whole table (codebook rows too) is the builder's
+    return tensors
+
+
+def _text_files(config: dict[str, Any], tokenizer: Tokenizer) -> dict[str, str]:
     base = config["text_vocab_size"]
     added = {str(base + i): {"content": t, "special": True} for t, i in SPECIAL_TOKENS.items()}
-    generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 64}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "model_max_length": 1 << 30,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": added,
+    }
     return {
         "config.json": json.dumps(config, indent=2) + "\n",
         "generation_config.json": json.dumps(generation, indent=2) + "\n",
-        "tokenizer_config.json": json.dumps({"added_tokens_decoder": added}, indent=2) + "\n",
+        "tokenizer_config.json": json.dumps(tokenizer_config, indent=2) + "\n",
+        "tokenizer.json": tokenizer.to_str(),
     }
+
+
+# The tiny chat template ("role: text</s>"), each image / audio part between the published
+# start and end tokens.
+CHAT_TEMPLATE = TINY_CHAT_TEMPLATE.replace(
+    "<image>", "<longcat_img_start><image><longcat_img_end>"
+).replace("<audio>", "<longcat_audio_start><audio><longcat_audio_end>")
+
+
+def tiny_tokenizer(config: dict[str, Any]) -> Tokenizer:
+    """The tiny byte-level BPE over ``text_vocab_size`` ids, then the multimodal specials at
+    their published ids (the unnamed ones as ``<longcat_reserved_i>``)."""
+    base = int(config["text_vocab_size"])
+    tokenizer = build_tiny_tokenizer(base)
+    fill = [f"<longcat_reserved_{i}>" for i in range(tokenizer.get_vocab_size(), base)]
+    names = {i: t for t, i in SPECIAL_TOKENS.items()}
+    specials = [names.get(i, f"<longcat_reserved_{base + i}>") for i in range(N_SPECIAL)]
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in fill + specials])
+    for token, offset in SPECIAL_TOKENS.items():
+        if tokenizer.token_to_id(token) != base + offset:
+            raise RuntimeError(f"tiny tokenizer put {token} at {tokenizer.token_to_id(token)}")
+    return tokenizer
 
 
 def build_tiny_next(
@@ -169,7 +263,8 @@ def build_tiny_next(
 ) -> Path:
     """Write the tiny published-layout checkpoint into ``folder``."""
     config = tiny_config(hidden_size, quant_conv=quant_conv)
-    return write_checkpoint(folder, tiny_tensors(config, seed), _text_files(config), shards=3)
+    files = _text_files(config, tiny_tokenizer(config))
+    return write_checkpoint(folder, tiny_tensors(config, seed), files, shards=3)
 
 
 def ensure_next(folder: str | Path, seed: int = 0, hidden_size: int = 64) -> Path:

@@ -1,7 +1,7 @@
 """LongCat-Next's LLM-side extras in the published names: the n-gram input embedding
 (``model.ngram_embeddings.{embedders,post_projs}.i``) and the depth heads ``visual_head`` /
-``audio_head``. Equations as vLLM's ``longcat_next.py`` implements them; the LLM role does
-not use these yet (its decoder is being restructured), see docs/models.md.
+``audio_head`` (the heads as the checkpoint's ``CasualDepthTransformerHead`` runs them:
+autoregressive over the code levels; the n-gram equations as vLLM's ``longcat_next.py``).
 """
 
 from __future__ import annotations
@@ -13,61 +13,9 @@ import torch
 from torch import nn
 
 from omniflow.models.omni.checkpoint import load_part, read_config
+from omniflow.models.omni.ngram import NGRAM_PREFIX, NgramEmbedding
 
-NGRAM_PREFIX = "model.ngram_embeddings."
 HEAD_DIM = 128  # the depth heads' attention head size (fixed in the published code)
-
-
-class NgramEmbedding(nn.Module):
-    """Word embedding + hashed 2..n-gram tables, averaged (multimodal specials excluded)."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__()
-        self.n = int(config["emb_neighbor_num"])
-        self.k = int(config["emb_split_num"])
-        self.vocab = int(config["text_vocab_size"])
-        self.m = int(config["ngram_vocab_size_ratio"]) * self.vocab
-        self.eos = int(config.get("eos_token_id", 2))
-        special_end = int(config["text_vocab_plus_multimodal_special_token_size"])
-        self.ignored = (self.vocab, special_end)
-        count = self.k * (self.n - 1)
-        dim = int(config["hidden_size"]) // count
-        self.embedders = nn.ModuleList(nn.Embedding(self.m + 2 * i + 1, dim) for i in range(count))
-        self.post_projs = nn.ModuleList(
-            nn.Linear(dim, int(config["hidden_size"]), bias=False) for _ in range(count)
-        )
-
-    def _shifted(self, ctx: torch.Tensor, shift: int) -> torch.Tensor:
-        """ctx[t - shift] inside t's segment (segments end at EOS or 0), else 0."""
-        idx = torch.arange(ctx.numel())
-        boundary = (ctx == self.eos) | (ctx == 0)
-        after = torch.where(boundary, idx + 1, torch.zeros_like(idx)).cummax(0).values
-        start = torch.cat([torch.zeros(1, dtype=idx.dtype), after[:-1]])
-        src = idx - shift
-        valid = (src >= start) & ~boundary
-        return torch.where(valid, ctx[src.clamp(min=0)], torch.zeros_like(ctx))
-
-    def forward(self, ids: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
-        """Input vectors [T, hidden] of token ids [T] given their word embeddings [T, hidden]."""
-        ignored = (ids >= self.ignored[0]) & (ids < self.ignored[1])
-        ctx = torch.where(ignored, torch.zeros_like(ids), ids)
-        x = word.clone()
-        if ids.numel() >= 2:
-            shifted = {s: self._shifted(ctx, s) for s in range(1, self.n)}
-            for i in range(2, self.n + 1):
-                for j in range(self.k):
-                    index = (i - 2) * self.k + j
-                    size = self.m + 2 * index + 1
-                    h = ctx.clone()
-                    power = 1
-                    for s in range(1, i):
-                        power = power * self.vocab % size
-                        h = h + shifted[s] * power
-                    h = h % size
-                    table = self.embedders[index](h) * (h > 0).unsqueeze(-1).to(word.dtype)
-                    x = x + self.post_projs[index](table)
-        scale = 1 + self.k * (self.n - 1)
-        return torch.where(ignored.unsqueeze(-1), x, x / scale)
 
 
 class _RMSNorm(nn.Module):
@@ -136,9 +84,19 @@ class NextDepthHead(nn.Module):
         self.headnorm = _RMSNorm(dim)
         self.heads = nn.ModuleList(nn.Linear(dim, n + 1) for n in sizes)
 
-    def forward(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        """Per-level logits [B, size_l + 1] of LLM hidden states [B, hidden]."""
-        x = self.hidden_proj(self.hidden_norm(hidden[:, None].expand(-1, self.depth, -1)))
+    def forward(
+        self, hidden: torch.Tensor, previous: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Per-level logits [B, size_l + 1] of LLM hidden states [B, hidden], given
+        ``previous`` [B, depth - 1, hidden]: at l, the sum of the word-embedding rows of
+        levels 0..l of the code (the checkpoint's ``CasualDepthTransformerHead``: position 0
+        is the hidden state, position l + 1 that running sum; causal, so level l's logits
+        read only the levels before it). None: zeros (only level 0's logits are then the
+        model's)."""
+        if previous is None:
+            previous = hidden.new_zeros(hidden.shape[0], self.depth - 1, hidden.shape[-1])
+        x = torch.cat([hidden[:, None], previous.to(hidden.dtype)], 1)
+        x = self.hidden_proj(self.hidden_norm(x))
         for layer in self.transformer_layers:
             x = layer(x)
         x = self.headnorm(x)

@@ -158,7 +158,7 @@ class _PreBuffer(nn.Module):
         return x + self.mlp(self.pre_layernorm(x))
 
 
-class _EmbeddingLayer(nn.Module):
+class EmbeddingLayer(nn.Module):
     def __init__(self, hidden: int, inter: int, eps: float) -> None:
         super().__init__()
         self.pre_buffer = _PreBuffer(hidden, inter, eps)
@@ -205,7 +205,7 @@ class NextVisionTokenizer(nn.Module):
         self.visual_model = Qwen2_5_VisionTransformerPretrainedModel._from_config(vconf)
         self.visual_bridge_model = _Bridge(vconf, vq)
         self.visual_model.merger = _Borrowed(self.visual_bridge_model.bridge)
-        self.visual_embedding_layer = _EmbeddingLayer(
+        self.visual_embedding_layer = EmbeddingLayer(
             hidden,
             int(config["visual_embedding_layer_intermediate_size"]),
             float(config.get("rms_norm_eps", 1e-5)),

@@ -46,6 +46,7 @@ from omniflow.roles.gateway.http import (
 )
 from omniflow.roles.gateway.metrics import Metrics
 from omniflow.roles.gateway.multipart import form_fields, text_field
+from omniflow.roles.gateway.realtime import Realtime
 from omniflow.roles.gateway.replies import (
     AUDIO_RATE,
     ChatChunks,
@@ -110,12 +111,15 @@ class GatewayApp:
             ("GET", "/metrics"): self.prometheus,
             ("GET", "/"): self.playground,
         }
+        self._realtime = Realtime(self)
         self._cors = Cors(self._route, options.cors_origins) if options.cors_origins else None
         page = (Path(__file__).parent / "playground.html").read_text()
         self._page = page.replace("__MODEL__", json.dumps(self.name)).encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if self._cors is not None:
+        if scope["type"] == "websocket":
+            await self._realtime(scope, receive, send)
+        elif self._cors is not None:
             await self._cors(scope, receive, send)
         else:
             await self._route(scope, receive, send)
@@ -156,12 +160,8 @@ class GatewayApp:
     # ------------------------------------------------------------------ simple routes
 
     async def models(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:
-        model = {
-            "id": self.name,
-            "object": "model",
-            "created": self.started,
-            "owned_by": "omniflow",
-        }
+        model: dict[str, Any] = {"id": self.name, "object": "model", "owned_by": "omniflow"}
+        model["created"] = self.started
         await answer(send, 200, {"object": "list", "data": [model]})
         return 200
 
@@ -397,7 +397,7 @@ class GatewayApp:
                 async for item in stream:
                     if isinstance(item, Result):
                         self.metrics.usage(item.usage)
-                        clock.done()
+                        clock.done(item)
                         if not opened:
                             await open_sse(send)
                         body = chunks.last(item) + b"data: [DONE]\n\n"

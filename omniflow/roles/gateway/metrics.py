@@ -47,16 +47,17 @@ class Metrics:
         )
         self.first_audio = Histogram(
             "omniflow_time_to_first_audio_seconds",
-            "time from a request's arrival to its first audio chunk, by the role that made it",
-            ["route", "role"],
+            "time from a request's arrival to its first audio chunk, by the role (and replica) "
+            "that made it",
+            ["route", "role", "replica"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.audio_rtf = Histogram(
             "omniflow_audio_real_time_factor",
             "wall time to a request's last audio chunk over the audio's duration (< 1: faster "
-            "than real time), by the role that made it",
-            ["route", "role"],
+            "than real time), by the role (and replica) that made it",
+            ["route", "role", "replica"],
             buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
             registry=self.registry,
         )
@@ -105,11 +106,13 @@ class Metrics:
 
 
 class AudioClock:
-    """One request's audio: the first chunk's time, then the real-time factor at the end."""
+    """One request's audio: the first chunk's time and the real-time factor, observed at
+    its end, when the request's timings name the replica that made the audio."""
 
     def __init__(self, metrics: Metrics, route: str, started: float) -> None:
         self.metrics, self.route, self.started = metrics, route, started
         self.role = ""
+        self.first = 0.0
         self.seconds = 0.0
         self.last = started
 
@@ -119,12 +122,19 @@ class AudioClock:
             return
         now = time.perf_counter()
         if not self.role:
-            self.role = role
-            self.metrics.first_audio.labels(self.route, role).observe(now - self.started)
+            self.role, self.first = role, now - self.started
         self.seconds += len(pcm) / 2 / int(data.get("sample_rate", default_rate))
         self.last = now
 
-    def done(self) -> None:
-        if self.role and self.seconds > 0:
-            rtf = (self.last - self.started) / self.seconds
-            self.metrics.audio_rtf.labels(self.route, self.role).observe(rtf)
+    def done(self, result: Any = None) -> None:
+        """At the request's ``Result`` (its ``timings`` name each role's replica)."""
+        if not self.role:
+            return
+        timings = getattr(result, "timings", None) or []
+        replica = next((str(t.replica) for t in timings if t.role == self.role), "")
+        labels = (self.route, self.role, replica)
+        self.metrics.first_audio.labels(*labels).observe(self.first)
+        if self.seconds > 0:
+            self.metrics.audio_rtf.labels(*labels).observe(
+                (self.last - self.started) / self.seconds
+            )

@@ -57,7 +57,7 @@ async def stream_speech(
     async with contextlib.aclosing(cast(Any, stream)) as items:
         async for item in items:
             if isinstance(item, Result):
-                clock.done()
+                clock.done(item)
                 if not opened:
                     await open_(AUDIO_RATE)
                 body = b""

@@ -71,6 +71,7 @@ def _published_names(config) -> set[str]:
         names |= {
             f"{bridge}vq_list.{i}.codebook.{t}" for t in ("embed", "embed_avg", "cluster_size")
         }
+    names |= _llm_names(config)
     for i in range(config["emb_split_num"] * (config["emb_neighbor_num"] - 1)):
         names |= {f"model.ngram_embeddings.{t}.{i}.weight" for t in ("embedders", "post_projs")}
     for head in ("visual_head.", "audio_head."):
@@ -89,6 +90,31 @@ def _published_names(config) -> set[str]:
     return names
 
 
+def _llm_names(config) -> set[str]:
+    """transformers' LongcatFlashForCausalLM names, its fused experts as the checkpoint holds
+    them (one tensor per routed expert; none for the zero experts)."""
+    from transformers import LongcatFlashConfig, LongcatFlashForCausalLM
+
+    keys = (
+        "hidden_size num_layers num_attention_heads ffn_hidden_size expert_ffn_hidden_size "
+        "n_routed_experts zero_expert_num moe_topk q_lora_rank kv_lora_rank "
+        "qk_nope_head_dim qk_rope_head_dim head_dim v_head_dim vocab_size"
+    ).split()
+    model = LongcatFlashForCausalLM(LongcatFlashConfig(**{k: config[k] for k in keys}))
+    names = set()
+    for n in model.state_dict():
+        if n.endswith(".experts.gate_up_proj"):
+            base = n[: -len("gate_up_proj")]
+            for e in range(config["n_routed_experts"]):
+                names |= {f"{base}{e}.gate_proj.weight", f"{base}{e}.up_proj.weight"}
+        elif n.endswith(".experts.down_proj"):
+            base = n[: -len("down_proj")]
+            names |= {f"{base}{e}.down_proj.weight" for e in range(config["n_routed_experts"])}
+        else:
+            names.add(n)
+    return names
+
+
 def test_builder_writes_the_published_names_and_files(folder):
     config = read_config(folder, "test")
     assert config["model_type"] == "longcat_next"
@@ -99,6 +125,14 @@ def test_builder_writes_the_published_names_and_files(folder):
     added = json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     start = config["visual_config"]["image_start_token_id"]
     assert added[str(start)]["content"] == "<longcat_img_start>"
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for content in ("<longcat_img_start>", "<longcat_audiogen_start>", "<longcat_img_pad>"):
+        token = next(v for v in added.values() if v["content"] == content)
+        assert tokenizer.encode(content, add_special_tokens=False).ids == [
+            int(next(k for k, v in added.items() if v is token))
+        ]
 
 
 def _edit(folder, tmp_path, edit) -> object:
@@ -320,10 +354,13 @@ def _rms(x, w):
     return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def _head_reference(hidden: torch.Tensor, t: dict, p: str, depth: int) -> list[torch.Tensor]:
-    """The depth head from the published equations, one depth position at a time."""
-    x = _rms(hidden, t[p + "hidden_norm.weight"]) @ t[p + "hidden_proj.weight"].t()
-    x = x[:, None].repeat(1, depth, 1)
+def _head_reference(
+    hidden: torch.Tensor, t: dict, p: str, depth: int, previous: torch.Tensor
+) -> list[torch.Tensor]:
+    """The depth head from the published equations (the checkpoint's
+    CasualDepthTransformerHead): positions [hidden, previous rows...], one at a time."""
+    x = torch.cat([hidden[:, None], previous], 1)
+    x = _rms(x, t[p + "hidden_norm.weight"]) @ t[p + "hidden_proj.weight"].t()
     lp = p + "transformer_layers.0."
     a = lp + "self_attention."
     h_in = _rms(x, t[lp + "layernorm1.weight"])
@@ -353,14 +390,20 @@ def test_depth_heads_match_reference(folder):
     config = read_config(folder, "test")
     t = _tensors(folder)
     _, visual, audio = load_next_heads(folder)
-    hidden = torch.randn(3, config["hidden_size"], generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(3, config["hidden_size"], generator=g)
+    previous = torch.randn(3, 7, config["hidden_size"], generator=g) * 0.1
     for head, prefix, sub in (
         (visual, "visual_head.", "visual_config"),
         (audio, "audio_head.", "audio_config"),
     ):
         with torch.no_grad():
-            got = head(hidden)
-        want = _head_reference(hidden, t, prefix, 8)
+            got = head(hidden, previous)
+            # Causal over the levels: level l's logits do not read the rows after it.
+            later = previous.clone()
+            later[:, 3:] = 0
+            torch.testing.assert_close(head(hidden, later)[3], got[3])
+        want = _head_reference(hidden, t, prefix, 8, previous)
         sizes = config[sub]["vq_config"]["codebook_sizes"]
         assert [g.shape[-1] for g in got] == [n + 1 for n in sizes]
         for g, w in zip(got, want, strict=True):
