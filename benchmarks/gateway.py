@@ -90,7 +90,7 @@ class Http:
         return data
 
     async def get(self, path: str) -> bytes:
-        self.writer.write(f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
+        self.writer.write(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
         await self.reader.readuntil(b"\r\n")
         headers = await self.reader.readuntil(b"\r\n\r\n")
         length = next(

@@ -5,6 +5,7 @@ foreign Host or Origin is a 403 and an untyped JSON post a 415 (CSRF, DNS rebind
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -15,7 +16,7 @@ import pytest
 
 import omniflow
 from tests.helpers import cli
-from tests.security.gateway_live import LiveGateway
+from tests.security.gateway_live import KEY, LiveGateway
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +135,18 @@ def test_metrics_need_the_key_and_health_does_not(gw):
     assert gw.request("GET", "/metrics")[0] == 200
     assert gw.request("GET", "/health", headers=bare)[0] == 200
     assert gw.request("GET", "/", headers=bare)[0] == 200  # the playground page asks for it
+
+
+def test_a_websocket_upgrade_from_a_foreign_origin_is_refused(gw):
+    import websockets
+
+    ws_url = f"ws://{gw.host}:{gw.port}/v1/realtime?model={gw.name}"
+    header = {"Authorization": f"Bearer {KEY}", "Origin": "http://evil.example"}
+
+    async def main():
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(ws_url, additional_headers=header):
+                pass
+        return refused.value.response.status_code
+
+    assert asyncio.run(main()) == 403

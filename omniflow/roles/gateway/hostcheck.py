@@ -8,7 +8,8 @@ A web page on another site must not reach a gateway on loopback (CSRF: a form PO
   ``[gateway] allowed_hosts`` (``"*"``: any; a wildcard bind with none listed checks
   none). Else 403, naming the header.
 - ``Origin``, when a browser sends one, must be the gateway itself (same host and port)
-  or one of ``[gateway] cors_origins``. Else 403.
+  or one of ``[gateway] cors_origins``. Else 403. Both apply to WebSocket upgrades
+  (``/v1/realtime``) too: a refused one is closed before it is accepted (HTTP 403).
 - A POST to a JSON route must say ``Content-Type: application/json`` (a form cannot);
   else 415. Multipart routes (``/v1/images/edits``) check their own type.
 """
@@ -48,8 +49,12 @@ class HostCheck:
         self.origins = {o.rstrip("/").lower().encode() for o in cors_origins}
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             refusal = self.refusal(scope)
+            if refusal is not None and scope["type"] == "websocket":  # a 403 to the upgrade
+                await receive()  # websocket.connect
+                await send({"type": "websocket.close", "code": 1008, "reason": refusal[1][:120]})
+                return
             if refusal is not None:
                 status, message, param = refusal
                 error = {"message": message, "type": "invalid_request_error", "param": param}
@@ -70,7 +75,7 @@ class HostCheck:
                 f"Origin {shown!r} may not call this gateway ([gateway] cors_origins)",
                 ("Origin"),
             )
-        if scope["method"] == "POST" and scope["path"] in JSON_ROUTES:
+        if scope.get("method") == "POST" and scope["path"] in JSON_ROUTES:
             kind = (header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
             if kind != b"application/json":
                 shown = kind.decode("latin-1")[:100] or "none"
@@ -86,4 +91,5 @@ class HostCheck:
             return True
         scheme, sep, authority = origin.lower().partition(b"://")
         # Same origin: the page was served by this gateway, under the Host it asked for.
-        return bool(sep) and scheme in (b"http", b"https") and authority == (host or b"").lower()
+        same = scheme in (b"http", b"https", b"ws", b"wss")
+        return bool(sep) and same and authority == (host or b"").lower()
