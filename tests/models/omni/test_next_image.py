@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 from omniflow.models.omni.checkpoint import CheckpointError
 from omniflow.models.omni.next_builder import build_tiny_next
 from omniflow.models.omni.next_image import VAE_PREFIX, latents_to_pixels, load_vae
+from omniflow.roles.image_decoder import ImageDecoderRole
+from tests.roles.media import run
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +86,23 @@ def test_vae_loading_is_strict(folder, tmp_path, damage):
         load_vae(copy, "image_decoder")
     assert named in str(error.value) and "role image_decoder" in str(error.value)
     assert str(copy) in str(error.value)
+
+
+def test_role_setup_fails_naming_the_vae_tensor(folder, tmp_path):
+    copy = tmp_path / "next"
+    shutil.copytree(folder, copy)
+    path = copy / _decoder_config(folder)["weight_path"]
+    tensors = load_file(str(path))
+    del tensors[VAE_PREFIX + "decoder.conv_out.bias"]
+    save_file(tensors, str(path))
+    options = {"model_path": str(copy), "standin_path": str(tmp_path / "standin")}
+    role = ImageDecoderRole("image_decoder", 0, {**options, "build_tiny": True})
+
+    async def main():
+        try:
+            await role.setup()
+        finally:
+            await role.close()
+
+    with pytest.raises(CheckpointError, match="image_refiner.vae.decoder.conv_out.bias"):
+        run(main())
