@@ -39,6 +39,7 @@ from omniflow.messages import (
     Timing,
     add_usage,
 )
+from omniflow.runtime import tracing
 from omniflow.runtime.actor import RESUMABLE_META
 from omniflow.runtime.config import Config
 from omniflow.transport.codec import (
@@ -461,6 +462,7 @@ class Client:
             deadline=deadline,
             session=session,
             origin="client",
+            trace=pending.fanout.call.trace if pending.fanout is not None else "",
         )
         fanout = Fanout(self.router, INPUT, call)
         fanout.exclude_pids = pending.exclude
@@ -563,6 +565,7 @@ class Client:
             deadline=deadline,
             session=session,
             origin="client",
+            trace=tracing.CURRENT.get(),  # the caller's traceparent (the HTTP request's)
         )
         migratable = self.config.runtime.max_migrations > 0
         pending = _Pending(push, deadline + 1.0 if deadline else 0.0, request_id, migratable)

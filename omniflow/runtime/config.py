@@ -199,6 +199,22 @@ class GatewayConfig(msgspec.Struct, **_STRICT):
     ] = msgspec.field(default_factory=list)
 
 
+class TracingConfig(msgspec.Struct, **_STRICT):
+    """[tracing]: OpenTelemetry spans of every role a request goes through."""
+
+    endpoint: Annotated[
+        str, Meta(description="OTLP/HTTP traces URL (http://HOST:4318/v1/traces); set: on")
+    ] = ""
+    enabled: Annotated[
+        bool, Meta(description="record spans even without an endpoint (dropped)")
+    ] = False
+    service: Annotated[str, Meta(description="service.name of the spans ('': omniflow)")] = ""
+
+    @property
+    def on(self) -> bool:
+        return bool(self.endpoint) or self.enabled
+
+
 class Config(msgspec.Struct, **_STRICT):
     name: Annotated[
         str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,40}$", description="names the deployment")
@@ -226,6 +242,9 @@ class Config(msgspec.Struct, **_STRICT):
     hosts: Annotated[
         dict[str, HostConfig], Meta(description="[hosts.NAME] (absent: one host runs it all)")
     ] = {}
+    tracing: Annotated[TracingConfig, Meta(description="[tracing] OpenTelemetry spans")] = (
+        msgspec.field(default_factory=TracingConfig)
+    )
     source: str = ""  # the file this came from (filled by load)
 
     @property
