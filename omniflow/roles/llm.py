@@ -68,6 +68,7 @@ from omniflow.engine import (
     LLMEngine,
     SamplingParams,
 )
+from omniflow.engine.figures import engine_description, engine_figures
 from omniflow.engine.heads import codes_key
 from omniflow.engine.kv_transfer import EnginePrefixes, span_keys
 from omniflow.kv.pull_cost import PullCost
@@ -478,6 +479,13 @@ class LLMRole(ModelActor):
             meta[KV_PULL_META] = self.kv_endpoint
             meta["kv_pulls"] = dict(self.pulls)
         return meta
+
+    def figures(self) -> dict[str, float]:
+        engine = getattr(self, "engine", None)
+        return {} if engine is None else engine_figures(engine.backend)
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": str(self.path), **engine_description(self.engine.backend)}
 
     def _prefix_holder(self, spans: list[EmbeddingSpan]) -> tuple[int, Any] | None:
         """(summary key, record) of another replica holding the KV of the media that opens a
