@@ -57,6 +57,10 @@ class Residency(NamedTuple):
         return head, tail
 
 
+def _tiers(children: dict[PageKey, RadixNode]) -> set[str]:
+    return {child.tier for child in children.values()}
+
+
 class RadixNode:
     __slots__ = (
         "page_keys",
@@ -118,7 +122,8 @@ class RadixPrefixCache:
         self.blank_pages: deque[int] = deque(range(num_pages))
         self.num_unreferenced_cached = 0
         self._clock = itertools.count(1)
-        self.leaves: LeafQueue[RadixNode] = LeafQueue()  # evictable device leaves
+        # Each tier's evictable leaves, LRU first (kv/leaf_queue.py).
+        self.leaves: dict[str, LeafQueue[RadixNode]] = {t: LeafQueue() for t in (DEVICE, HOST, SSD)}
 
     def usage(self) -> PageUsage:
         free = len(self.blank_pages) + self.num_unreferenced_cached
@@ -313,6 +318,7 @@ class RadixPrefixCache:
     def cancel_promotion(self, nodes: Sequence[RadixNode]) -> None:
         for node in nodes:
             node.promoting = False
+            self._touch(node)
 
     # ------------------------------------------------------------ internals
 
@@ -368,26 +374,32 @@ class RadixPrefixCache:
         return head
 
     def _touch(self, node: RadixNode) -> None:
-        """After a change to node's pages, children, references or last access: queue it
-        if it is an evictable device leaf (kv/leaf_queue.py). O(log n)."""
-        if not self.leaves.queued(node, node.last_access) and self._unreferenced_tail(node):
-            self.leaves.push(node, node.last_access)
+        """After node's tier, pages, children, refs or last access change: queue it. O(log n)"""
+        queue = self.leaves[node.tier]
+        if not queue.queued(node, node.last_access) and self._evictable(node, node.tier):
+            queue.push(node, node.last_access)
 
-    def _pop_leaf(self) -> RadixNode | None:
-        """The least recently used evictable device leaf, off the queue; None if none."""
-        while (entry := self.leaves.pop()) is not None:
+    def _evictable(self, node: RadixNode, tier: str) -> bool:
+        """Device: an unreferenced tail, no device child; host: SSD children only; SSD: none."""
+        if node.tier != tier or node.parent is None:
+            return False
+        if tier == DEVICE:
+            return self._unreferenced_tail(node) > 0
+        return not node.promoting and _tiers(node.children) <= ({SSD} if tier == HOST else set())
+
+    def _pop_leaf(self, tier: str) -> RadixNode | None:
+        """The least recently used evictable leaf of ``tier``, off its queue; None if none."""
+        while (entry := self.leaves[tier].pop()) is not None:
             node, last_access = entry
             if node.last_access != last_access:
                 self._touch(node)  # used since it was queued: back in at its last access
-            elif self._unreferenced_tail(node):
+            elif self._evictable(node, tier):
                 return node
         return None
 
     def _unreferenced_tail(self, node: RadixNode) -> int:
         """How many of a device leaf's last pages nobody references (0: not evictable)."""
-        if node.parent is None or node.tier != DEVICE:
-            return 0
-        if any(child.tier == DEVICE for child in node.children.values()):
+        if node.parent is None or node.tier != DEVICE or DEVICE in _tiers(node.children):
             return 0  # not a leaf of the device tier
         run = 0
         for page in reversed(node.residency.device):
@@ -399,10 +411,7 @@ class RadixPrefixCache:
     def _evict_device(self, count: int) -> int:
         """Leaf-first LRU over the device tier: demote (or drop) unreferenced tail pages,
         taking leaves off the evictable-leaf queue (no walk over the tree)."""
-        while count > 0:
-            leaf = self._pop_leaf()
-            if leaf is None:
-                break
+        while count > 0 and (leaf := self._pop_leaf(DEVICE)) is not None:
             run = self._unreferenced_tail(leaf)
             # Never more than the host tier holds at once: bigger pieces could only drop.
             take = min(count, run, self.tiers.host_capacity if self.tiers else run)
@@ -411,7 +420,7 @@ class RadixPrefixCache:
             parent = leaf.parent
             self._demote(leaf)
             count -= take
-            if parent is not None:
+            if parent is not None:  # it may be a device leaf now
                 self._touch(parent)
         return count
 
@@ -427,36 +436,27 @@ class RadixPrefixCache:
         for page in device:
             self._uncache(page)
         node.residency = Residency((), host=tuple(leases))
-        self.leaves.discard(node)
+        self.leaves[DEVICE].discard(node)
+        self._touch(node)
 
     def _make_room(self, tier: str, pages: int) -> bool:
         """Free ``pages`` slots in a lower tier by pushing its LRU leaves one tier down."""
         tiers = self.tiers
         assert tiers is not None
         while (tiers.host_free if tier == HOST else tiers.ssd_free) < pages:
-            victim = self._lru_leaf(tier)
+            victim = self._pop_leaf(tier)
             if victim is None:
                 return False
             if tier == HOST and self._make_room(SSD, len(victim.page_keys)):
                 blocks = tiers.to_ssd(victim.residency.host or ())
                 if blocks is not None:
                     victim.residency = Residency((), ssd=tuple(blocks))
+                    self._touch(victim)
+                    if victim.parent is not None:
+                        self._touch(victim.parent)  # a host parent may be a host leaf now
                     continue
             self._drop_subtree(victim)
         return True
-
-    def _lru_leaf(self, tier: str) -> RadixNode | None:
-        """The least recently used node of ``tier`` with no child in that tier or above."""
-        below = () if tier == SSD else (SSD,)
-        best: RadixNode | None = None
-        for node in self.nodes():
-            if node.tier != tier or node.promoting:
-                continue
-            if any(child.tier not in below for child in node.children.values()):
-                continue
-            if best is None or node.last_access < best.last_access:
-                best = node
-        return best
 
     def _drop_orphaning_page(self, count: int) -> int:
         """Reclaim an unreferenced page that has referenced pages below it.
@@ -483,7 +483,8 @@ class RadixPrefixCache:
         stack = [node]
         while stack:
             dropped = stack.pop()
-            self.leaves.discard(dropped)
+            for queue in self.leaves.values():
+                queue.discard(dropped)
             stack.extend(dropped.children.values())
             for page in dropped.residency.device:
                 self._uncache(page)

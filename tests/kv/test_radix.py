@@ -218,10 +218,10 @@ def test_eviction_from_a_large_tree_takes_lru_leaves_without_a_walk():
         cache.insert([i], page)
         cache.free(page)
     assert sum(1 for _ in cache.nodes()) == n + 1  # the path is one three-page edge
-    probes = cache.leaves.probes
+    probes = cache.leaves["device"].probes
     taken = cache.allocate(13)  # the oldest: the path, then leaves 0..9
     assert sorted(taken) == sorted(chain + list(range(3, 13)))
     assert cache.match_prefix([-1]).num_tokens == 0
     assert [cache.match_prefix([i]).num_tokens for i in (0, 9, 10, n - 1)] == [0, 0, 1, 1]
     # Popped heap entries, not nodes walked: about one per page evicted, not one per node.
-    assert cache.leaves.probes - probes <= 2 * 13
+    assert cache.leaves["device"].probes - probes <= 2 * 13
