@@ -30,7 +30,6 @@ LONG_FUNCTIONS = {
 
 # Files whose `type: ignore` comments are not counted: others own them.
 IGNORES_ELSEWHERE = {
-    "models/hunyuan_image3.py": "owned by issue 35",
     "models/omni/loader.py": "owned by issue 34",
     "runtime/hosts.py": "runtime split pending (issue 33)",
     "transport/endpoint.py": "owned by issue 39",
