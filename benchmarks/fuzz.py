@@ -3,8 +3,11 @@ configs and the media decoders, with the strategies of tests/security/fuzzing.py
 
 Two deployments run for the whole time: one actor with a page pool (the wire target)
 and the echo pipeline behind a gateway (the HTTP target). Surfaces take turns in
-slices until ``--seconds`` have passed. Then: did any actor die or restart, did any
-input end without a clear error, is every pool page back, does each still serve?
+slices until ``--seconds`` have passed. Then a connection phase (tests/security/
+http_conn.py): 300 idle connections past the gateway's cap of 128, 20 slow heads and
+bodies, 10 heads of 4 MiB, each answered by a clear 408/431/503, with the gateway's fds
+and peak memory. Then: did any actor die or restart, did any input end without a clear
+error, is every pool page back, does each still serve?
 
     python benchmarks/fuzz.py [--seconds 120]
 """
@@ -34,6 +37,7 @@ from tests.security.fuzzing import (  # noqa: E402
     run_for,
     wire_inputs,
 )
+from tests.security.http_conn import connection_phase  # noqa: E402
 from tests.security.live import LiveDeployment, Probe, tensor_config  # noqa: E402
 
 SLICE_S = 5.0
@@ -46,7 +50,16 @@ def gateway_deployment() -> tuple[LiveDeployment, str]:
     from tests.helpers import echo_config
 
     config = echo_config("fzb", runtime={"heartbeat_s": 0.5, "ttl_s": 10.0})
-    config.gateway = GatewayConfig(port=0, api_key=GATEWAY_KEY, max_body_mb=0.25)
+    config.gateway = GatewayConfig(
+        port=0,
+        api_key=GATEWAY_KEY,
+        max_body_mb=0.25,
+        max_connections=128,
+        header_timeout_s=2.0,
+        body_timeout_s=2.0,
+        max_body_reads=16,
+        body_memory_mb=4.0,
+    )
     dep = LiveDeployment(config, role="upper")
     url_file = Path(dep.rt.supervisor.run_dir) / "gateway.url"
     deadline = time.monotonic() + 60
@@ -85,6 +98,12 @@ def main(seconds: float) -> dict:
                 left = end - time.monotonic()
                 if left <= 0:
                     break
+        gateway = next(r for r in web.rt.supervisor.replicas if r.role == "gateway")
+        host, _, port = url.removeprefix("http://").rpartition(":")
+        conns = connection_phase(host, int(port), GATEWAY_KEY, gateway.proc.pid, wait_s=6.0)
+        tally.tried["connections"] = 330
+        for line in conns.pop("unclear"):
+            tally.unclear_error("connections", line)
         served_after = probe.served()
         body = {"model": "fzb", "messages": [{"role": "user", "content": "still there"}]}
         r = client.post(
@@ -116,6 +135,7 @@ def main(seconds: float) -> dict:
         "unclear_errors": len(tally.unclear),
         "pool_leaked_bytes": leaked,
         "served_after": served_after,
+        "http_connections": conns,
     }
 
 

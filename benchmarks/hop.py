@@ -10,9 +10,9 @@ event-loop design pays over ``floor`` before doing anything;
 ``zmq_asyncio`` — the naive design the actor loop must beat: a zmq.asyncio DEALER
 awaiting ``send``/``recv`` against a zmq.asyncio ROUTER echo (uvloop, no codec);
 ``mp_pipe`` — multiprocessing.Pipe with pickle; ``ray`` — a Ray async actor call.
-Also ``hop_tcp`` and ``hop_curve``: the same hop over tcp:// on loopback, without and
-with CurveZMQ keys (``[security] keys``), interleaved with the rest: their ratio is
-what encryption costs a hop; ``pipeline_rps``: a two-role pipeline driven by 64
+Also ``hop_curve``: the same hop over tcp:// on loopback with CurveZMQ keys
+(``[security] keys``; tcp without keys is a config error), interleaved with the rest:
+its ratio to ``hop`` (ipc://) is what tcp and encryption cost a hop; ``pipeline_rps``: a two-role pipeline driven by 64
 concurrent clients; and ``*_after_idle``: the hop and the floor when each call follows a 5 ms idle gap (as a
 pipeline hop follows a role's compute): on a VM, waking idle threads costs more than
 the hop itself, and back-to-back calls never see it.
@@ -164,14 +164,11 @@ def config(roles: int, name: str = "", **extra: Any):
     )
 
 
-def curve_configs(folder: Path) -> tuple[Any, Any]:
-    """The one-hop deployment over tcp:// on loopback, without and with CurveZMQ keys."""
+def curve_config(folder: Path) -> Any:
+    """The one-hop deployment over tcp:// on loopback, with CurveZMQ keys."""
     generate_keys(folder)
     tcp = {"transport": "tcp", "bind_host": "127.0.0.1"}
-    return (
-        config(1, "hoptcp", runtime=tcp),
-        config(1, "hopcurve", runtime=tcp, security={"keys": str(folder)}),
-    )
+    return config(1, "hopcurve", runtime=tcp, security={"keys": str(folder)})
 
 
 async def main(calls: int, rounds: int, clients: int) -> dict:
@@ -228,7 +225,6 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
 
     samples: dict[str, list[float]] = {
         "hop": [],
-        "hop_tcp": [],
         "hop_curve": [],
         "floor": [],
         "asyncio_floor": [],
@@ -252,15 +248,12 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         parent.send(PAYLOAD)
         parent.recv()
 
-    tcp_config, curve_config = curve_configs(scratch_dir("ofk-") / "keys")
     async with (
         omniflow.Runtime(config(1)) as rt,
-        omniflow.Runtime(tcp_config) as rt_tcp,
-        omniflow.Runtime(curve_config) as rt_curve,
+        omniflow.Runtime(curve_config(scratch_dir("ofk-") / "keys")) as rt_curve,
     ):
         subjects = {  # (call, calls per round); interleaved in this order every round
             "hop": (lambda: rt.call(PAYLOAD), per_round),
-            "hop_tcp": (lambda: rt_tcp.call(PAYLOAD), per_round),
             "hop_curve": (lambda: rt_curve.call(PAYLOAD), per_round),
             "floor": (floor_call, per_round),
             "asyncio_floor": (lambda: aping.ping(header), per_round),
@@ -315,7 +308,6 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         "calls": len(us["hop"]),
         "hop_p50_us": round(pct(us["hop"], 50), 1),
         "hop_p99_us": round(pct(us["hop"], 99), 1),
-        "hop_tcp_p50_us": round(pct(us["hop_tcp"], 50), 1),
         "hop_curve_p50_us": round(pct(us["hop_curve"], 50), 1),
         "pipeline_rps": round(rps, 1),
         "floor_p50_us": round(pct(us["floor"], 50), 1),
@@ -327,8 +319,8 @@ async def main(calls: int, rounds: int, clients: int) -> dict:
         "ray_p50_us": round(pct(us["ray"], 50), 1) if us["ray"] else None,
     }
     result["hop_over_floor"] = round(result["hop_p50_us"] / result["floor_p50_us"], 2)
-    # The cost of encryption on a hop: CurveZMQ against the same tcp:// hop without it.
-    result["hop_curve_over_tcp"] = round(result["hop_curve_p50_us"] / result["hop_tcp_p50_us"], 2)
+    # The cost of tcp:// with CurveZMQ on a hop, against the same hop over ipc://.
+    result["hop_curve_over_ipc"] = round(result["hop_curve_p50_us"] / result["hop_p50_us"], 2)
     result["asyncio_floor_over_floor"] = round(
         result["asyncio_floor_p50_us"] / result["floor_p50_us"], 2
     )

@@ -91,6 +91,11 @@ class Timing(msgspec.Struct, **_WIRE):
     compute_ms: float
     arrived: float = 0.0
     left: float = 0.0
+    # A traced request's only (runtime/tracing.py): this role's span id, the span it hangs
+    # under, and the milliseconds it waited for a slot. Defaults: untraced, nothing sent.
+    span: str = ""
+    parent: str = ""
+    queued_ms: float = 0.0
 
 
 class Join(msgspec.Struct, **_WIRE):
@@ -130,6 +135,7 @@ class Call(msgspec.Struct, tag="call", **_WIRE):
     usage: dict[str, int] = {}
     hops: int = 0  # roles this branch went through
     loops: dict[str, int] = {}  # times each loop edge ("src>dst") was taken on this path
+    trace: str = ""  # a W3C traceparent: the span this hop hangs under ("": untraced)
 
 
 class Emit(msgspec.Struct, tag="emit", **_WIRE):
@@ -267,6 +273,9 @@ class ActorRecord(msgspec.Struct, omit_defaults=True, gc=False):
     # PCI bus ids of the GPUs it computes on (empty: a CPU process): what CUDA IPC
     # matches on, since ordinals differ between processes with their own placement.
     devices: list[str] = []
+    # Engine and queue figures at its last heartbeat (ActorHost.queued, Actor.figures): what
+    # the gateway's /metrics serves for every replica (roles/gateway/role_metrics.py).
+    stats: dict[str, float] = {}
 
     @property
     def actor_id(self) -> str:

@@ -29,6 +29,7 @@ from omniflow.runtime.config import (  # noqa: E402
     RoleConfig,
     RuntimeConfig,
     SecurityConfig,
+    TracingConfig,
 )
 from omniflow.runtime.tables import describe  # noqa: E402
 
@@ -88,6 +89,7 @@ def reference() -> str:
         table("`[resources.groups.NAME]`", DeviceGroup),
         table("`[security]`", SecurityConfig),
         table("`[hosts.NAME]`", HostConfig),
+        table("`[tracing]`", TracingConfig),
         table(
             "Every model role's `options`",
             options.WeightsOptions,

@@ -30,6 +30,34 @@ esac
 
 die() { echo "setup: $*" >&2; exit 1; }
 
+# Run one step of the setup, saying what it does before and how long it took after:
+# `step "what" command args...` (a pip install is a minute of silence otherwise).
+step() {
+  local what=$1 began=$SECONDS
+  shift
+  echo "setup: $what ..." >&2
+  # Its own status, also where `set -e` does not reach (a step under `||`).
+  "$@" || {
+    local status=$?
+    echo "setup: $what: failed after $((SECONDS - began))s" >&2
+    return $status
+  }
+  echo "setup: $what: done in $((SECONDS - began))s" >&2
+}
+
+# torch's CPU build, on a machine without a GPU: PyTorch's own CPU wheel index first (the
+# default index's torch is the multi-GB CUDA build), then, if that index cannot be
+# reached or lacks the pin, the default index and whatever pip is configured with (a
+# local wheel folder here). Short timeouts: an unreachable index costs seconds, not the
+# configured default's minutes.
+TORCH_CPU_INDEX=${OMNIFLOW_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+install_cpu_torch() {
+  "$VPY" -m pip install -q --disable-pip-version-check -c constraints-cpu.txt \
+    --index-url "$TORCH_CPU_INDEX" --timeout 20 --retries 1 torch && return 0
+  echo "setup: $TORCH_CPU_INDEX gave no torch; trying the default index" >&2
+  "$VPY" -m pip install -q --disable-pip-version-check -c constraints-cpu.txt torch
+}
+
 # The environment at $VENV is usable: a virtual environment with pip, made from $PY.
 venv_ok() {
   [ -x "$VPY" ] || return 1
@@ -83,8 +111,8 @@ if [ ${#PACKAGES[@]} -gt 0 ]; then
   elif command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq "${PACKAGES[@]}" >/dev/null
+    step "apt-get update" $SUDO apt-get update -qq
+    step "apt packages: ${PACKAGES[*]}" $SUDO apt-get install -y -qq "${PACKAGES[@]}" >/dev/null
   else
     echo "setup: no apt-get to install ${PACKAGES[*]}; without etcd the registry tests" \
       "fail under CI=true, without a compiler the CPU kernels stay off" >&2
@@ -93,7 +121,8 @@ fi
 
 if ! venv_ok; then
   [ -e "$VENV" ] && echo "setup: remaking $VENV (not a working environment of $PY)" >&2
-  "$PY" -m venv --clear "$VENV" >&2 || die "could not make a virtual environment with $PY"
+  step "virtual environment $VENV" "$PY" -m venv --clear "$VENV" >&2 ||
+    die "could not make a virtual environment with $PY"
   venv_ok || die "$VENV is not a working virtual environment of $PY"
 fi
 refuse_unless_venv "$VPY"
@@ -106,8 +135,10 @@ fi
 CONSTRAINTS=()
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   CONSTRAINTS=(-c constraints-cpu.txt)
+  step "torch (CPU build)" install_cpu_torch || die "torch's CPU build did not install"
 fi
-"$VPY" -m pip install -q --disable-pip-version-check "${CONSTRAINTS[@]}" -e ".[${EXTRAS}]" rust-just
+step "omniflow and its Python deps (.[${EXTRAS}])" \
+  "$VPY" -m pip install -q --disable-pip-version-check "${CONSTRAINTS[@]}" -e ".[${EXTRAS}]" rust-just
 # The SGLang engine backend (engine/sglang_backend.py), when OMNIFLOW_SGLANG is set (CI sets
 # cpu). gpu: the extra `sglang` (SGLang with its CUDA torch and sgl-kernel). cpu: SGLang
 # without its deps (they would replace torch with a CUDA build), then the pure-Python ones
@@ -140,12 +171,15 @@ esac
 # Intel OpenMP (libiomp5 in $VENV/lib), which the supervisor preloads into workers with
 # tcmalloc (omniflow/runtime/preload.py; OMNIFLOW_PRELOAD=0 turns it off). x86-64 only.
 if [ "$(uname -m)" = x86_64 ]; then
-  "$VPY" -m pip install -q --disable-pip-version-check intel-openmp ||
+  step "intel-openmp" "$VPY" -m pip install -q --disable-pip-version-check intel-openmp ||
     echo "setup: intel-openmp did not install; workers keep libgomp" >&2
 fi
 # Build the CPU kernels now rather than in the first engine that wants them.
+echo "setup: CPU kernels ..." >&2
+KERNELS_START=$SECONDS
 KERNELS=$("$VPY" -c 'from omniflow.kernels import cpu_kernels, unavailable_reason as why
 print("built" if cpu_kernels() else f"off ({why()})")')
+echo "setup: CPU kernels: $KERNELS in $((SECONDS - KERNELS_START))s" >&2
 echo "setup: done in $VENV ($("$VPY" -c 'import torch; print("torch", torch.__version__)'), $(etcd --version 2>/dev/null | head -1), CPU kernels $KERNELS)"
 ACTIVATE="$VENV/bin/activate"
 [ "$CALLER_DIR" = "$PWD" ] && ACTIVATE=${ACTIVATE#"$PWD"/}

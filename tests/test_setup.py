@@ -74,4 +74,67 @@ def test_every_pip_call_in_setup_goes_through_the_checked_interpreter() -> None:
     pip_calls = [line for line in calls if re.search(r"-m pip\b|\bpip3? install\b", line)]
     assert pip_calls, "setup.sh has no pip call left to check"
     for line in pip_calls:
+        line = re.sub(r'^step "[^"]*" ', "", line)  # a timed step runs the same command
         assert line.startswith('"$VPY" -m pip '), f"pip call outside the venv: {line}"
+
+
+def setup_functions(*names: str) -> str:
+    """The bash text of setup.sh's functions ``names`` (to run them alone)."""
+    text = SETUP.read_text()
+    return "\n".join(
+        re.search(rf"^{name}\(\) {{\n.*?^}}$", text, re.M | re.S).group(0) for name in names
+    )
+
+
+def test_each_step_says_what_it_does_and_how_long_it_took(tmp_path: Path) -> None:
+    script = setup_functions("step") + '\nstep "a short wait" sleep 1\nstep "nothing" true\n'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "setup: a short wait ...",
+        "setup: a short wait: done in 1s",
+        "setup: nothing ...",
+        "setup: nothing: done in 0s",
+    ]
+    failing = subprocess.run(
+        ["bash", "-c", setup_functions("step") + "\nstep 'broken' false || echo failed"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert failing.stdout.strip() == "failed"
+    assert failing.stderr.splitlines()[-1] == "setup: broken: failed after 0s"
+
+
+@pytest.mark.slow  # a venv and a pip resolve: ~10 s
+def test_without_a_gpu_torch_asks_the_cpu_index_first_and_still_installs_here(
+    tmp_path: Path,
+) -> None:
+    """The CPU index is asked first (here: one that cannot be reached) and the pinned
+    CPU torch still resolves from what pip is configured with on this machine (its local
+    wheels); pip resolves only (PIP_DRY_RUN): nothing is installed."""
+    text = SETUP.read_text()
+    assert text.index("install_cpu_torch ||") < text.index('-e ".[${EXTRAS}]"')
+    assert "https://download.pytorch.org/whl/cpu" in text
+    venv = tmp_path / "venv"
+    subprocess.run([os.sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    unreachable = "http://127.0.0.1:9/simple"
+    script = (
+        f"VPY={venv}/bin/python\nTORCH_CPU_INDEX={unreachable}\n"
+        + setup_functions("install_cpu_torch")
+        + "\ninstall_cpu_torch\n"
+    )
+    report = tmp_path / "report.json"  # pip's installation report: what it would install
+    env = {**os.environ, "PIP_DRY_RUN": "1", "PIP_REPORT": str(report)}
+    out = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    pin = (ROOT / "constraints-cpu.txt").read_text().split("torch==")[1].split()[0]
+    would = {
+        i["metadata"]["name"]: i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
+    assert would["torch"] == f"{pin}+cpu", would
+    # The CPU index was asked for torch (here: refused, at once).
+    assert "Connection refused" in out.stderr and "/simple/torch/" in out.stderr

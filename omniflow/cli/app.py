@@ -8,6 +8,7 @@ deployment running; 4 the request failed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import select
 import signal
@@ -25,6 +26,7 @@ from omniflow.cli.common import (
     EXIT_START,
     EXIT_USAGE,
     HostIdOpt,
+    LogFormatOpt,
     NameOpt,
     RegistryOpt,
     RunDirOpt,
@@ -34,16 +36,20 @@ from omniflow.cli.common import (
     find_running,
     load_config,
     out,
+    use_log_format,
 )
 from omniflow.cli.keys import keys
 from omniflow.cli.progress import StartProgress
 from omniflow.cli.send import send
 from omniflow.cli.serve import serve
 from omniflow.cli.status import logs, status
+from omniflow.runtime import logs as runlog
 from omniflow.runtime.config import GATEWAY_ROLE, ConfigError
 from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, find_deployment
 from omniflow.runtime.hosts import for_host, with_registry
 from omniflow.runtime.supervisor import StartError, Supervisor, run_dir_for
+
+progress_log = logging.getLogger("omniflow.supervisor")
 
 __all__ = ["app"]
 
@@ -92,10 +98,12 @@ def up(
     address: str | None = typer.Option(
         None, "--address", help="Where the other hosts reach this host's actors (tcp)."
     ),
+    log_format: str = LogFormatOpt,
     ready_fd: int = typer.Option(-1, hidden=True),
 ) -> None:
     """Start a deployment (or, with --host-id or [hosts], this host's share of one) and
     wait until every actor here is ready."""
+    use_log_format(log_format)
     cfg = _share(load_config(config), registry, host_id, roles, address)
     if port is not None and cfg.gateway is not None:
         cfg.gateway.port = port
@@ -104,6 +112,7 @@ def up(
     argv += ["--host-id", host_id] if host_id else []
     argv += ["--roles", roles] if roles is not None else []
     argv += ["--address", address] if address else []
+    argv += ["--log-format", log_format]
     raise typer.Exit(start(cfg, run_dir, detach, argv, ready_fd))
 
 
@@ -136,6 +145,7 @@ def _share(
 
 async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     notify = os.fdopen(ready_fd, "w", buffering=1) if ready_fd >= 0 else None
+    runlog.configure("supervisor")  # its format (--log-format) goes on to every worker
 
     total = sum(rc.replicas for rc in cfg.local_processes().values())
     bar = StartProgress(total) if notify is None else None
@@ -145,7 +155,9 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
     def progress(actor_id: str, state: str) -> None:
         if running or (notify is not None and notify.closed):
             # One line per change, to the terminal (or supervisor.log when detached).
-            print(f"{time.strftime('%H:%M:%S')} {actor_id} {state}", file=sys.stderr, flush=True)
+            progress_log.info(
+                "%s %s", actor_id, state, extra=runlog.fields(replica=actor_id, state=state)
+            )
         elif notify is not None:
             notify.write(f"progress {actor_id} {state}\n")
         elif bar is not None:
@@ -189,6 +201,7 @@ async def _serve(cfg: Any, run_dir: Path, ready_fd: int) -> int:
         message += f"; http {url.read_text().strip()}"
     running = True
     if notify is not None:
+        progress_log.info(message)  # supervisor.log: when it was ready, and where
         notify.write(message + "\n")
         notify.close()
     else:

@@ -28,6 +28,22 @@ NameOpt = typer.Option(
     None, "--name", "-n", help="Deployment name (default: the only one running)."
 )
 RunDirOpt = typer.Option(None, "--run-dir", help="The deployment's run directory.")
+LogFormatOpt = typer.Option(
+    "text", "--log-format", help="Log lines of every process: text, or json (one object each)."
+)
+
+
+def use_log_format(fmt: str) -> None:
+    """Check ``--log-format`` and hand it to the supervisor and workers (the environment)."""
+    import os
+
+    from omniflow.runtime.logs import FORMAT_ENV, FORMATS
+
+    if fmt not in FORMATS:
+        fail(f"--log-format: one of {', '.join(FORMATS)}, not {fmt!r}", EXIT_USAGE)
+    os.environ[FORMAT_ENV] = fmt
+
+
 RegistryOpt = typer.Option(
     None,
     "--registry",

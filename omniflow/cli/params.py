@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from omniflow.runtime.config import Config
-from omniflow.runtime.request_check import InvalidRequest, check_params
+from omniflow.runtime.request_check import InvalidRequest, check_params, check_values
 
 WANT = ("text", "image", "audio")
-SIZE = re.compile(r"auto|[1-9][0-9]*x[1-9][0-9]*")
+SIZE = re.compile(r"auto|[1-9][0-9]{0,5}x[1-9][0-9]{0,5}")
 
 
 class ParamError(ValueError):
@@ -36,6 +36,8 @@ def parse_pairs(items: Iterable[str]) -> dict[str, Any]:
             params[key] = json.loads(value)
         except json.JSONDecodeError:
             params[key] = value
+        except ValueError as e:  # an integer of thousands of digits
+            raise ParamError(f"--param {key}: {e}") from None
     return params
 
 
@@ -53,9 +55,15 @@ def check_size(size: str) -> str:
     return size
 
 
-def check(params: dict[str, Any], config: Config) -> None:
-    """Refuse a key no role reads and a value no role could take, naming the key."""
+def check(params: dict[str, Any], config: Config, inputs: dict[str, Any] | None = None) -> None:
+    """Refuse a key no role reads and a value no role could take, naming the key; and an
+    integer past 64 bits or a text past ``[runtime] max_prompt_chars``."""
     try:
         check_params(params, config, prefix="--param ")
+        max_chars = config.runtime.max_prompt_chars
+        for key, value in params.items():
+            check_values(value, f"--param {key}", max_chars)
+        if inputs and isinstance(inputs.get("text"), str):
+            check_values(inputs["text"], "--text", max_chars)
     except InvalidRequest as e:
         raise ParamError(str(e)) from None

@@ -71,6 +71,9 @@ def send(
     as_json: bool = typer.Option(
         False, "--json", help="One JSON object with outputs, files, timings, usage."
     ),
+    trace: bool = typer.Option(
+        False, "--trace", help="Trace the request (W3C trace context); print its span tree."
+    ),
     name: str | None = NameOpt,
     run_dir: Path | None = RunDirOpt,
     registry: str | None = RegistryOpt,
@@ -132,7 +135,7 @@ def send(
     except DeploymentNotFound as e:
         fail(str(e), EXIT_NOT_RUNNING)
     try:
-        checks.check(params, config)
+        checks.check(params, config, inputs)
     except checks.ParamError as e:
         fail(str(e), EXIT_USAGE)
 
@@ -143,6 +146,7 @@ def send(
             conn = await connect(run_dir=state["run_dir"], address=address)
         request_id = uuid.uuid4().hex
         writer = OutputWriter(out_dir, request_id, echo=not as_json)
+        traced = _start_trace() if trace else None
         try:
             async for event in conn.stream(
                 inputs, params=params, session=session, timeout=timeout, request_id=request_id
@@ -151,7 +155,7 @@ def send(
                     writer.add(event)
                 else:
                     writer.finish()
-                    _report(event, writer, as_json)
+                    _report(event, writer, as_json, traced)
         except RequestFailed as e:
             if as_json:
                 print(
@@ -215,10 +219,27 @@ def _read_input(path: Path, option: str) -> bytes:
         fail(f"{option} {path}: cannot read: {e.strerror}", EXIT_USAGE)
 
 
-def _report(result: Any, writer: Any, as_json: bool) -> None:
+def _start_trace() -> tuple[str, str, float]:
+    """A new trace for this request: (trace id, the client's span id, when it began)."""
+    import time
+
+    from omniflow.runtime import tracing
+
+    trace_id, span = tracing.trace_id(), tracing.span_id()
+    tracing.CURRENT.set(tracing.traceparent(trace_id, span))
+    return trace_id, span, time.time()
+
+
+def _report(result: Any, writer: Any, as_json: bool, traced: Any = None) -> None:
     timings: dict[str, float] = {}
     for t in result.timings:
         timings[t.role] = timings.get(t.role, 0.0) + t.compute_ms
+    tree: list[str] = []
+    if traced is not None:
+        from omniflow.cli.trace_tree import span_tree
+
+        trace_id, root, started = traced
+        tree = span_tree(trace_id, root, started, result.latency_ms, result.timings)
     if as_json:
         print(
             json.dumps(
@@ -230,6 +251,7 @@ def _report(result: Any, writer: Any, as_json: bool) -> None:
                     "timings_ms": timings,
                     "latency_ms": result.latency_ms,
                     "usage": result.usage,
+                    **({"trace": tree} if tree else {}),
                 }
             )
         )
@@ -243,3 +265,5 @@ def _report(result: Any, writer: Any, as_json: bool) -> None:
     err.print(f"{result.latency_ms:.1f} ms end to end; compute: {parts}", style="dim")
     if usage:
         err.print(f"usage: {usage}", style="dim")
+    for line in tree:
+        err.print(line, style="dim", highlight=False, markup=False, soft_wrap=True)

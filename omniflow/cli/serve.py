@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import typer
 
-from omniflow.cli.common import EXIT_USAGE, RunDirOpt, fail
+from omniflow.cli.common import EXIT_USAGE, LogFormatOpt, RunDirOpt, fail, use_log_format
 from omniflow.runtime.config import ConfigError, parse
 
 LLM_ARCHITECTURES = (
@@ -103,11 +103,14 @@ def serve(
         None, "--threads", min=1, help="Model threads (default: every core)."
     ),
     run_dir: Path | None = RunDirOpt,
+    log_format: str = LogFormatOpt,
     ready_fd: int = typer.Option(-1, hidden=True),
 ) -> None:
     """Serve one checkpoint folder with the OpenAI-compatible gateway: the architecture
     comes from its config.json; nothing is written into the folder."""
     from omniflow.cli.app import start
+
+    use_log_format(log_format)
 
     llm = {
         "max_model_len": max_model_len,
@@ -124,4 +127,5 @@ def serve(
         fail(f"config error: {e}", EXIT_USAGE)
     argv = ["serve", str(path), "--port", str(port), "--name", cfg.name]
     argv += [f"--{k.replace('_', '-')}={v}" for k, v in llm.items() if v is not None]
+    argv += ["--log-format", log_format]
     raise typer.Exit(start(cfg, run_dir, detach, argv, ready_fd))

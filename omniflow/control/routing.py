@@ -145,6 +145,8 @@ class Fanout:
         self.waited_for_replicas = False
         # Processes this request must not be sent to: replicas that died holding it before.
         self.exclude_pids: frozenset[int] = frozenset()
+        # The traceparent its hops hang under: the request's, or this role's span's.
+        self.trace = call.trace
 
     async def output(self, output: Mapping[str, Any]) -> None:
         data, tensors = split_output(output)
@@ -321,6 +323,7 @@ class Fanout:
             usage or {},
             c.hops + 1,
             branch.loops,
+            self.trace,
         )
 
     async def _deliver(self, branch: _Branch, msg: Call, tensors: dict) -> None:

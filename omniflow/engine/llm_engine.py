@@ -244,7 +244,8 @@ class LLMEngine(KeptContexts):
         self.kept: dict[str, Sequence] = {}
         self.pending_aborts: list[TokenDelta] = []
         # rows_forwarded: every row the model ran, prompt, generated and block rows alike.
-        self.stats = {"prompt_tokens_computed": 0, "rows_forwarded": 0}
+        self.stats = {"prompt_tokens_computed": 0, "rows_forwarded": 0, "steps": 0}
+        self.step_seconds = 0.0  # the model's time in steps that ran, for /metrics
         # Prompt tokens per second of the steps that mostly prefill: what recomputing a
         # prefix costs here, against pulling its KV from another replica (kv/pull_cost.py).
         self.prefill_rate = RateMeter(prior=1e3)
@@ -397,8 +398,11 @@ class LLMEngine(KeptContexts):
         self.stats["rows_forwarded"] += rows
         started = time.perf_counter()
         output = self.runner.execute(chunks)
+        took = time.perf_counter() - started
+        self.stats["steps"] += 1
+        self.step_seconds += took
         if prompt_tokens >= max(PREFILL_SAMPLE_TOKENS, rows // 2):  # a prefill step, mostly
-            self.prefill_rate.add(prompt_tokens, time.perf_counter() - started)
+            self.prefill_rate.add(prompt_tokens, took)
         self.scheduler.commit(chunks)
         deltas += self._block_outputs(output)
         leaders = [s for s in output.sequences if not s.follows]

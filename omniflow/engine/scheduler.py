@@ -89,6 +89,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.promoting: dict[Sequence, PendingPromotion] = {}
+        self.num_preemptions = 0  # since start: /metrics' omniflow_preemptions_total
+        self.prefix_hit_tokens = 0  # prompt tokens first admitted from the prefix cache
 
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -219,6 +221,7 @@ class Scheduler:
             return None
         if sequence.num_cached_tokens is None:  # the first admission's hit (not a re-admission's)
             sequence.num_cached_tokens = sequence.num_computed_tokens
+            self.prefix_hit_tokens += sequence.num_computed_tokens
         sequence.page_ids += self.allocator.allocate(needed)
         sequence.status = SequenceStatus.RUNNING
         self.running.append(sequence)
@@ -260,6 +263,7 @@ class Scheduler:
             self._release(member)
             member.status = SequenceStatus.WAITING
             member.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(sequence)
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:

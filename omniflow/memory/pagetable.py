@@ -265,8 +265,9 @@ class PageTable:
             self._slots[q + _ANON] += count
         self._slots[q + _REFS] += count
 
-    def release(self, lease: int, pid: int, count: int = 1) -> bool:
-        """Drop ``count`` refs held by ``pid`` (else anonymous ones); True if that freed the block."""
+    def release(self, lease: int, pid: int, count: int = 1, anonymous: bool = True) -> bool:
+        """Drop ``count`` refs held by ``pid`` (else, with ``anonymous``, anonymous ones);
+        True if that freed the block."""
         slot = self.check(lease)
         q = slot * SLOT_QWORDS
         h = self._holders
@@ -278,7 +279,7 @@ class PageTable:
                     h[i] = 0
                 break
         else:
-            if self._slots[q + _ANON] < count:
+            if not anonymous or self._slots[q + _ANON] < count:
                 raise PoolError(
                     f"pid {pid} holds no ref on lease {lease} (holders: {self.holders(lease)})"
                 )

@@ -22,7 +22,10 @@ never as bytes. Usage::
     pool.release(ref.lease)        # the ack: when every holder released, the pages are free
 
 Refs are attributed to pids (``pid=0``: anonymous, never reclaimed), so a reader that
-dies with refs outstanding is cleaned up by ``reclaim``/``scan``. A view stays readable
+dies with refs outstanding is cleaned up by ``reclaim``/``scan``. Refs a sender shares
+with a receiver through the transport are attributed to ``received(pid)``, apart from
+the refs that process holds for itself: a forged ref naming one of its own leases can
+never release it. A view stays readable
 after its lease is released, but the pages may be reused: release only when done.
 
 Trust: handles arriving in messages are checked (pool name, bounds, alignment, live
@@ -221,9 +224,9 @@ class PagePool:
     def open(self, ref: Shm, holder: int | None = None, claimed: int = 0) -> torch.Tensor:
         """The tensor ``ref`` names, as a view of the pool; ``InvalidHandle`` unless it checks out.
 
-        With ``holder`` (the receiver's pid), the lease must also hold more refs for it
-        (or anonymous ones) than the ``claimed`` refs it already opened: a ref that no
-        sender took for this process is a forgery, whatever bytes it names.
+        With ``holder`` (the receiver's holder id), the lease must also hold more refs for
+        it than the ``claimed`` refs it already opened: a ref that no sender took for this
+        process is a forgery, whatever bytes it names.
         """
         if ref.pool != self.name:
             raise InvalidHandle(
@@ -252,7 +255,7 @@ class PagePool:
             self._check_within(slot, ref.offset, ref.nbytes, ref.lease)
             if holder is not None:
                 holders = self._table.holders(ref.lease)
-                if holders.get(holder, 0) + holders.get(0, 0) <= claimed:
+                if holders.get(holder, 0) <= claimed:
                     raise InvalidHandle(
                         f"lease {ref.lease} holds no ref for pid {holder} (holders: "
                         f"{holders}, already opened: {claimed}): no sender shared it here"
@@ -321,10 +324,14 @@ class PagePool:
         with self._seg.lock():
             self._table.retain(lease, os.getpid() if pid is None else pid, count)
 
-    def release(self, lease: int, pid: int | None = None, count: int = 1) -> bool:
-        """Drop a ref held by ``pid`` (default: this process); True if the block was freed."""
+    def release(
+        self, lease: int, pid: int | None = None, count: int = 1, anonymous: bool = True
+    ) -> bool:
+        """Drop a ref held by ``pid`` (default: this process), else (``anonymous``) an
+        anonymous one; True if the block was freed."""
         with self._seg.lock():
-            return self._table.release(lease, os.getpid() if pid is None else pid, count)
+            who = os.getpid() if pid is None else pid
+            return self._table.release(lease, who, count, anonymous)
 
     def tag(self, lease: int) -> tuple[int, int]:
         """``(nbytes, tag)`` of a live page block, as ``alloc`` made it; ``StaleLease`` if freed."""
@@ -354,10 +361,11 @@ class PagePool:
             return self._table.holders(lease)
 
     def reclaim(self, dead_pids: Iterable[int]) -> Reclaimed:
-        """Drop every ref held by ``dead_pids`` (processes the caller knows have exited)."""
-        dead = frozenset(int(p) for p in dead_pids if p)
+        """Drop every ref held by ``dead_pids`` (processes the caller knows have exited),
+        for themselves and shared to them (``received``)."""
+        dead = frozenset(holder_pid(int(p)) for p in dead_pids if p)
         with self._seg.lock():
-            dropped, freed = self._table.reclaim(set(dead))
+            dropped, freed = self._table.reclaim({*dead, *(received(p) for p in dead)})
         return Reclaimed(dead, dropped, freed)
 
     def scan(self) -> Reclaimed:
@@ -367,7 +375,7 @@ class PagePool:
         supervisor, which sees its children die, should call ``reclaim`` instead.
         """
         with self._seg.lock():
-            pids = self._table.holder_pids()
+            pids = {holder_pid(p) for p in self._table.holder_pids()}
         return self.reclaim(p for p in pids if not pid_alive(p))
 
     def stats(self) -> PoolStats:
@@ -398,3 +406,16 @@ def _address(tensor: torch.Tensor) -> int:
 def _uint8() -> Any:
     torch = sys.modules.get("torch")
     return torch.uint8 if torch is not None else None
+
+
+RECEIVED = 1 << 30  # above any pid (pid_max <= 2**22), in a holder slot's int32
+
+
+def received(pid: int) -> int:
+    """The holder id of refs shared *to* ``pid`` by a sender (0: anonymous, as ever)."""
+    return pid | RECEIVED if pid else 0
+
+
+def holder_pid(holder: int) -> int:
+    """The process behind a holder id (its own refs or those shared to it)."""
+    return holder & (RECEIVED - 1)

@@ -63,6 +63,16 @@ class ModelActor(Actor):
     def model_nice(self) -> int:
         return self.options.model_nice
 
+    def describe(self) -> dict[str, Any]:
+        """The model folder, device and threads: the start-up log line's minimum."""
+        options = self.options
+        described: dict[str, Any] = {"threads": torch.get_num_threads()}
+        for key in ("model_path", "device", "dtype"):
+            value = getattr(options, key, None)
+            if value:
+                described["model" if key == "model_path" else key] = str(value)
+        return described
+
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._executor is None:
             self.start_model_thread()

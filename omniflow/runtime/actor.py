@@ -187,5 +187,15 @@ class Actor:
         """
         return {}
 
+    def figures(self) -> dict[str, float]:
+        """Engine figures for /metrics, read on the event loop at each heartbeat (cheap
+        reads, no locks): names as roles/gateway/role_metrics.py maps them (``kv_pages_used_device``,
+        ``running``, ``preemptions_total``...); a role without an engine has none."""
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        """What it loaded, for the start-up log line (model, dtype, KV size, threads)."""
+        return {}
+
 
 RESUMABLE_META = "resumable"

@@ -39,6 +39,7 @@ from omniflow.messages import (
     Timing,
     add_usage,
 )
+from omniflow.runtime import tracing
 from omniflow.runtime.actor import RESUMABLE_META
 from omniflow.runtime.config import Config
 from omniflow.transport.codec import (
@@ -219,7 +220,14 @@ class Client:
                 address = pool_client_address(str(self.run_dir), os.getpid(), n)
         keys = self.config.security.load_keys()
         advertise = self.config.addresses()[1]
-        self.inbox = Inbox(self.ctx, address, self._on_message, keys=keys, advertise=advertise)
+        self.inbox = Inbox(
+            self.ctx,
+            address,
+            self._on_message,
+            keys=keys,
+            advertise=advertise,
+            max_message=self.config.runtime.max_message_bytes,
+        )
         self.inbox.start()
         self.registry = open_registry(self.registry_address)
         self.view = RegistryView(self.registry, self.config.name)
@@ -461,6 +469,7 @@ class Client:
             deadline=deadline,
             session=session,
             origin="client",
+            trace=pending.fanout.call.trace if pending.fanout is not None else "",
         )
         fanout = Fanout(self.router, INPUT, call)
         fanout.exclude_pids = pending.exclude
@@ -563,6 +572,7 @@ class Client:
             deadline=deadline,
             session=session,
             origin="client",
+            trace=tracing.CURRENT.get(),  # the caller's traceparent (the HTTP request's)
         )
         migratable = self.config.runtime.max_migrations > 0
         pending = _Pending(push, deadline + 1.0 if deadline else 0.0, request_id, migratable)

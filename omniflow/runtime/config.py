@@ -20,7 +20,8 @@ import msgspec
 from msgspec import Meta
 
 from omniflow.control.graph import GraphError, Plan, graph_from_edges
-from omniflow.memory.config import CacheConfig
+from omniflow.memory.config import CacheConfig, parse_size
+from omniflow.runtime.gateway_config import GatewayConfig as GatewayConfig
 from omniflow.runtime.tables import FieldError, decode
 from omniflow.transport.security import Keys, KeysError, load_keys
 from omniflow.transport.security import generate_keys as generate_keys  # for `omniflow keys`
@@ -116,6 +117,25 @@ class RuntimeConfig(msgspec.Struct, **_STRICT):
             description="this host's id in the registry; one id, shared memory (default: hostname)",
         ),
     ] = ""
+    max_message_size: Annotated[
+        str | int,
+        Meta(
+            description="largest frame a socket reads; a larger one drops its sender (tcp tensors)"
+        ),
+    ] = "1GiB"
+    max_prompt_chars: Annotated[
+        int, Meta(ge=1, description="a longer string in a request is refused before any work")
+    ] = 1_000_000
+
+    def __post_init__(self) -> None:
+        if parse_size(self.max_message_size, "runtime.max_message_size") < (1 << 20):
+            raise ValueError(
+                f"runtime.max_message_size: must be at least 1MiB, got {self.max_message_size!r}"
+            )
+
+    @property
+    def max_message_bytes(self) -> int:
+        return parse_size(self.max_message_size)
 
 
 class HostConfig(msgspec.Struct, **_STRICT):
@@ -161,7 +181,7 @@ class ResourcesConfig(msgspec.Struct, **_STRICT):
 
 
 class SecurityConfig(msgspec.Struct, **_STRICT):
-    """[security]: CurveZMQ on every tcp:// socket (required off loopback)."""
+    """[security]: CurveZMQ on every tcp:// socket (required with tcp, loopback too)."""
 
     keys: Annotated[
         str, Meta(description="folder from `omniflow keys DIR`; relative to the config file")
@@ -176,27 +196,20 @@ GATEWAY_ROLE = "gateway"
 GATEWAY_ACTOR = "omniflow.roles.gateway:Gateway"
 
 
-class GatewayConfig(msgspec.Struct, **_STRICT):
-    """[gateway]: an OpenAI-compatible HTTP front, run as one more role outside the graph."""
+class TracingConfig(msgspec.Struct, **_STRICT):
+    """[tracing]: OpenTelemetry spans of every role a request goes through."""
 
-    host: Annotated[str, Meta(description="address the HTTP server binds")] = "127.0.0.1"
-    port: Annotated[
-        int, Meta(ge=0, le=65535, description="0: any free port (`omniflow up --port`)")
-    ] = 8000
-    api_key: Annotated[str, Meta(description="when set, requests need this Bearer key")] = ""
-    max_body_mb: Annotated[float, Meta(gt=0, description="larger request bodies get 413")] = 32.0
-    allow_local_paths: Annotated[
-        bool, Meta(description="image_url / input_audio may name a local file")
+    endpoint: Annotated[
+        str, Meta(description="OTLP/HTTP traces URL (http://HOST:4318/v1/traces); set: on")
+    ] = ""
+    enabled: Annotated[
+        bool, Meta(description="record spans even without an endpoint (dropped)")
     ] = False
-    max_inflight: Annotated[
-        int, Meta(ge=1, description="requests in flight at once; more get 429")
-    ] = 256
-    timeout_s: Annotated[
-        float, Meta(ge=0, description="deadline of one HTTP request (0: [runtime]'s)")
-    ] = 0.0
-    cors_origins: Annotated[
-        list[str], Meta(description="origins browsers may call from (CORS); none: CORS off")
-    ] = msgspec.field(default_factory=list)
+    service: Annotated[str, Meta(description="service.name of the spans ('': omniflow)")] = ""
+
+    @property
+    def on(self) -> bool:
+        return bool(self.endpoint) or self.enabled
 
 
 class Config(msgspec.Struct, **_STRICT):
@@ -226,6 +239,9 @@ class Config(msgspec.Struct, **_STRICT):
     hosts: Annotated[
         dict[str, HostConfig], Meta(description="[hosts.NAME] (absent: one host runs it all)")
     ] = {}
+    tracing: Annotated[TracingConfig, Meta(description="[tracing] OpenTelemetry spans")] = (
+        msgspec.field(default_factory=TracingConfig)
+    )
     source: str = ""  # the file this came from (filled by load)
 
     @property
@@ -362,7 +378,8 @@ def _check_hosts(config: Config, source: str) -> None:
 
 
 def _check_exposure(config: Config, source: str) -> None:
-    """Off loopback, every socket is authenticated: CurveZMQ keys, the gateway's API key."""
+    """Every tcp socket is authenticated (CurveZMQ keys), and off loopback the gateway
+    needs its API key."""
     rt, security = config.runtime, config.security
     for name, host in config.hosts.items():
         for address in filter(None, (host.address, host.bind)):
@@ -377,6 +394,12 @@ def _check_exposure(config: Config, source: str) -> None:
             f"{source}: [runtime] bind_host = {rt.bind_host!r} is not a loopback address: "
             "set [security] keys = DIR (make them with `omniflow keys DIR`) so that peers "
             "must hold the deployment's CurveZMQ keys"
+        )
+    if rt.transport == "tcp" and not security.keys:  # any local user can dial a tcp port
+        raise ConfigError(
+            f'{source}: [runtime] transport = "tcp" (as on several hosts) needs [security] '
+            "keys = DIR, even on loopback: any local user may connect to a tcp port (make them "
+            'with `omniflow keys DIR`; on one host, transport = "ipc" needs none)'
         )
     if security.keys:
         try:

@@ -23,8 +23,10 @@ from omniflow.control.join import JoinBuffer
 from omniflow.control.routing import Fanout, RouteError, Router
 from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing, add_usage
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
+from omniflow.runtime.config import TracingConfig
 from omniflow.runtime.holding import HoldingFile
 from omniflow.runtime.inflight import Slots, Stream, carry_on, resume
+from omniflow.runtime.tracing import Span, Tracer
 from omniflow.transport.codec import (
     BadMessage,
     check_parts,
@@ -35,6 +37,7 @@ from omniflow.transport.codec import (
     release_tensors,
 )
 from omniflow.transport.links import TensorError
+from omniflow.transport.throttle import Throttled
 
 log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
@@ -70,6 +73,8 @@ class ActorHost:
         self.accepting_new = True  # False: only hops of requests already in the graph
         self.served = 0
         self.bad_messages = 0
+        # Garbage from a stranger: one warning per window, with a count of the rest.
+        self._garbage = Throttled(log, "%s: dropped %s")
         self._sweeper: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -78,10 +83,17 @@ class ActorHost:
         # Answers the sending socket itself (the Inbox's ``reply``), for a message too
         # malformed to name a reply address.
         self.reply: Callable[[bytes, list[Any]], bool] | None = None
+        # Spans of traced requests: ids only until the worker gives one that records.
+        self.tracer = Tracer(TracingConfig(), "", self.role, actor.replica)
 
     @property
     def inflight(self) -> int:
         return len(self._streams)
+
+    @property
+    def queued(self) -> int:
+        """Requests here waiting for a handler slot (/metrics' queue depth)."""
+        return len(self._slots._waiters)
 
     def holding(self, limit: int = 1000) -> list[tuple[str, str]]:
         """(request id, reply address) of requests in flight here, at most ``limit``."""
@@ -96,7 +108,7 @@ class ActorHost:
             msg = decode(parts[0], _decoder)
         except BadMessage as e:
             self.bad_messages += 1
-            log.warning("%s: dropped a malformed message: %s", self.role, e)
+            self._garbage.note(self.role, f"a malformed message: {e}")
             if self.reply is not None:  # no reply address to trust: answer the socket
                 self.reply(identity, [encode(Fail(Code.BAD_REQUEST.value, str(e), self.role, ""))])
             return
@@ -117,7 +129,7 @@ class ActorHost:
             self._on_cancel(msg)
         else:
             self.bad_messages += 1
-            log.warning("%s: dropped an unexpected %s", self.role, type(msg).__name__)
+            self._garbage.note(self.role, f"an unexpected {type(msg).__name__}")
             if self.reply is not None:
                 what = f"an actor takes Call and Cancel messages, not {type(msg).__name__}"
                 self.reply(identity, [encode(Fail(Code.BAD_REQUEST.value, what, self.role, ""))])
@@ -175,18 +187,45 @@ class ActorHost:
         stream.queue.put_nowait((call, parts))
 
     def _open(
-        self, call: Call, key: tuple[str, int], fanout: Fanout | None = None, ctx: Any = None
+        self,
+        call: Call,
+        key: tuple[str, int],
+        fanout: Fanout | None = None,
+        ctx: Any = None,
+        span: Span | None = None,
     ) -> Stream:
         if ctx is None:
             fanout = Fanout(self.router, self.role, call)
             ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, None)
             ctx._sink, ctx._peer = fanout.output, fanout.peer
+            if call.trace:
+                span = self._trace(call, fanout, time.time())
         assert fanout is not None
         stream = Stream(call, fanout, ctx)
+        stream.span = span
         self._streams[key] = stream
         self._idle.clear()
         self._hold(call)
         return stream
+
+    def _trace(self, call: Call, fanout: Fanout, arrived: float) -> Span | None:
+        """Open this role's span of a traced request; its hops hang under it."""
+        span = self.tracer.start(call.trace, arrived)
+        if span is not None:
+            fanout.trace = span.traceparent
+        return span
+
+    def _end_span(self, stream: Stream) -> None:
+        span, now = stream.span, time.time()
+        stream.span = None
+        started = stream.started or now
+        attributes = {
+            "omniflow.request_id": stream.call.request_id,
+            "omniflow.replica": self.actor.replica,
+            "omniflow.queue_ms": (started - stream.arrived) * 1e3,
+            "omniflow.compute_ms": stream.compute * 1e3,
+        }
+        self.tracer.end(span, now, attributes, (stream.arrived, started))
 
     def _hold(self, call: Call) -> None:
         """Name the request in the holding file while anything of it is here."""
@@ -260,6 +299,7 @@ class ActorHost:
         """
         arrived = time.time()
         fanout = Fanout(self.router, self.role, call)
+        span = self._trace(call, fanout, arrived) if call.trace else None
         ctx = Context(call.request_id, self.role, self.actor.replica, call.deadline, fanout.output)
         ctx._peer = fanout.peer
         started = time.perf_counter()
@@ -269,7 +309,7 @@ class ActorHost:
             self._slots.release()
             release_tensors(call.tensors.values(), opened=False)
             return self._hand_over(
-                call, key, fanout, ctx, arrived, self._end_failed, e, opened=False
+                call, key, fanout, ctx, (arrived, span), self._end_failed, e, opened=False
             )
         try:
             request = Request(call.request_id, call.data, tensors, call.params, call.session)
@@ -279,22 +319,24 @@ class ActorHost:
             out = stop.value
         except Exception as e:
             self._slots.release()
-            return self._hand_over(call, key, fanout, ctx, arrived, self._end_failed, e)
+            return self._hand_over(call, key, fanout, ctx, (arrived, span), self._end_failed, e)
         else:  # it waits for something: the rest runs in a Task, under the same slot
             return self._hand_over(
-                call, key, fanout, ctx, arrived, self._continue, coro, suspended, started
+                call, key, fanout, ctx, (arrived, span), self._continue, coro, suspended, started
             )
         compute = time.perf_counter() - started
         self._slots.release()
         usage = add_usage(dict(call.usage), ctx.usage) if ctx.usage else call.usage
-        timings = [*call.timings, self._timing(compute, arrived)]
+        timings = [*call.timings, self._timing(compute, arrived, span, arrived)]
         try:
             rest = fanout.finish_now(call.credit, timings, usage, out)
         except Exception as e:
-            return self._hand_over(call, key, fanout, ctx, arrived, self._end_failed, e)
+            return self._hand_over(call, key, fanout, ctx, (arrived, span), self._end_failed, e)
         if rest is not None:  # a peer's queue is full, or tensors must be exported
-            return self._hand_over(call, key, fanout, ctx, arrived, self._end_after, rest)
+            return self._hand_over(call, key, fanout, ctx, (arrived, span), self._end_after, rest)
         self.served += 1
+        if span is not None:
+            self.tracer.end(span, time.time(), {"omniflow.compute_ms": compute * 1e3})
         _release_inputs(_pool_refs(call), ctx)
         if fanout.addresses:  # a late Cancel must still reach the next hop
             self._remember(key, fanout.addresses)
@@ -305,7 +347,7 @@ class ActorHost:
         key: tuple[str, int],
         fanout: Fanout,
         ctx: Context,
-        arrived: float,
+        opened_at: tuple[float, Span | None],
         then: Callable[..., Coroutine[Any, Any, None]],
         *args: Any,
         opened: bool = True,
@@ -313,8 +355,9 @@ class ActorHost:
         """Move an eager request that could not end inline into the general path: give it
         a ``Stream`` and run ``then(stream, *args)`` (a Task only if that suspends).
         ``opened``: its tensors were materialized (else they went back already)."""
-        stream = self._open(call, key, fanout, ctx)
-        stream.arrived = arrived
+        arrived, span = opened_at
+        stream = self._open(call, key, fanout, ctx, span)
+        stream.arrived = stream.started = arrived
         stream.handled = True  # it started inline
         self._account(stream, call)
         if opened:
@@ -406,12 +449,16 @@ class ActorHost:
                 self._watch_deadlines()
             if not slotted and not self._slots.take():
                 await self._slots.wait()
+            if not slotted:
+                stream.started = time.time()
             try:
                 await work()
             finally:
                 self._slots.release()
             stream.finishing = True  # past the deadline sweep: its outputs go out whole
-            stream.timings.append(self._timing(stream.compute, stream.arrived))
+            stream.timings.append(
+                self._timing(stream.compute, stream.arrived, stream.span, stream.started)
+            )
             await stream.fanout.finish(
                 stream.credit, stream.timings, stream.usage, stream.last_output
             )
@@ -546,6 +593,8 @@ class ActorHost:
             log.exception("%s: discarding request %s failed", self.role, call.request_id)
 
     def _close(self, stream: Stream) -> None:
+        if stream.span is not None:
+            self._end_span(stream)
         # Outputs that reuse an input's block were shared onward before this release.
         _release_inputs(stream.refs, stream.ctx)
         if not stream.handled and stream.queue is None:  # expired or cancelled before a slot
@@ -567,9 +616,16 @@ class ActorHost:
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
 
-    def _timing(self, compute: float, arrived: float) -> Timing:
-        """This actor's Timing for a request: ``compute`` seconds, leaving now."""
-        return Timing(self.role, self.actor.replica, compute * 1e3, arrived, time.time())
+    def _timing(
+        self, compute: float, arrived: float, span: Span | None = None, started: float = 0.0
+    ) -> Timing:
+        """This actor's Timing for a request: ``compute`` seconds, leaving now (a traced
+        one's: its span, and how long it waited for a slot from ``arrived``)."""
+        timing = Timing(self.role, self.actor.replica, compute * 1e3, arrived, time.time())
+        if span is not None:
+            timing.span, timing.parent = span.id, span.parent
+            timing.queued_ms = max(0.0, (started or arrived) - arrived) * 1e3
+        return timing
 
     def _watch_deadlines(self) -> None:
         """One timer for every deadline in flight: cheaper than a timeout per request."""

@@ -39,6 +39,8 @@ class Stream:
         "finishing",
         "overflowed",
         "handled",
+        "span",
+        "started",
     )
 
     def __init__(self, call: Call, fanout: Fanout, ctx: Context) -> None:
@@ -58,6 +60,8 @@ class Stream:
         self.finishing = False
         self.overflowed = False  # cancelled: more chunks waited than the bound
         self.handled = False  # a chunk reached the handler (else: discard its input)
+        self.span: Any = None  # a traced request's span here (runtime/tracing.py)
+        self.started = 0.0  # time.time() it got a handler slot
 
 
 class Slots:

@@ -7,6 +7,10 @@ roles' are ``PARAMS`` in omniflow/roles/options.py). A key that no role of the d
 declares is refused, naming it, and so is a value of the wrong type or shape; ranges are
 the roles' to check (a bad one comes back as ``bad_request``). A deployment with a role
 that declares nothing takes any parameter and any input.
+
+Whatever the roles declare, a request is refused early (before any tokenizer or wire
+sees it) for an integer past 64 bits anywhere (the wire's msgpack cannot carry it) and
+for a string longer than ``[runtime] max_prompt_chars``, naming the field.
 """
 
 from __future__ import annotations
@@ -28,8 +32,46 @@ INPUT_KEYS = ("text", "image", "images", "audio")
 INTERNAL_PARAMS = ("resume",)
 
 
+# msgpack carries int64 and uint64; a seed needs room for the ``+ i`` of n choices.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+_MAX_DEPTH = 32  # deeper params or inputs are not plain data a role reads
+
+
 class InvalidRequest(ValueError):
-    """A parameter or an input the deployment would refuse; the message names it."""
+    """A parameter or an input the deployment would refuse; the message names it
+    (``field``: the name alone, as ``params.seed``)."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_values(value: Any, where: str, max_chars: int, depth: int = 0) -> None:
+    """Refuse an int outside 64 bits and a str past ``max_chars`` anywhere in ``value``
+    (dicts and lists walked), naming its path from ``where``."""
+    kind = type(value)
+    if kind is int:
+        if not INT_MIN <= value <= INT_MAX:
+            digits = len(str(abs(value))) if value.bit_length() < 10_000 else "thousands of"
+            raise InvalidRequest(
+                f"{where}: an integer of {digits} digits is out of range "
+                f"(a 64-bit integer, {INT_MIN}..{INT_MAX})",
+                where,
+            )
+    elif kind is str:
+        if len(value) > max_chars:
+            raise InvalidRequest(
+                f"{where}: {len(value)} characters, more than [runtime] max_prompt_chars "
+                f"({max_chars})",
+                where,
+            )
+    elif kind is dict or kind is list or kind is tuple:
+        if depth >= _MAX_DEPTH:
+            raise InvalidRequest(f"{where}: nested deeper than {_MAX_DEPTH}", where)
+        items = value.items() if kind is dict else enumerate(value)
+        for key, item in items:
+            path = f"{where}.{key}" if kind is dict else f"{where}[{key}]"
+            check_values(item, path, max_chars, depth + 1)
 
 
 def declared(config: Config) -> dict[str, list[Any]] | None:
@@ -90,4 +132,8 @@ def check_request(
 ) -> None:
     """The inputs and ``params`` of a ``stream``/``call`` (keyword arguments ``kwargs``)."""
     check_inputs(inputs or {}, config)
-    check_params(kwargs.get("params") or {}, config)
+    params = kwargs.get("params") or {}
+    check_params(params, config)
+    max_chars = config.runtime.max_prompt_chars
+    check_values(dict(inputs or {}), "inputs", max_chars)
+    check_values(dict(params), "params", max_chars)

@@ -44,7 +44,7 @@ from omniflow.runtime.gpus import placement_env
 from omniflow.runtime.holding import holding_path, read_held
 from omniflow.runtime.hosts import HostRecord, HostShare, is_multi_host
 from omniflow.runtime.rundir import run_root_of
-from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
+from omniflow.transport.codec import MAX_HEADER_BYTES, BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, private_dir
 
 if TYPE_CHECKING:
@@ -185,7 +185,12 @@ class Supervisor:
                 await self._join_hosts(self._registry)
             except RegistryError as e:
                 raise StartError(f"host {self.config.host_id} could not join: {e}") from None
-        self.control = Inbox(self.ctx, f"ipc://{self.run_dir}/control.sock", self._on_control)
+        self.control = Inbox(  # workers send headers only
+            self.ctx,
+            f"ipc://{self.run_dir}/control.sock",
+            self._on_control,
+            max_message=MAX_HEADER_BYTES,
+        )
         self.control.start()
         for replica in self.replicas:
             self._spawn(replica)

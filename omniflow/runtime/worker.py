@@ -29,6 +29,7 @@ from omniflow.control.discovery.view import RegistryView
 from omniflow.control.routing import Router
 from omniflow.memory import PagePool
 from omniflow.messages import LEAVING, ActorRecord, Hello, Ready, SetupFailed, Shutdown
+from omniflow.runtime import logs
 from omniflow.runtime.actor import Actor
 from omniflow.runtime.config import Config, from_json
 from omniflow.runtime.gpus import attach_device_pools, uses_gpu
@@ -38,7 +39,8 @@ from omniflow.runtime.kv_peers import KVPeers
 from omniflow.runtime.loading import load_actor_class
 from omniflow.runtime.resources import budget_after_barrier
 from omniflow.runtime.rundir import check_private, run_root_of
-from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
+from omniflow.runtime.tracing import Tracer
+from omniflow.transport.codec import MAX_HEADER_BYTES, BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, Outbox, fd_of
 from omniflow.transport.links import attach_pool
 
@@ -84,6 +86,7 @@ class Worker:
         loop.add_signal_handler(signal.SIGUSR1, self._close_intake)  # the supervisor stops
         control = self.ctx.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 1000)
+        control.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)  # the supervisor's are headers
         control.connect(control_address)
         loop.add_reader(fd_of(control), self._on_control, control)
         pid = os.getpid()
@@ -98,6 +101,7 @@ class Worker:
             attach_device_pools(pool, self.config.cache, self.role_config.options) if gpu else []
         )
         registry = open_registry(registry_address)
+        began = time.monotonic()
         try:
             cls = load_actor_class(self.role_config.actor)
             actor = cls(self.role, self.replica, self.role_config.options)
@@ -114,6 +118,7 @@ class Worker:
             )
             if budget is not None:
                 await actor.reserve(budget)
+            loaded = actor.describe()
         except Exception as e:
             await registry.close()
             traceback.print_exc()
@@ -126,6 +131,9 @@ class Worker:
         # (tens of milliseconds with torch imported) under the requests in flight.
         gc.collect()
         gc.freeze()
+        took = round(time.monotonic() - began, 2)
+        described = logs.fields(pid=pid, setup_s=took, code=self.role_config.actor, **loaded)
+        log.info("%s/%d loaded", self.role, self.replica, extra=described)
         try:
             return await self._serve(actor, control, registry)
         finally:
@@ -149,6 +157,7 @@ class Worker:
         host = ActorHost(
             actor, router, rc.max_concurrency, rc.max_queue, holding, rc.max_stream_chunks
         )
+        host.tracer = Tracer(cfg.tracing, cfg.name, self.role, self.replica)
         self.host = host
         if self.intake_closed:
             host.close_intake()
@@ -159,6 +168,7 @@ class Worker:
             keys=keys,
             hwm=rt.inbox_hwm,
             advertise=cfg.addresses()[1],
+            max_message=rt.max_message_bytes,
         )
         host.reply = inbox.reply
         inbox.start()
@@ -220,6 +230,7 @@ class Worker:
             await view.close()
             await registry.close()
             outbox.close(linger_ms=1000)  # the last hops of drained requests still leave
+            host.tracer.close()  # the spans of drained requests still go out
             holding.close()
         return 0
 
@@ -234,10 +245,14 @@ class Worker:
     async def _heartbeat(
         self, registry, key: str, record: ActorRecord, host: ActorHost, actor: Actor
     ) -> None:
-        """Keep the lease alive; re-put the record when its load or the actor's meta changed.
+        """Keep the lease alive; re-put the record when its load, the actor's meta or its
+        stats changed.
 
         ``meta()`` is what producers route on beyond load (an LLM's summary of the
-        sessions and media it holds): a change goes out at the next beat.
+        sessions and media it holds): a change goes out at the next beat. ``figures()``
+        (engine figures) ride the same record to the gateway's /metrics: no socket or
+        scrape of its own, and a replica gone from the registry is gone from /metrics.
+        An idle replica's figures stay put, so it still only sends keepalives.
         """
         rt = self.config.runtime
         published = (0, 0)
@@ -249,10 +264,11 @@ class Worker:
             try:
                 now = (host.inflight, host.served)
                 meta = actor.meta()
-                if now != published or meta != record.meta:
+                stats = {"queue_depth": float(host.queued), **actor.figures()}
+                if now != published or meta != record.meta or stats != record.stats:
                     record.inflight, record.served = now
                     record.holding = host.holding()
-                    record.meta = meta
+                    record.meta, record.stats = meta, stats
                     await registry.put(key, encode_record(record), ttl=rt.ttl_s)
                     published = now
                 else:
@@ -287,10 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("replica", type=int)
     args = parser.parse_args(argv)
     die_with_parent()
-    logging.basicConfig(
-        level=os.environ.get("OMNIFLOW_LOG", "INFO"),
-        format=f"%(asctime)s {args.role}/{args.replica} %(levelname)s %(message)s",
-    )
+    logs.configure(f"{args.role}/{args.replica}")
     import uvloop
 
     worker = Worker(args.run_dir, args.role, args.replica)

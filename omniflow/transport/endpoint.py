@@ -33,6 +33,7 @@ from omniflow.transport.security import (
     secure_client,
     secure_server,
 )
+from omniflow.transport.throttle import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ _DRAIN_BATCH = 256  # messages per reader callback before yielding to other call
 # sends block (an Outbox send fails with PeerUnavailable after its timeout).
 INBOX_HWM = 1000
 _ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
+# The largest frame an Inbox reads (ZeroMQ's MAXMSGSIZE, per frame): a peer that announces
+# a larger one is disconnected before a byte of it is buffered. Same-host tensors past
+# cache.frame_threshold go by pool handle; this bounds tcp frames and the header
+# (codec.MAX_HEADER_BYTES). ``runtime.max_message_size`` sets it per deployment.
+MAX_MESSAGE_BYTES = 1 << 30
 
 
 class PeerUnavailable(ConnectionError):
@@ -94,7 +100,8 @@ class Inbox:
 
     The header is ``bytes``; later frames are ``zmq.Frame``s viewing ZeroMQ's own
     buffers (no copy). At most ``hwm`` messages wait per peer: a flood cannot grow this
-    process past that while its loop is busy; the senders wait instead.
+    process past that while its loop is busy; the senders wait instead. A frame larger
+    than ``max_message`` bytes disconnects its sender before it is read into memory.
     """
 
     def __init__(
@@ -106,6 +113,7 @@ class Inbox:
         keys: Keys | None = None,
         hwm: int = INBOX_HWM,
         advertise: str = "",
+        max_message: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self._sock = ctx.socket(zmq.ROUTER)
         self._ctx = ctx
@@ -115,6 +123,7 @@ class Inbox:
         self._path: str | None = None
         self._monitor: zmq.Socket | None = None
         self._curve = False
+        self._failures = Throttled(log, "dropped a message that its handler could not take: %s")
         self._draining = False  # inside _drain: it looks at EVENTS again after each message
         self._drain_due = False  # a _drain is scheduled already
         try:  # a refused bind (address in use) leaves nothing open behind it
@@ -129,6 +138,7 @@ class Inbox:
                 self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.RCVHWM, hwm)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_message)
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             path = ipc_path(endpoint)
             if path and os.path.exists(path):
@@ -182,8 +192,8 @@ class Inbox:
                 parts.append(recv(_NOBLOCK, copy=False))  # tensor bytes: no copy
             try:
                 on_message(identity, parts)
-            except Exception:  # one bad message must not stop the drain (the edge is gone)
-                log.exception("dropped a message that its handler could not take")
+            except Exception as e:  # one bad message must not stop the drain (the edge is gone)
+                self._failures.note(f"{type(e).__name__}: {e}", exc_info=True)
         return True
 
     def _schedule_drain(self) -> None:

@@ -48,6 +48,7 @@ from omniflow.messages import (
     KvRefused,
 )
 from omniflow.transport.codec import (
+    MAX_HEADER_BYTES,
     BadMessage,
     check_parts,
     decode,
@@ -56,7 +57,7 @@ from omniflow.transport.codec import (
     export_tensors,
     materialize_tensors,
 )
-from omniflow.transport.endpoint import Inbox, fd_of
+from omniflow.transport.endpoint import MAX_MESSAGE_BYTES, Inbox, fd_of
 from omniflow.transport.security import Keys, secure_client
 
 if TYPE_CHECKING:  # torch is imported with the first tensor: workers of model-free roles
@@ -140,8 +141,14 @@ class KVPullServer:
         self.pinned = 0  # grants whose pages are still pinned
         self._tasks: set[asyncio.Task] = set()
         self._timers: set[asyncio.TimerHandle] = set()
-        self._inbox = Inbox(
-            ctx, endpoint, self._on_message, mandatory=True, keys=keys, advertise=advertise
+        self._inbox = Inbox(  # requests are one header: nothing bigger is read
+            ctx,
+            endpoint,
+            self._on_message,
+            mandatory=True,
+            keys=keys,
+            advertise=advertise,
+            max_message=MAX_HEADER_BYTES,
         )
         self.endpoint = self._inbox.endpoint
 
@@ -279,6 +286,7 @@ class KVPuller:
         says it beats recomputing (``force``: always). Raises ``KVPullError``."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a holder's chunk is ~CHUNK_BYTES
         if self.keys is not None and endpoint.startswith("tcp://"):
             secure_client(sock, self.keys)
         sock.connect(endpoint)

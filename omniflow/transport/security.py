@@ -24,7 +24,6 @@ import os
 import shutil
 import stat
 import threading
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,10 +31,11 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from omniflow.transport.throttle import LOG_EVERY_S, Throttled
+
 log = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "omniflow"
-LOG_EVERY_S = 10.0
 
 
 class UntrustedPath(PermissionError):
@@ -197,22 +197,12 @@ class Gatekeeper(ThreadAuthenticator):
             self.refusals.note(f"from {self._address}: {why} (its key is not in authorized/)")
 
 
-class Refusals:
+class Refusals(Throttled):
     """Refused handshakes, logged at most once per ``LOG_EVERY_S`` (a flood of strangers
     must not flood the log); the next report counts the ones folded into it."""
 
     def __init__(self) -> None:
-        self._folded = 0
-        self._logged_at = -LOG_EVERY_S
-
-    def note(self, what: str) -> None:
-        now = time.monotonic()
-        if now - self._logged_at < LOG_EVERY_S:
-            self._folded += 1
-            return
-        folded, self._folded, self._logged_at = self._folded, 0, now
-        more = f" ({folded} more refused since the last report)" if folded else ""
-        log.warning("refused a CURVE handshake %s%s", what, more)
+        super().__init__(log, "refused a CURVE handshake %s", LOG_EVERY_S)
 
 
 # Handshake failures a CURVE server's monitor reports: a peer without keys (no common

@@ -6,7 +6,8 @@ frames) back into a tensor without copying; ``release`` is the receiver's ack.
 
 Which ref, per link:
 
-- other host, no pool attached, or fewer than ``frame_threshold`` bytes: ``Frame``
+- other host, no pool attached, a receiver of unknown pid, or fewer than
+  ``frame_threshold`` bytes: ``Frame``
   (the bytes ride as a zero-copy ZeroMQ frame);
 - same host, receiver on a GPU, CUDA tensor, a ``DevicePool`` attached: ``CudaIpc``;
 - same host otherwise: ``Shm``. A contiguous tensor already in the pool (from
@@ -18,8 +19,9 @@ A process opts in once, at startup, after mapping the deployment's pool::
     attach_pool(pool)
 
 Each ``Shm``/``CudaIpc`` ref holds one ref on its block for the receiver, attributed to
-``Link.pid`` (the receiver's pid from the registry) so that a receiver that dies is
-reclaimed; the receiver calls ``release(ref)`` when done with the tensor, and also for
+``received(Link.pid)`` (the receiver's pid from the registry, marked as shared to it) so
+that a receiver that dies is reclaimed, and so that releasing a received ref can only
+drop a ref shared to this process, never one it holds itself nor an anonymous one; the receiver calls ``release(ref)`` when done with the tensor, and also for
 refs of a message it drops unread (bad header, overload, cancelled), or the block stays
 allocated until the receiver exits and is reclaimed (``opened=False`` for those: they
 never counted as opened). A full pool makes ``export`` raise
@@ -42,6 +44,7 @@ from omniflow.memory import PagePool, PoolError
 from omniflow.memory.dtypes import dtype_name as _dtype_name
 from omniflow.memory.dtypes import nbytes_of
 from omniflow.memory.dtypes import torch_dtype as _torch_dtype
+from omniflow.memory.pool import received
 from omniflow.messages import CudaIpc, Frame, Shm, TensorRef
 from omniflow.transport.links import (  # re-exported: callers import them from here
     FRAME_THRESHOLD as FRAME_THRESHOLD,
@@ -51,8 +54,10 @@ from omniflow.transport.links import attach_device_pool as attach_device_pool
 from omniflow.transport.links import attach_pool as attach_pool
 from omniflow.transport.links import attached_pool as attached_pool
 from omniflow.transport.links import detach_pool as detach_pool
+from omniflow.transport.throttle import Throttled
 
 log = logging.getLogger(__name__)
+_skipped = Throttled(log, "skipped a tensor ref: %s")
 
 # Shm refs this process opened and has not released yet, per lease: a second message
 # naming the same lease is accepted only while the lease holds more refs for this pid.
@@ -99,10 +104,10 @@ def export(value: Any, frames: list[Any], link: Link = Link()) -> TensorRef:
     """
     t = as_tensor(value).detach()
     pool = _attached.pool
-    if link.same_host and pool is not None:
+    if link.same_host and link.pid and pool is not None:  # a receiver that can release it
         device_pool = _attached.device_pools.get(t.device.index) if t.is_cuda else None
         if device_pool is not None and device_pool.bus_id in link.gpus:  # the receiver's GPU
-            return device_pool.share(t, link.pid)
+            return device_pool.share(t, received(link.pid))
         if t.numel() * t.element_size() >= _attached.frame_threshold:
             return _export_shm(pool, t, link.pid)
     return _export_frame(t, frames)
@@ -110,10 +115,10 @@ def export(value: Any, frames: list[Any], link: Link = Link()) -> TensorRef:
 
 def _export_shm(pool: PagePool, t: torch.Tensor, pid: int) -> Shm:
     if t.is_contiguous() and pool.contains(t):
-        return pool.share(t, pid)  # already in the pool: no copy
+        return pool.share(t, received(pid))  # already in the pool: no copy
     staged = pool.copy_in(t)  # the one copy (device -> pinned host by DMA when registered)
     try:
-        return pool.share(staged.tensor, pid)
+        return pool.share(staged.tensor, received(pid))
     finally:
         staged.lease.release()  # the receiver's ref keeps the block
 
@@ -137,7 +142,7 @@ def materialize(ref: TensorRef, frames: list[Any]) -> torch.Tensor:
     if isinstance(ref, Shm):
         pool = _require_pool(ref)
         try:
-            view = pool.open(ref, os.getpid(), _opened.get(ref.lease, 0))
+            view = pool.open(ref, received(os.getpid()), _opened.get(ref.lease, 0))
         except (PoolError, ValueError) as e:
             raise TensorError(f"rejected Shm ref: {e}") from None
         _opened[ref.lease] = _opened.get(ref.lease, 0) + 1
@@ -265,8 +270,8 @@ def release(ref: TensorRef, opened: bool = True) -> None:
         _count_closed(ref.lease)
     if opened and isinstance(ref, CudaIpc) and _attached.opener is not None:
         _attached.opener.release(ref)  # after this process's kernels on it are done
-    try:
-        pool.release(ref.lease, os.getpid())
+    try:  # only a ref shared to this process: never its own, never an anonymous one
+        pool.release(ref.lease, received(os.getpid()), anonymous=False)
     except PoolError as e:
         raise TensorError(f"cannot release {type(ref).__name__} ref: {e}") from None
 
@@ -278,7 +283,7 @@ def revoke(ref: TensorRef, pid: int) -> None:
     if isinstance(ref, Frame) or _attached.pool is None:
         return
     try:
-        _attached.pool.release(ref.lease, pid)
+        _attached.pool.release(ref.lease, received(pid), anonymous=False)
     except PoolError:
         pass
 
@@ -291,4 +296,4 @@ def release_all(refs: Iterable[TensorRef], opened: bool = True) -> None:
         try:
             release(ref, opened)
         except TensorError as e:
-            log.warning("skipped a tensor ref: %s", e)
+            _skipped.note(e)

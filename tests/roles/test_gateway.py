@@ -135,7 +135,8 @@ def _error(response: httpx2.Response, status: int) -> dict:
 )
 def test_400_names_the_field(gateway, body, param):
     url, _ = gateway
-    response = httpx2.post(f"{url}/v1/chat/completions", content=body, headers=auth())
+    headers = {**auth(), "Content-Type": "application/json"}
+    response = httpx2.post(f"{url}/v1/chat/completions", content=body, headers=headers)
     assert _error(response, 400)["param"] == param
 
 
@@ -212,7 +213,7 @@ def test_a_client_that_disconnects_cancels_the_request(gateway, stream):
 
 
 def _samples(url: str) -> dict:
-    text = httpx2.get(f"{url}/metrics").text
+    text = httpx2.get(f"{url}/metrics", headers=auth()).text  # with api_key set, it needs it
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -4,7 +4,10 @@ a host runs, replica numbers claimed in a real etcd, an advertised tcp endpoint.
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
+import tempfile
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -14,7 +17,7 @@ import zmq
 from omniflow.control.discovery.etcd import EtcdRegistry
 from omniflow.control.routing import Router
 from omniflow.messages import ActorRecord
-from omniflow.runtime.config import ConfigError, parse
+from omniflow.runtime.config import ConfigError, generate_keys, parse
 from omniflow.runtime.hosts import (
     HostRecord,
     HostShare,
@@ -29,13 +32,25 @@ from tests.helpers import echo_config
 ECHO = "omniflow.roles.echo"
 
 
-def two_roles(**extra) -> dict:
-    return {
+@functools.cache
+def tcp_keys() -> str:
+    """One CurveZMQ keys folder for this module's tcp configs (tcp needs keys)."""
+    folder = Path(tempfile.mkdtemp(prefix="ofk-")) / "keys"
+    generate_keys(str(folder))
+    return str(folder)
+
+
+def two_roles(keys: bool = True, **extra) -> dict:
+    raw = {
         "name": "spread",
         "roles": {"upper": {"actor": f"{ECHO}:Upper"}, "reverse": {"actor": f"{ECHO}:Reverse"}},
         "graph": {"edges": [{"from": "input", "to": "upper"}, {"from": "upper", "to": "reverse"}]},
         **extra,
     }
+    shared = str(extra.get("registry", "")).startswith("etcd")  # for_host makes it tcp
+    if keys and (shared or extra.get("runtime", {}).get("transport") == "tcp"):
+        raw["security"] = {"keys": tcp_keys()}
+    return raw
 
 
 def record(host: str, pid: int = 7) -> ActorRecord:
@@ -87,7 +102,7 @@ def test_a_hosts_share_runs_its_roles_on_its_address():
     ],
 )
 def test_bad_hosts_tables_are_refused_naming_the_field(change, message):
-    raw = two_roles(registry="etcd://127.0.0.1:2379", runtime={"transport": "tcp"})
+    raw = two_roles(False, registry="etcd://127.0.0.1:2379", runtime={"transport": "tcp"})
     raw.update(change)
     with pytest.raises(ConfigError, match=message):
         parse(raw, "spread.toml")
@@ -199,6 +214,7 @@ def test_up_on_an_etcd_nobody_serves_fails_naming_the_host(tmp_path, run_root):
         f'registry = "etcd://127.0.0.1:{free_port()}"\n'
         f'[roles.upper]\nactor = "{ECHO}:Upper"\n'
         '[graph]\nedges = [{ from = "input", to = "upper" }]\n'
+        f'[security]\nkeys = "{tcp_keys()}"\n'
     )
     proc = cli("up", str(config), "--host-id", "a", "--roles", "upper", check=False, timeout=60)
     assert proc.returncode == 1, proc.stderr
@@ -218,6 +234,7 @@ def test_two_hosts_embedded_in_one_program_serve_one_request_together(etcd_url, 
     raw = msgspec.to_builtins(base)
     raw.update(registry=etcd_url)
     raw["runtime"]["transport"] = "tcp"
+    raw["security"] = {"keys": tcp_keys()}
     config = parse(raw)
 
     async def body():
@@ -249,6 +266,7 @@ def test_up_on_a_host_the_table_does_not_name_asks_for_its_roles(tmp_path, run_r
         f'[roles.upper]\nactor = "{ECHO}:Upper"\n'
         '[graph]\nedges = [{ from = "input", to = "upper" }]\n'
         '[runtime]\ntransport = "tcp"\n'
+        f'[security]\nkeys = "{tcp_keys()}"\n'
         '[hosts.gpu7]\nroles = ["upper"]\n'
     )
     proc = cli("up", str(config), check=False, timeout=60)  # this machine is not gpu7

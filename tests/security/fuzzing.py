@@ -24,6 +24,7 @@ import msgspec
 from hypothesis import strategies as st
 
 from omniflow.memory.dtypes import ITEMSIZE
+from omniflow.memory.pool import received
 from omniflow.messages import Call, Cancel, Code, Done, Fail
 from omniflow.transport.codec import BadMessage, decode, encode
 
@@ -174,10 +175,10 @@ class WireChecker:
 
         pool = self.live.pool
         t, lease = pool.empty((16,), torch.float32)
-        ref = pool.share(t, os.getpid() if spec.kind == "unshared" else self.pid)
+        ref = pool.share(t, os.getpid() if spec.kind == "unshared" else received(self.pid))
         lease.release()
         if spec.kind == "stale":
-            pool.release(ref.lease, self.pid)
+            pool.release(ref.lease, received(self.pid))
         else:
             leases.append(ref.lease)
         out = msgspec.to_builtins(ref)
@@ -323,8 +324,8 @@ actor = "omniflow.roles.echo:Upper"
 [graph]
 edges = [{ from = "input", to = "upper" }]
 [runtime]
-transport = "tcp"
-bind_host = "127.0.0.1"
+transport = "ipc"
+heartbeat_s = 0.5
 """
 
 

@@ -9,6 +9,7 @@ header too malformed to name a reply address).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from typing import Any
@@ -24,15 +25,16 @@ from omniflow.transport.codec import decode, encode
 ROLE = "check"
 
 
-def tensor_config(name: str = "sec") -> Config:
-    """One role that sums the tensor ``x`` it gets, with a page pool for ``Shm`` refs."""
+def tensor_config(name: str = "sec", **runtime: Any) -> Config:
+    """One role that sums the tensor ``x`` it gets, with a page pool for ``Shm`` refs
+    (``runtime``: more ``[runtime]`` keys)."""
     return parse(
         {
             "name": name,
             "roles": {ROLE: {"actor": "tests.graph_roles:CheckTensor", "max_concurrency": 8}},
             "graph": {"edges": [{"from": "input", "to": ROLE}]},
             "cache": {"host_pool": "16MiB", "page_size": "64KiB"},
-            "runtime": {"heartbeat_s": 0.5, "ttl_s": 10.0, "drain_timeout_s": 2.0},
+            "runtime": {"heartbeat_s": 0.5, "ttl_s": 10.0, "drain_timeout_s": 2.0, **runtime},
         }
     )
 
@@ -71,6 +73,11 @@ class LiveDeployment:
     @property
     def pool(self) -> PagePool:
         return self.rt.supervisor.pool
+
+    def submit(self, coro: Any) -> concurrent.futures.Future:
+        """Run ``coro`` on the deployment's loop (``self.rt`` lives there)."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def alive(self) -> bool:
         proc = self.replica.proc

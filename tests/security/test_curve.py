@@ -56,9 +56,18 @@ def test_a_non_loopback_bind_without_keys_fails_at_load(host) -> None:
         parse(_raw({"runtime": {"transport": "tcp", "bind_host": host}}))
 
 
-def test_loopback_binds_need_no_keys_and_exposed_ones_load_with_them(keys) -> None:
+def test_tcp_needs_keys_even_on_loopback_and_loads_with_them(keys) -> None:
     for host in ("127.0.0.1", HOST, "::1", "localhost"):
-        parse(_raw({"runtime": {"transport": "tcp", "bind_host": host}}))
+        with pytest.raises(ConfigError, match=r'transport = "tcp" .*needs \[security\] keys'):
+            parse(_raw({"runtime": {"transport": "tcp", "bind_host": host}}))
+        parse(
+            _raw(
+                {
+                    "runtime": {"transport": "tcp", "bind_host": host},
+                    "security": {"keys": str(keys)},
+                }
+            )
+        )
     exposed = {"transport": "tcp", "bind_host": "0.0.0.0"}
     config = parse(_raw({"runtime": exposed, "security": {"keys": str(keys)}}))
     assert config.security.load_keys() == load_keys(keys)

@@ -94,7 +94,8 @@ def test_after_the_http_fuzz_the_gateway_serves(gateway) -> None:
     r = client.post(f"{url}/v1/chat/completions", json=body, headers=_auth(), timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"]
-    huge = client.post(f"{url}/v1/chat/completions", content=b"x" * (1 << 20), headers=_auth())
+    typed = {**_auth(), "content-type": "application/json"}
+    huge = client.post(f"{url}/v1/chat/completions", content=b"x" * (1 << 20), headers=typed)
     assert huge.status_code == 413 and huge.json()["error"]["message"]
 
 

@@ -13,6 +13,7 @@ import torch
 
 import omniflow
 from omniflow import messages
+from omniflow.memory.pool import received
 from omniflow.messages import Call, Fail, Frame, Shm
 from omniflow.transport import codec
 from omniflow.transport.codec import BadMessage, decode, encode
@@ -167,10 +168,11 @@ def test_a_frame_mismatch_is_a_bad_request_fail(live, probe) -> None:
 
 
 def _held_block(live, pid: int) -> Shm:
-    """A one-page block of float32 ones in the deployment's pool, a ref held for ``pid``."""
+    """A one-page block of float32 ones in the deployment's pool, a ref shared to ``pid``
+    (as a sender's export takes it)."""
     t, lease = live.pool.empty((16,), torch.float32)
     t.fill_(1.0)
-    ref = live.pool.share(t, pid)
+    ref = live.pool.share(t, received(pid))
     lease.release()
     return ref
 
@@ -198,7 +200,7 @@ def test_forged_shm_refs_are_bad_requests(live, probe, forge, error) -> None:
     # The actor gave back the ref it held when the forged one kept the genuine lease;
     # a forged lease it cannot release, so the genuine ref is still there.
     if live.pool.refs(ref.lease):
-        live.pool.release(ref.lease, live.replica.proc.pid)
+        live.pool.release(ref.lease, received(live.replica.proc.pid))
     assert _used(live) == before
 
 
@@ -208,8 +210,29 @@ def test_a_ref_the_sender_never_shared_with_the_actor_is_refused(live, probe) ->
     fail = probe.call(probe.request_id(), {"x": mine}, [])
     assert isinstance(fail, Fail) and fail.code == "bad_request"
     assert "holds no ref for pid" in fail.message
-    assert live.pool.holders(mine.lease) == {os.getpid(): 1}  # the actor took nothing
-    live.pool.release(mine.lease)
+    assert live.pool.holders(mine.lease) == {received(os.getpid()): 1}  # the actor took nothing
+    live.pool.release(mine.lease, received(os.getpid()))
+    assert probe.served() and _used(live) == before
+
+
+def test_a_refused_ref_never_releases_an_own_or_anonymous_ref(live, probe) -> None:
+    """A forged ref naming a lease the actor holds for itself (as its encoder cache does)
+    or one held anonymously: refused, and each keeps its ref (no release falls back to
+    the receiver's own refs or to anonymous ones)."""
+    before = _used(live)
+    pid = live.replica.proc.pid
+    t, lease = live.pool.empty((16,), torch.float32)
+    own = live.pool.share(t, pid)  # the actor's own hold, not shared to it
+    anon = live.pool.share(t, 0)
+    lease.release()
+    for forged in (own, anon):
+        extra = {"y": Frame(1, "float32", (2,))}  # and a bad frame: the message is dropped
+        for tensors, frames in (({"x": forged}, []), ({"x": forged, **extra}, [b"short"])):
+            fail = probe.call(probe.request_id(), tensors, frames)
+            assert isinstance(fail, Fail) and fail.code == "bad_request", fail
+    assert live.pool.holders(own.lease) == {pid: 1, 0: 1}, live.pool.holders(own.lease)
+    live.pool.release(own.lease, pid)
+    live.pool.release(own.lease, 0)
     assert probe.served() and _used(live) == before
 
 
@@ -227,12 +250,12 @@ def test_stale_generation_is_refused_after_the_slot_is_reused(live, probe) -> No
     before = _used(live)
     pid = live.replica.proc.pid
     old = _held_block(live, pid)
-    live.pool.release(old.lease, pid)
+    live.pool.release(old.lease, received(pid))
     new = _held_block(live, pid)  # same slot and pages, next generation
     assert (new.offset, new.lease & 0xFFFFFF) == (old.offset, old.lease & 0xFFFFFF)
     fail = probe.call(probe.request_id(), {"x": old}, [])
     assert isinstance(fail, Fail) and "not live" in fail.message
-    live.pool.release(new.lease, pid)
+    live.pool.release(new.lease, received(pid))
     assert probe.served() and _used(live) == before
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def pool():
 def test_owned_outputs_release_their_ref_when_the_last_view_goes(pool):
     src = torch.arange(1000, dtype=torch.bfloat16).reshape(10, 100)
     frames: list = [b""]
-    ref = export(src, frames, Link(same_host=True, pid=0))
+    ref = export(src, frames, Link(same_host=True, pid=os.getpid()))
     assert isinstance(ref, Shm)
     got = materialize_owned({"x": ref}, frames)["x"]
     assert got.dtype == torch.bfloat16 and torch.equal(got, src)

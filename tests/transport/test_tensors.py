@@ -12,6 +12,7 @@ import torch
 import zmq
 
 from omniflow.memory import PagePool, unlink_pool
+from omniflow.memory.pool import received
 from omniflow.messages import Call, CudaIpc, Emit, Frame, Hello, Shm, Shutdown
 from omniflow.transport import tensors as T
 from omniflow.transport.tensors import Link, TensorError
@@ -193,13 +194,13 @@ def test_an_unopened_ref_released_leaves_the_opened_count_exact(pool: PagePool) 
     copy of the opened ref would pass the receiver's check and could free it early."""
     t, lease = pool.empty((16,), torch.float32)
     me = os.getpid()
-    first, second = pool.share(t, me), pool.share(t, me)
+    first, second = pool.share(t, received(me)), pool.share(t, received(me))
     lease.release()  # as export does: the block lives on the receiver's refs alone
     view = T.materialize(first, [b""])
     assert T.opened_refs(first.lease) == 1
     T.release(second, opened=False)  # the dropped message
     assert T.opened_refs(first.lease) == 1
-    assert pool.holders(first.lease)[me] == 1
+    assert pool.holders(first.lease)[received(me)] == 1
     forged = Shm(first.offset, first.nbytes, first.dtype, first.shape, first.lease, first.pool)
     with pytest.raises(TensorError, match="rejected Shm ref"):
         T.materialize(forged, [b""])
@@ -212,7 +213,7 @@ def test_an_unopened_ref_released_leaves_the_opened_count_exact(pool: PagePool) 
 
 def test_a_message_with_a_refused_ref_counts_none_opened(pool: PagePool) -> None:
     t, lease = pool.empty((16,), torch.float32)
-    good = pool.share(t, os.getpid())
+    good = pool.share(t, received(os.getpid()))
     bad = Shm(pool.size + 4096, 64, "float32", (16,), good.lease, pool.name)
     with pytest.raises(TensorError, match="outside pool"):
         T.materialize_all({"good": good, "bad": bad}, [b""])

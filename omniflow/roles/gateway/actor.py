@@ -11,11 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from omniflow.roles.gateway.app import GatewayApp
-from omniflow.roles.gateway.protocol import GatewayProtocol
+from omniflow.roles.gateway.hostcheck import HostCheck
+from omniflow.roles.gateway.limits import BodyGuard, limited_protocol, limits_of
+from omniflow.roles.gateway.observe import Observe
+from omniflow.roles.gateway.role_metrics import RoleMetrics
 from omniflow.roles.options import NoParams
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
 from omniflow.runtime.client import Client
 from omniflow.runtime.config import GatewayConfig, from_json
+from omniflow.runtime.tracing import Tracer
 from omniflow.transport.links import attached_pool
 
 log = logging.getLogger("omniflow.gateway")
@@ -36,6 +40,8 @@ class Gateway(Actor):
         self.client = Client(config, os.environ["OMNIFLOW_REGISTRY"], self.run_dir, attached_pool())
         await self.client.start()
         self.app = GatewayApp(self.client, config, self.options)
+        # Every replica's figures, from the records this Client follows anyway.
+        self.app.metrics.registry.register(RoleMetrics(self.client.view))
         # Bound here, not by uvicorn: port 0 then names the port it got, and a port in
         # use fails setup (and so `omniflow up`) with a message that names it.
         family = socket.AF_INET6 if ":" in self.options.host else socket.AF_INET
@@ -52,10 +58,20 @@ class Gateway(Actor):
         self.socket.setblocking(False)
         host, port = self.socket.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        self.tracer = Tracer(config.tracing, config.name, self.role, self.replica)
+        limits = limits_of(self.options)  # fds for ZeroMQ kept out of max_connections
+        guarded = HostCheck(
+            BodyGuard(self.app, limits),
+            self.options.host,
+            self.options.allowed_hosts,
+            self.options.cors_origins,
+        )
         config_ = uvicorn.Config(
-            self.app,
+            Observe(guarded, self.tracer),  # trace context, span and access line
+            log_config=None,  # uvicorn's loggers go through the worker's handler and format
             loop="none",  # this replica's uvloop
-            http=GatewayProtocol,  # httptools, each response in one send
+            http=limited_protocol(limits),  # httptools, each response in one send
+            timeout_keep_alive=self.options.keepalive_timeout_s,
             lifespan="off",
             access_log=False,
             log_level="warning",
@@ -77,10 +93,14 @@ class Gateway(Actor):
             await self._main
         await self.server.shutdown(sockets=[self.socket])
         await self.client.close()
+        self.tracer.close()
         (self.run_dir / "gateway.url").unlink(missing_ok=True)
 
     async def handle(self, request: Request, ctx: Context) -> Any:
         raise BadRequest("gateway", "takes HTTP requests, not calls")
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "tracing": self.tracer.on}
 
     def meta(self) -> dict[str, Any]:
         return {"url": getattr(self, "url", "")}

@@ -22,7 +22,16 @@ from typing import Any, cast
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from omniflow.roles.gateway.calls import api_error, choice, declared_params, gather
+from omniflow.roles.gateway.calls import (
+    api_error,
+    check_param_names,
+    check_sizes,
+    choice,
+    declared_params,
+    gather,
+    seed_of,
+    session_of,
+)
 from omniflow.roles.gateway.cors import Cors
 from omniflow.roles.gateway.http import (
     Disconnected,
@@ -125,7 +134,7 @@ class GatewayApp:
             if handler is None:
                 known = any(p == path for _, p in self._routes)
                 raise ApiError(405 if known else 404, f"no route {scope['method']} {path}")
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") or path == "/metrics":  # /health and / stay open
                 self._authorize(scope)
             status = await handler(scope, receive, send)
         except ApiError as e:
@@ -185,6 +194,7 @@ class GatewayApp:
         better served by a 503 it can retry (``Retry-After``) than by a stalled request.
         A role this view has not seen yet (right after a start) keeps the grace.
         """
+        check_sizes(inputs, params, self.config.runtime.max_prompt_chars)  # before any work
         view = self.client.view
         if not any(view.lost(role) for role in self._first_roles):
             return  # the common case, without routing the request twice
@@ -200,18 +210,7 @@ class GatewayApp:
         return min(asked, limit) if limit else asked
 
     def _check_params(self, given: dict[str, Any]) -> None:
-        """A key of the ``params`` extension that no role reads is a typo: refuse it. Types
-        and ranges are each role's to check (a bad one is its 400)."""
-        if self._params is None:
-            return
-        for key in given:
-            if key not in self._params:
-                known = ", ".join(sorted(self._params)) or "none"
-                raise ApiError(
-                    400,
-                    f"no role of {self.name} reads param {key!r}; known: {known}",
-                    f"params.{key}",
-                )
+        check_param_names(given, self._params, self.name)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -223,7 +222,7 @@ class GatewayApp:
         req = decode_body(await read_body(scope, receive, self._limit), ChatRequest)
         self._check_model(req.model)
         refuse_unsupported(req)
-        session = req.session or (header(scope, b"x-session-id") or b"").decode()
+        session = session_of(req, header(scope, b"x-session-id"), self.options.max_id_chars)
         if req.n > 1 and (req.stream or session):
             field = "stream" if req.stream else "session"
             raise ApiError(400, f"n > 1 is served without {field}", "n")
@@ -474,7 +473,7 @@ class GatewayApp:
                 raise
 
         async def one(i: int) -> tuple[list[Output], Result]:
-            seed = {"seed": params.get("seed", 0) + i} if req.n > 1 else {}
+            seed = {"seed": seed_of(params.get("seed", 0), i)} if req.n > 1 else {}
             try:
                 return await self.client.call(
                     inputs, params={**params, **seed}, session="", timeout=timeout

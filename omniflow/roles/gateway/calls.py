@@ -10,6 +10,7 @@ from omniflow.roles.gateway.schema import ApiError
 from omniflow.runtime.client import Output, RequestFailed, Result
 from omniflow.runtime.config import Config
 from omniflow.runtime.loading import params_type
+from omniflow.runtime.request_check import INT_MAX, INT_MIN, InvalidRequest, check_values
 
 STATUS = {
     "bad_request": 400,
@@ -32,11 +33,53 @@ def declared_params(config: Config) -> set[str] | None:
     return keys
 
 
+def check_param_names(given: dict[str, Any], known: set[str] | None, name: str) -> None:
+    """A key of the ``params`` extension that no role reads is a typo: refuse it. Types
+    and ranges are each role's to check (a bad one is its 400)."""
+    if known is None:
+        return
+    for key in given:
+        if key not in known:
+            names = ", ".join(sorted(known)) or "none"
+            raise ApiError(
+                400, f"no role of {name} reads param {key!r}; known: {names}", f"params.{key}"
+            )
+
+
+def check_sizes(inputs: dict[str, Any], params: dict[str, Any], max_chars: int) -> None:
+    """A 400 for an integer past 64 bits or a string past ``max_chars`` (a prompt that
+    would cost the tokenizer seconds), before the request goes anywhere."""
+    try:
+        check_values(params, "params", max_chars)
+        check_values(inputs, "inputs", max_chars)
+    except InvalidRequest as e:
+        field = e.field
+        if field.startswith("inputs."):  # what the client sent it as
+            field = "messages" if "messages" in inputs else "prompt"
+        raise ApiError(400, str(e), field) from None
+
+
+def session_of(req: Any, given: bytes | None, max_chars: int) -> str:
+    """The chat's session (its body's, else the X-Session-Id header's); a 400 for a
+    session or user id past ``max_chars`` (the llm keeps a session's state)."""
+    session = req.session or (given or b"").decode("utf-8", "replace")
+    for field, value in (("session", session), ("user", req.user or "")):
+        if len(value) > max_chars:
+            message = f"{len(value)} characters, more than {max_chars} ([gateway] max_id_chars)"
+            raise ApiError(400, f"{field}: {message}", field)
+    return session
+
+
+def seed_of(seed: int, i: int) -> int:
+    """The i-th choice's seed: ``seed + i``, wrapped into 64 bits."""
+    return (seed + i - INT_MIN) % (INT_MAX - INT_MIN + 1) + INT_MIN
+
+
 def choice(params: dict[str, Any], i: int, n: int, request_id: str) -> dict[str, Any]:
     """The i-th of n choices: its own request id and seed (seed + i)."""
     if n == 1:
         return {"params": params}
-    seed = {"seed": params.get("seed", 0) + i}
+    seed = {"seed": seed_of(params.get("seed", 0), i)}
     return {"params": {**params, **seed}, "request_id": f"{request_id}-{i}"}
 
 

@@ -15,6 +15,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+# What msgpack and the roles take: 64-bit integers (a seed leaves room for n choices).
+Tokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
 
 class ApiError(Exception):
     """An OpenAI-style error: HTTP ``status``, ``kind`` (``type``), ``param`` names the field."""
@@ -37,8 +41,11 @@ _KINDS = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    403: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout",
@@ -96,11 +103,11 @@ class ChatRequest(msgspec.Struct):
     stream_options: StreamOptions | None = None
     modalities: list[Literal["text", "audio", "image"]] | None = None
     audio: AudioOut | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Tokens | None = None
+    max_completion_tokens: Tokens | None = None
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
     n: Annotated[int, Meta(ge=1, le=8)] = 1
     logprobs: bool = False
@@ -125,10 +132,10 @@ class CompletionRequest(msgspec.Struct):
     prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Tokens | None = None
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
     n: Annotated[int, Meta(ge=1, le=8)] = 1
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
@@ -168,9 +175,9 @@ class ImageRequest(msgspec.Struct):
     prompt: str
     model: str | None = None
     n: Annotated[int, Meta(ge=1, le=8)] = 1
-    size: str = "128x128"
+    size: Annotated[str, Meta(max_length=32)] = "128x128"
     response_format: Literal["b64_json"] = "b64_json"
-    seed: int | None = None
+    seed: Seed | None = None
     num_inference_steps: Annotated[int, Meta(ge=1, le=200)] | None = None
     guidance_scale: Annotated[float, Meta(ge=0)] | None = None
     user: str | None = None

@@ -1,0 +1,190 @@
+"""W3C trace context across roles, and spans through the OpenTelemetry SDK.
+
+A request's ``Call.trace`` is a ``traceparent`` (``00-TRACE-SPAN-FLAGS``): the span the
+hop hangs under. Each role that handles a traced request opens a span of its own under
+it (its queue wait and compute as attributes, the wait as a child span) and sends its
+own span on as the next hops' parent; its ``Timing`` names both ids, so the client has
+the span tree without a collector (``omniflow send --trace``).
+
+With ``[tracing]`` on, spans are the SDK's ``ReadableSpan``s, exported by its
+``BatchSpanProcessor`` over OTLP/HTTP when an endpoint is set (no endpoint: built and
+dropped, what benchmarks/gateway.py measures); a traceparent whose sampled flag is off
+is followed, not recorded. Off, a traced request still gets span ids, with nothing
+recorded: the tree is there, no export.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import random
+import re
+from typing import Any
+
+from omniflow.runtime.config import TracingConfig
+
+# The traceparent requests sent from this context hang under (the gateway sets it per
+# HTTP request; Client.stream/call read it when not given one).
+CURRENT = contextvars.ContextVar("omniflow_traceparent", default="")
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+_rand = random.Random()
+_HEX = frozenset("0123456789abcdef")
+_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
+
+
+def parse(traceparent: str) -> tuple[str, str, str] | None:
+    """(trace id, parent span id, flags) of a valid W3C traceparent, else None."""
+    if len(traceparent) == 55 and _HEX.issuperset(traceparent[3:35]):  # ours: lower case
+        tp = traceparent  # the per-hop path: no regex (a hop's own cost is microseconds)
+        if tp[:3] == "00-" and tp[35] == "-" and tp[52] == "-":
+            trace, parent, flags = tp[3:35], tp[36:52], tp[53:]
+            if _HEX.issuperset(parent) and _HEX.issuperset(flags):
+                ok = trace != _ZERO_TRACE and parent != _ZERO_SPAN
+                return (trace, parent, flags) if ok else None
+    m = _TRACEPARENT.match(traceparent.strip().lower()) if traceparent else None
+    if m is None or m.group(1) == _ZERO_TRACE or m.group(2) == _ZERO_SPAN:
+        return None
+    return m.group(1), m.group(2), m.group(3)
+
+
+def span_id() -> str:
+    return f"{_rand.getrandbits(64) or 1:016x}"
+
+
+def trace_id() -> str:
+    return f"{_rand.getrandbits(128) or 1:032x}"
+
+
+def traceparent(trace: str, span: str, flags: str = "01") -> str:
+    return f"00-{trace}-{span}-{flags}"
+
+
+class Span:
+    """One role's span of one request: its ids and start; ``sampled``: it is recorded."""
+
+    __slots__ = ("trace", "id", "parent", "flags", "start")
+
+    def __init__(self, trace: str, parent: str, flags: str, start: float) -> None:
+        self.trace, self.parent, self.flags, self.start = trace, parent, flags, start
+        self.id = span_id()
+
+    @property
+    def traceparent(self) -> str:
+        return traceparent(self.trace, self.id, self.flags)
+
+    @property
+    def sampled(self) -> bool:
+        return self.flags[-1] in "13579bdf"  # the W3C "sampled" bit
+
+
+class Tracer:
+    """Opens and ends the spans of one process (one role replica, or a client).
+
+    A span is built once, when it ends, as the SDK's ``ReadableSpan`` (with the ids this
+    module chose when it opened, since the next hops already hang under them) and handed
+    to the SDK's ``BatchSpanProcessor`` with its OTLP/HTTP exporter. The SDK's own
+    ``Tracer.start_span`` is passed by: it costs ten times as much per span (its sampler,
+    context and attribute plumbing run per call), which benchmarks/gateway.py measured
+    as most of tracing's cost.
+    """
+
+    def __init__(self, config: TracingConfig, service: str, role: str, replica: int) -> None:
+        self.on = config.on
+        self.role = role
+        self._processor: Any = None
+        if not self.on:
+            return
+        try:
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import ReadableSpan
+            from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+            from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+        except ImportError:
+            raise RuntimeError(
+                "[tracing] needs the OpenTelemetry SDK: pip install 'omniflow[tracing]'"
+            ) from None
+        self._sdk = (ReadableSpan, SpanContext, SpanKind, Status, StatusCode)
+        self._sampled = TraceFlags(TraceFlags.SAMPLED)
+        self._unset = Status(StatusCode.UNSET)  # one object for every span that ended well
+        self._scope = InstrumentationScope("omniflow")
+        self._resource = Resource.create(
+            {
+                "service.name": config.service or "omniflow",
+                "service.instance.id": f"{role}/{replica}",
+                "omniflow.deployment": service,
+                "omniflow.role": role,
+            }
+        )
+        if config.endpoint:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            exporter = OTLPSpanExporter(endpoint=config.endpoint, timeout=5)
+            self._processor = BatchSpanProcessor(exporter, schedule_delay_millis=200)
+
+    def add_processor(self, processor: Any) -> None:
+        """Where ended spans go (an SDK SpanProcessor): the exporter's, or a test's."""
+        self._processor = processor
+
+    def start(self, parent: str, start_s: float) -> Span | None:
+        """A span under the traceparent ``parent`` from ``start_s`` (time.time()); None
+        when ``parent`` is not a valid traceparent (an untraced request)."""
+        ids = parse(parent)
+        return None if ids is None else Span(*ids, start_s)
+
+    def end(
+        self,
+        span: Span,
+        end_s: float,
+        attributes: dict[str, Any],
+        queued: tuple[float, float] | None = None,
+        error: str = "",
+        name: str = "",
+    ) -> None:
+        """End ``span`` at ``end_s``; ``queued``: (from, to) of its wait for a slot, a
+        child span ``queue`` when it waited longer than ``QUEUE_SPAN_S``."""
+        if not self.on or not span.sampled:
+            return
+        readable, context, kind, status, code = self._sdk
+        trace = int(span.trace, 16)
+        own = context(trace, int(span.id, 16), False, self._sampled)
+        parent = context(trace, int(span.parent, 16), True, self._sampled)
+        done = readable(
+            name or self.role,
+            own,
+            parent,
+            self._resource,
+            attributes,
+            kind=kind.SERVER,
+            status=status(code.ERROR, error) if error else self._unset,
+            start_time=int(span.start * 1e9),
+            end_time=int(end_s * 1e9),
+            instrumentation_scope=self._scope,
+        )
+        spans = [done]
+        if queued is not None and queued[1] - queued[0] > QUEUE_SPAN_S:
+            wait = context(trace, int(span_id(), 16), False, self._sampled)
+            spans.append(
+                readable(
+                    "queue",
+                    wait,
+                    own,
+                    self._resource,
+                    kind=kind.INTERNAL,
+                    start_time=int(queued[0] * 1e9),
+                    end_time=int(queued[1] * 1e9),
+                    instrumentation_scope=self._scope,
+                )
+            )
+        if self._processor is not None:
+            for item in spans:
+                self._processor.on_end(item)
+
+    def close(self) -> None:
+        """Flush what is recorded (a few hundred ms at most) and stop the exporter."""
+        if self._processor is not None:
+            self._processor.shutdown()
+            self._processor = None
+
+
+# A wait for a slot shorter than this is an attribute of the role's span, not a span.
+QUEUE_SPAN_S = 0.0005
