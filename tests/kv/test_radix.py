@@ -7,6 +7,7 @@ import pytest
 from omniflow.engine import LLMEngine
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.kv import OutOfPages, PrefixMatch, RadixPrefixCache, Residency
+from tests.helpers import assert_leaves_queued
 
 
 def test_match_insert_free_keep_pages_matchable():
@@ -161,6 +162,7 @@ def test_random_workload_keeps_the_books_balanced():
         assert sum(n.lock_count for n in cache.nodes()) == sum(
             cache.ref_counts[p] for p in cache.node_of_page
         )
+        assert_leaves_queued(cache)
     for pages in held:
         cache.free(pages)
     assert cache.usage().free_pages == 12
