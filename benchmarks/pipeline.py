@@ -72,7 +72,8 @@ def role_specs(models: Path) -> dict[str, dict]:
             "actor": f"{r}.image_decoder:ImageDecoderRole",
             "options": {
                 "build_tiny": True,
-                "model_path": str(models / "image_decoder"),
+                "model_path": str(models / "next"),
+                "standin_path": str(models / "image_decoder"),
                 "steps": 1,
                 "threads": 1,
             },

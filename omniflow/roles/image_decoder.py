@@ -1,5 +1,9 @@
 """``image_decoder`` role: vision codes → PNG, through the flow-matching refiner with CFG.
 
+``model_path`` is a published-layout LongCat-Next folder: the pixels come from its
+refiner VAE (``image_refiner.vae.*`` of ``image_decoder/image_decoder.safetensors``, diffusers'
+``AutoencoderKL``). The codes → latent part is still our stand-in, read from ``standin_path``.
+
 Input:
     tensors["image_codes"]: int64 (or int32) [h*w, 8]   RVQ ids, row-major over the grid
     data["image_grid"]: [h, w]
@@ -21,6 +25,8 @@ from typing import Any
 import torch
 
 from omniflow.models.omni import ImageDecoder, ensure_model, load_image_decoder
+from omniflow.models.omni.next_builder import ensure_next
+from omniflow.models.omni.next_image import latents_to_pixels, load_vae, vae_scale
 from omniflow.roles.base import ModelActor
 from omniflow.roles.image_params import png_bytes
 from omniflow.roles.options import ImageDecoderOptions, ImageDecoderParams
@@ -49,8 +55,22 @@ class ImageDecoderRole(ModelActor):
     def _load(self) -> ImageDecoder:
         opts = self.options
         if opts.build_tiny:
-            ensure_model("image_decoder", opts.model_path, opts.seed)
-        return load_image_decoder(opts.model_path, opts.device)
+            ensure_next(opts.model_path, opts.seed)
+            ensure_model("image_decoder", opts.standin_path, opts.seed)
+        self.vae = load_vae(opts.model_path, "image_decoder", opts.device)
+        model = load_image_decoder(opts.standin_path, opts.device)
+        channels = self.vae.config["latent_channels"]
+        if (model.config.latent_channels, model.config.vae_scale) != (
+            channels,
+            vae_scale(self.vae),
+        ):
+            raise ValueError(
+                f"role image_decoder: the stand-in at {opts.standin_path} makes "
+                f"{model.config.latent_channels}-channel latents for a scale of "
+                f"{model.config.vae_scale}; the VAE in {opts.model_path} takes {channels} "
+                f"channels at a scale of {vae_scale(self.vae)}"
+            )
+        return model
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
         grid = self._grid(request.data.get("image_grid"))
@@ -106,5 +126,6 @@ class ImageDecoderRole(ModelActor):
     def _decode(
         self, codes: torch.Tensor, grid: tuple[int, int], cfg_scale: float, seed: int, steps: int
     ) -> tuple[bytes, tuple[int, int]]:
-        pixels = self.model.decode(codes, grid, steps=steps, cfg_scale=cfg_scale, seed=seed)
+        latent = self.model.latent(codes, grid, steps=steps, cfg_scale=cfg_scale, seed=seed)
+        pixels = latents_to_pixels(self.vae, latent)
         return png_bytes(pixels.numpy()), (pixels.shape[0], pixels.shape[1])

@@ -21,7 +21,8 @@ def _codes(grid, size=1024, seed=0):
 
 def _decode_all(models_root, requests, **options):
     async def main():
-        options.setdefault("model_path", str(models_root / "image_decoder"))
+        options.setdefault("model_path", str(models_root / "next"))
+        options.setdefault("standin_path", str(models_root / "image_decoder"))
         options.setdefault("build_tiny", True)
         actor = ImageDecoderRole("image_decoder", 0, options)
         await actor.setup()
@@ -98,7 +99,12 @@ def test_vision_codes_round_trip_to_an_image_of_the_same_size(models_root):
         decoder = ImageDecoderRole(
             "image_decoder",
             0,
-            {"model_path": str(models_root / "image_decoder"), "build_tiny": True, "steps": 2},
+            {
+                "model_path": str(models_root / "next"),
+                "standin_path": str(models_root / "image_decoder"),
+                "build_tiny": True,
+                "steps": 2,
+            },
         )
         await encoder.setup()
         await decoder.setup()

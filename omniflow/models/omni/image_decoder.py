@@ -1,10 +1,12 @@
-"""Image decoder: codes → codebook embeddings → transformer → latent → flow-matching refiner → RGB.
+"""Stand-in image decoder: codes → codebook embeddings → transformer → latent → flow refiner.
 
-The transformer turns the token grid into a coarse latent (``latent_patch`` latent pixels per
-token side). A tiny conv velocity model refines it by flow matching: x_t = (1 - t)·x0 + t·noise,
-velocity = noise - x0, Euler steps from t = 1 to t = 0, with classifier-free guidance whose
-conditional and unconditional branches run as ONE batched forward. A conv-transpose "VAE
-decoder" maps the latent to pixels (``vae_scale`` per latent pixel).
+Our own parts, in the ``{"kind": ...}`` format, until the published ViT decoder and refiner
+transformer replace them. The transformer turns the token grid into a coarse latent
+(``latent_patch`` latent pixels per token side). A tiny conv velocity model refines it by flow
+matching: x_t = (1 - t)·x0 + t·noise, velocity = noise - x0, Euler steps from t = 1 to t = 0,
+with classifier-free guidance whose conditional and unconditional branches run as ONE batched
+forward. The latent goes to pixels through the published VAE (``next_image.py``), whose
+``latent_channels`` and scale (``vae_scale`` pixels per latent pixel) this config must match.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ class ImageDecoderConfig:
     depth: int = 2
     heads: int = 4
     latent_channels: int = 4
-    latent_patch: int = 4
-    vae_scale: int = 8
+    latent_patch: int = 8
+    vae_scale: int = 4
     refiner_width: int = 32
 
     @property
@@ -67,13 +69,6 @@ class ImageDecoder(nn.Module):
         self.transformer = Transformer(c.dim, c.depth, c.heads)
         self.to_latent = nn.Linear(c.dim, c.latent_channels * c.latent_patch**2)
         self.refiner = FlowRefiner(c.latent_channels, c.refiner_width)
-        self.vae_decoder = nn.Sequential(
-            nn.ConvTranspose2d(c.latent_channels, 16, kernel_size=4, stride=4),
-            nn.GELU(),
-            nn.ConvTranspose2d(16, 3, kernel_size=c.vae_scale // 4, stride=c.vae_scale // 4),
-        )
-        if c.vae_scale % 4 or c.vae_scale < 4:
-            raise ValueError(f"vae_scale must be a multiple of 4, got {c.vae_scale}")
 
     def image_size(self, grid: tuple[int, int]) -> tuple[int, int]:
         """(height, width) in pixels of a token grid (h, w)."""
@@ -122,7 +117,7 @@ class ImageDecoder(nn.Module):
         return x
 
     @torch.no_grad()
-    def decode(
+    def latent(
         self,
         codes: torch.Tensor,
         grid: tuple[int, int],
@@ -130,8 +125,6 @@ class ImageDecoder(nn.Module):
         cfg_scale: float = 2.0,
         seed: int = 0,
     ) -> torch.Tensor:
-        """uint8 RGB image [H, W, 3] of codes [h*w, L]; H, W = ``image_size(grid)``."""
+        """The refined latent [1, C, h*lp, w*lp] of codes [h*w, L] (the VAE's input)."""
         generator = torch.Generator().manual_seed(seed)
-        latent = self.refine(self.coarse_latent(codes, grid), steps, cfg_scale, generator)
-        pixels = torch.sigmoid(self.vae_decoder(latent))[0]  # [3, H, W] in (0, 1)
-        return (pixels * 255.0).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).cpu()
+        return self.refine(self.coarse_latent(codes, grid), steps, cfg_scale, generator)

@@ -5,7 +5,8 @@ keys + ``vq_config``, ``audio_config`` = Whisper keys + ``vq_config``, the vocab
 ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` with the published
 tensor names of the parts implemented here (vision tokenizer, audio tokenizer, the word
 embedding, the LLM's LongCat-Flash decoder layers, final norm and ``lm_head``, the n-gram
-embedding, the depth heads), ``tokenizer.json`` (the tiny BPE + the multimodal specials),
+embedding, the depth heads), ``image_decoder/image_decoder.safetensors`` (the refiner's
+``image_refiner.vae.*``), ``tokenizer.json`` (the tiny BPE + the multimodal specials),
 ``generation_config.json`` and ``tokenizer_config.json`` naming the multimodal special tokens at their published ids relative to ``text_vocab_size``.
 """
 
@@ -22,6 +23,11 @@ from omniflow.models.omni.checkpoint import has_checkpoint, write_checkpoint
 from omniflow.models.omni.next_audio import PREFIX as AUDIO_PREFIX
 from omniflow.models.omni.next_audio import NextAudioTokenizer
 from omniflow.models.omni.next_heads import NGRAM_PREFIX, NgramEmbedding, head_for
+from omniflow.models.omni.next_image import (
+    WEIGHT_PATH,
+    tiny_vae_tensors,
+    tiny_visual_decoder_config,
+)
 from omniflow.models.omni.next_vision import EMBED, NextVisionTokenizer
 from omniflow.models.omni.next_vision import PREFIX as VISION_PREFIX
 from omniflow.models.tiny.builder import TinySpec
@@ -139,6 +145,7 @@ def tiny_config(
             "audiogen_end_token_id": ids["<longcat_audiogen_end>"],
             "vq_config": {"codebook_sizes": audio_sizes},
         },
+        "visual_decoder_config": tiny_visual_decoder_config(),
     }
 
 
@@ -264,7 +271,10 @@ def build_tiny_next(
     """Write the tiny published-layout checkpoint into ``folder``."""
     config = tiny_config(hidden_size, quant_conv=quant_conv)
     files = _text_files(config, tiny_tokenizer(config))
-    return write_checkpoint(folder, tiny_tensors(config, seed), files, shards=3)
+    image_decoder = {WEIGHT_PATH: tiny_vae_tensors(seed + 11)}
+    return write_checkpoint(
+        folder, tiny_tensors(config, seed), files, shards=3, extra_tensor_files=image_decoder
+    )
 
 
 def ensure_next(folder: str | Path, seed: int = 0, hidden_size: int = 64) -> Path:

@@ -54,11 +54,12 @@ def test_image_decoder_size_and_determinism(models):
     decoder = models["image_decoder"]
     grid = (2, 3)
     codes = _image_codes(decoder, grid)
-    image = decoder.decode(codes, grid, steps=3, cfg_scale=2.0, seed=5)
-    assert image.dtype == torch.uint8
-    assert image.shape == (*decoder.image_size(grid), 3) == (64, 96, 3)
-    assert torch.equal(image, decoder.decode(codes, grid, steps=3, cfg_scale=2.0, seed=5))
-    assert not torch.equal(image, decoder.decode(codes, grid, steps=3, cfg_scale=2.0, seed=6))
+    latent = decoder.latent(codes, grid, steps=3, cfg_scale=2.0, seed=5)
+    c = decoder.config
+    assert latent.shape == (1, c.latent_channels, 2 * c.latent_patch, 3 * c.latent_patch)
+    assert decoder.image_size(grid) == (64, 96)
+    assert torch.equal(latent, decoder.latent(codes, grid, steps=3, cfg_scale=2.0, seed=5))
+    assert not torch.equal(latent, decoder.latent(codes, grid, steps=3, cfg_scale=2.0, seed=6))
 
 
 def test_cfg_batched_forward_equals_two_separate_forwards(models):

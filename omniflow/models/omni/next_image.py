@@ -1,0 +1,131 @@
+"""The image decoder's published VAE: diffusers ``AutoencoderKL`` under ``image_refiner.vae.``.
+
+The published checkpoint keeps the image decoder outside the sharded index, in the file
+``visual_decoder_config.weight_path`` names (``image_decoder/image_decoder.safetensors``);
+the refiner container (``image_refiner.py``'s ``ImageRefinerContainer``) holds
+``base_transformer``, ``vae`` = ``AutoencoderKL(**vae_config)`` and ``cond_proj``, its state
+dict stored with the prefix ``image_refiner.``. The pipeline's last step turns the denoised
+latent into pixels: ``latents / scaling_factor + shift_factor`` → ``vae.decode`` →
+``VaeImageProcessor.postprocess`` (``(x / 2 + 0.5).clamp(0, 1)``, × 255, rounded).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+from safetensors import safe_open
+
+from omniflow.models.omni.checkpoint import CheckpointError, read_config
+
+VAE_PREFIX = "image_refiner.vae."
+WEIGHT_PATH = "image_decoder/image_decoder.safetensors"  # published visual_decoder_config value
+
+
+def tiny_vae_config() -> dict[str, Any]:
+    """A tiny ``vae_config``: 3 blocks (8 pixels per latent pixel would need 4), 4 channels;
+    the published one is a Flux-style 16-channel VAE (its values are not reproduced)."""
+    return {
+        "in_channels": 3,
+        "out_channels": 3,
+        "down_block_types": ["DownEncoderBlock2D"] * 3,
+        "up_block_types": ["UpDecoderBlock2D"] * 3,
+        "block_out_channels": [8, 16, 16],
+        "layers_per_block": 1,
+        "act_fn": "silu",
+        "latent_channels": 4,
+        "norm_num_groups": 4,
+        "sample_size": 32,
+        "scaling_factor": 0.3611,
+        "shift_factor": 0.1159,
+        "use_quant_conv": False,
+        "use_post_quant_conv": False,
+    }
+
+
+def tiny_visual_decoder_config() -> dict[str, Any]:
+    return {"weight_path": WEIGHT_PATH, "vae_config": tiny_vae_config()}
+
+
+def vae_kwargs(vae_config: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``vae_config`` that ``AutoencoderKL`` takes (the published code drops the
+    rest the same way, ``_clean_config_dict``)."""
+    accepted = set(inspect.signature(AutoencoderKL.__init__).parameters) - {"self"}
+    return {k: v for k, v in vae_config.items() if k in accepted and not k.startswith("_")}
+
+
+def tiny_vae_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random VAE tensors under their published names."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKL(**vae_kwargs(tiny_vae_config()))
+    return {VAE_PREFIX + n: t for n, t in vae.state_dict().items()}
+
+
+def _decoder_config(folder: Path, role: str) -> dict[str, Any]:
+    config = read_config(folder, role)
+    decoder = config.get("visual_decoder_config")
+    if not isinstance(decoder, dict) or not isinstance(decoder.get("vae_config"), dict):
+        raise CheckpointError(
+            f"role {role}: {folder}/config.json has no visual_decoder_config.vae_config "
+            "(a tiny folder built before the image decoder was published-layout: delete it "
+            "to rebuild)"
+        )
+    return decoder
+
+
+def load_vae(folder: str | Path, role: str, device: str | torch.device = "cpu") -> AutoencoderKL:
+    """The refiner's ``AutoencoderKL``, every tensor under ``image_refiner.vae.`` of the image
+    decoder file loaded strictly (missing, unexpected or mis-shaped: ``CheckpointError``)."""
+    folder = Path(folder)
+    decoder = _decoder_config(folder, role)
+    path = folder / str(decoder.get("weight_path", WEIGHT_PATH))
+    if not path.is_file():
+        raise CheckpointError(f"role {role}: image decoder weights {path} missing from {folder}")
+    vae = AutoencoderKL(**vae_kwargs(decoder["vae_config"]))
+    expected = vae.state_dict()
+    with safe_open(str(path), framework="pt") as f:
+        stored = {n[len(VAE_PREFIX) :] for n in f.keys() if n.startswith(VAE_PREFIX)}
+        missing = sorted(set(expected) - stored)
+        if missing:
+            raise CheckpointError(
+                f"role {role}: tensor {VAE_PREFIX}{missing[0]} missing from {path}"
+            )
+        unexpected = sorted(stored - set(expected))
+        if unexpected:
+            raise CheckpointError(
+                f"role {role}: unexpected tensor {VAE_PREFIX}{unexpected[0]} in {path}"
+            )
+        state = {}
+        for name, want in expected.items():
+            got = f.get_tensor(VAE_PREFIX + name)
+            if tuple(got.shape) != tuple(want.shape):
+                raise CheckpointError(
+                    f"role {role}: tensor {VAE_PREFIX}{name} in {path} has shape "
+                    f"{list(got.shape)}, expected {list(want.shape)}"
+                )
+            state[name] = got.to(want.dtype)
+    vae.load_state_dict(state, strict=True)
+    return vae.to(device).eval()
+
+
+def vae_scale(vae: AutoencoderKL) -> int:
+    """Pixels per latent pixel (the pipeline's ``vae_scale_factor``)."""
+    return int(2 ** (len(vae.config["block_out_channels"]) - 1))
+
+
+@torch.no_grad()
+def latents_to_pixels(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
+    """uint8 RGB [H, W, 3] of a latent [1, C, h, w], as the refiner pipeline decodes it."""
+    z = latents.to(vae.dtype)
+    scaling, shift = vae.config.get("scaling_factor"), vae.config.get("shift_factor")
+    if scaling is not None:
+        z = z / scaling
+    if shift is not None:
+        z = z + shift
+    image = vae.decode(z, return_dict=False)[0][0]  # [3, H, W] in about [-1, 1]
+    pixels = (image / 2 + 0.5).clamp(0, 1)
+    return (pixels * 255.0).round().to(torch.uint8).permute(1, 2, 0).cpu()
