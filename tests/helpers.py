@@ -117,3 +117,11 @@ def cli(*args: str, check: bool = True, cwd=None, timeout: float = 180):
             f"omniflow {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         )
     return proc
+
+
+def assert_leaves_queued(cache):
+    """What makes eviction without a walk exact: every leaf a walk would find evictable is
+    queued in its tier at its last access."""
+    for node in cache.nodes():
+        if cache._evictable(node, node.tier):
+            assert cache.leaves[node.tier].queued(node, node.last_access), node.tier

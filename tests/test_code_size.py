@@ -15,7 +15,6 @@ MAX_TYPE_IGNORES = 5  # fewer than this, outside the allowlisted files
 # Files over MAX_FILE_LINES that others are splitting.
 LONG_FILES = {
     "control/routing.py": "grown by issue 40/38 / routing split pending",
-    "roles/llm.py": "owned by issue 36 (prompt building) / role split pending",
     "runtime/client.py": "owned by issue 38 / runtime split pending (issue 33)",
     "runtime/host.py": "runtime split pending (issue 33)",
     "runtime/supervisor.py": "owned by issue 38 / runtime split pending (issue 33)",
@@ -25,21 +24,13 @@ LONG_FILES = {
 LONG_FUNCTIONS = {
     "cli/send.py:send": "owned by issue 38 (cli)",
     "cli/status.py:status": "owned by issue 38 (cli)",
-    "roles/llm.py:handle": "owned by issue 36 / role split pending",
     "models/omni/next_builder.py:tiny_config": "owned by issue 34 (LongCat builder)",
     "runtime/worker.py:_serve": "runtime split pending (issue 33)",
 }
 
 # Files whose `type: ignore` comments are not counted: others own them.
 IGNORES_ELSEWHERE = {
-    "roles/llm.py": "owned by issue 36",
-    "roles/hunyuan_ar.py": "owned by issue 35",
-    "roles/hunyuan_diffusion.py": "owned by issue 35",
-    "models/hunyuan_image3.py": "owned by issue 35",
     "models/omni/loader.py": "owned by issue 34",
-    "runtime/hosts.py": "runtime split pending (issue 33)",
-    "transport/endpoint.py": "owned by issue 39",
-    "transport/tensors.py": "owned by issue 39",
 }
 
 

@@ -18,7 +18,6 @@ the request waits for admission) or gives them back (``cancel_promotion``).
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
@@ -32,6 +31,7 @@ from omniflow.kv.keys import (
     _namespace_hash,
     page_keys,
 )
+from omniflow.kv.leaf_queue import LeafQueue
 from omniflow.kv.pages import ExtraKeys, OutOfPages, PageUsage, PrefixMatch
 from omniflow.kv.tiers import HOST, SSD, KVTiers, Promotion
 
@@ -51,17 +51,14 @@ class Residency(NamedTuple):
         return self.host or self.ssd or ()
 
     def split(self, at: int) -> tuple[Residency, Residency]:
-        head = Residency(self.device[:at], _head(self.host, at), _head(self.ssd, at))
-        tail = Residency(self.device[at:], _tail(self.host, at), _tail(self.ssd, at))
+        host, ssd = self.host, self.ssd  # None stays None
+        head = Residency(self.device[:at], host and host[:at], ssd and ssd[:at])
+        tail = Residency(self.device[at:], host and host[at:], ssd and ssd[at:])
         return head, tail
 
 
-def _head(tier: tuple[Any, ...] | None, at: int) -> tuple[Any, ...] | None:
-    return None if tier is None else tier[:at]
-
-
-def _tail(tier: tuple[Any, ...] | None, at: int) -> tuple[Any, ...] | None:
-    return None if tier is None else tier[at:]
+def _tiers(children: dict[PageKey, RadixNode]) -> set[str]:
+    return {child.tier for child in children.values()}
 
 
 class RadixNode:
@@ -125,6 +122,8 @@ class RadixPrefixCache:
         self.blank_pages: deque[int] = deque(range(num_pages))
         self.num_unreferenced_cached = 0
         self._clock = itertools.count(1)
+        # Each tier's evictable leaves, LRU first (kv/leaf_queue.py).
+        self.leaves: dict[str, LeafQueue[RadixNode]] = {t: LeafQueue() for t in (DEVICE, HOST, SSD)}
 
     def usage(self) -> PageUsage:
         free = len(self.blank_pages) + self.num_unreferenced_cached
@@ -155,6 +154,7 @@ class RadixPrefixCache:
                 node.last_access = now
                 if self.ref_counts[page] == 0:
                     self.num_unreferenced_cached += 1
+                self._touch(node)
             elif self.ref_counts[page] == 0:
                 self.blank_pages.append(page)
 
@@ -222,6 +222,7 @@ class RadixPrefixCache:
             if child.tier != DEVICE and not self._adopt(child, page_ids[index : index + shared]):
                 return
             child.last_access = now
+            self._touch(child)
             node, index = child, index + shared
         new_pages: list[int] = []
         for page in page_ids[index : len(keys)]:
@@ -317,6 +318,7 @@ class RadixPrefixCache:
     def cancel_promotion(self, nodes: Sequence[RadixNode]) -> None:
         for node in nodes:
             node.promoting = False
+            self._touch(node)
 
     # ------------------------------------------------------------ internals
 
@@ -343,6 +345,7 @@ class RadixPrefixCache:
             node.lock_count += self.ref_counts[page]
             if self.ref_counts[page] == 0:
                 self.num_unreferenced_cached += 1
+        self._touch(node)
 
     def _adopt(self, node: RadixNode, page_ids: Sequence[int]) -> bool:
         """A lower-tier node whose tokens the caller just computed: take the caller's device
@@ -367,13 +370,36 @@ class RadixPrefixCache:
             self.node_of_page[page] = head
         head.lock_count = sum(self.ref_counts[page] for page in head.residency.device)
         node.lock_count -= head.lock_count
+        self._touch(head)  # a device head over a lower-tier tail is a device leaf
         return head
+
+    def _touch(self, node: RadixNode) -> None:
+        """After node's tier, pages, children, refs or last access change: queue it. O(log n)"""
+        queue = self.leaves[node.tier]
+        if not queue.queued(node, node.last_access) and self._evictable(node, node.tier):
+            queue.push(node, node.last_access)
+
+    def _evictable(self, node: RadixNode, tier: str) -> bool:
+        """Device: an unreferenced tail, no device child; host: SSD children only; SSD: none."""
+        if node.tier != tier or node.parent is None:
+            return False
+        if tier == DEVICE:
+            return self._unreferenced_tail(node) > 0
+        return not node.promoting and _tiers(node.children) <= ({SSD} if tier == HOST else set())
+
+    def _pop_leaf(self, tier: str) -> RadixNode | None:
+        """The least recently used evictable leaf of ``tier``, off its queue; None if none."""
+        while (entry := self.leaves[tier].pop()) is not None:
+            node, last_access = entry
+            if node.last_access != last_access:
+                self._touch(node)  # used since it was queued: back in at its last access
+            elif self._evictable(node, tier):
+                return node
+        return None
 
     def _unreferenced_tail(self, node: RadixNode) -> int:
         """How many of a device leaf's last pages nobody references (0: not evictable)."""
-        if node.parent is None or node.tier != DEVICE:
-            return 0
-        if any(child.tier == DEVICE for child in node.children.values()):
+        if node.parent is None or node.tier != DEVICE or DEVICE in _tiers(node.children):
             return 0  # not a leaf of the device tier
         run = 0
         for page in reversed(node.residency.device):
@@ -383,15 +409,10 @@ class RadixPrefixCache:
         return run
 
     def _evict_device(self, count: int) -> int:
-        """Leaf-first LRU over the device tier: demote (or drop) unreferenced tail pages."""
-        order = itertools.count()
-        heap = [(n.last_access, next(order), n) for n in self.nodes() if self._unreferenced_tail(n)]
-        heapq.heapify(heap)
-        while count > 0 and heap:
-            _, _, leaf = heapq.heappop(heap)
+        """Leaf-first LRU over the device tier: demote (or drop) unreferenced tail pages,
+        taking leaves off the evictable-leaf queue (no walk over the tree)."""
+        while count > 0 and (leaf := self._pop_leaf(DEVICE)) is not None:
             run = self._unreferenced_tail(leaf)
-            if not run:
-                continue
             # Never more than the host tier holds at once: bigger pieces could only drop.
             take = min(count, run, self.tiers.host_capacity if self.tiers else run)
             if take < len(leaf.page_keys):
@@ -399,8 +420,8 @@ class RadixPrefixCache:
             parent = leaf.parent
             self._demote(leaf)
             count -= take
-            if parent is not None and self._unreferenced_tail(parent):
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
+            if parent is not None:  # it may be a device leaf now
+                self._touch(parent)
         return count
 
     def _demote(self, node: RadixNode) -> None:
@@ -415,35 +436,27 @@ class RadixPrefixCache:
         for page in device:
             self._uncache(page)
         node.residency = Residency((), host=tuple(leases))
+        self.leaves[DEVICE].discard(node)
+        self._touch(node)
 
     def _make_room(self, tier: str, pages: int) -> bool:
         """Free ``pages`` slots in a lower tier by pushing its LRU leaves one tier down."""
         tiers = self.tiers
         assert tiers is not None
         while (tiers.host_free if tier == HOST else tiers.ssd_free) < pages:
-            victim = self._lru_leaf(tier)
+            victim = self._pop_leaf(tier)
             if victim is None:
                 return False
             if tier == HOST and self._make_room(SSD, len(victim.page_keys)):
                 blocks = tiers.to_ssd(victim.residency.host or ())
                 if blocks is not None:
                     victim.residency = Residency((), ssd=tuple(blocks))
+                    self._touch(victim)
+                    if victim.parent is not None:
+                        self._touch(victim.parent)  # a host parent may be a host leaf now
                     continue
             self._drop_subtree(victim)
         return True
-
-    def _lru_leaf(self, tier: str) -> RadixNode | None:
-        """The least recently used node of ``tier`` with no child in that tier or above."""
-        below = () if tier == SSD else (SSD,)
-        best: RadixNode | None = None
-        for node in self.nodes():
-            if node.tier != tier or node.promoting:
-                continue
-            if any(child.tier not in below for child in node.children.values()):
-                continue
-            if best is None or node.last_access < best.last_access:
-                best = node
-        return best
 
     def _drop_orphaning_page(self, count: int) -> int:
         """Reclaim an unreferenced page that has referenced pages below it.
@@ -463,17 +476,21 @@ class RadixPrefixCache:
         return count - (len(self.blank_pages) - before)
 
     def _drop_subtree(self, node: RadixNode) -> None:
-        assert node.parent is not None
-        del node.parent.children[node.page_keys[0]]
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.page_keys[0]]
         node.parent = None
         stack = [node]
         while stack:
             dropped = stack.pop()
+            for queue in self.leaves.values():
+                queue.discard(dropped)
             stack.extend(dropped.children.values())
             for page in dropped.residency.device:
                 self._uncache(page)
             if dropped.tier != DEVICE and self.tiers is not None:
                 self.tiers.drop(dropped.tier, dropped.residency.handles())
+        self._touch(parent)  # it may be a device leaf now
 
     def _uncache(self, page: int) -> None:
         del self.node_of_page[page]

@@ -23,11 +23,12 @@ from torch import nn
 from omniflow.models.deepseek.config import MLAConfig
 from omniflow.models.deepseek.moe import MoE, MoEDecoderLM
 from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
-from omniflow.models.layers.rope import apply_rotary, compute_inv_freq
+from omniflow.models.layers.rope import RotaryEmbedding, apply_rotary
 from omniflow.models.llama.config import DecoderConfig
 from omniflow.models.llama.decoder import (
     Attention,
     AttentionFn,
+    DecoderBody,
     RMSNorm,
     SwiGLU,
 )
@@ -48,16 +49,14 @@ IMAGE_PART_PREFIXES = (
 )
 
 
-class Rotary2D(nn.Module):
-    """cos/sin [tokens, head_dim] for positions [tokens] (text: (p, p)) or [tokens, 2] (y, x)."""
-
-    inv_freq: torch.Tensor
+class Rotary2D(RotaryEmbedding):
+    """cos/sin [tokens, head_dim] for positions [tokens] (text: (p, p)) or [tokens, 2] (y, x):
+    the default frequencies (RotaryEmbedding's inv_freq), over 2D positions."""
 
     def __init__(self, config: HunyuanImage3Config):
-        super().__init__()
         if config.head_dim % 4:
             raise ValueError(f"2D rotary needs head_dim divisible by 4, not {config.head_dim}")
-        self.register_buffer("inv_freq", compute_inv_freq(config)[0], persistent=False)
+        super().__init__(config)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -109,14 +108,9 @@ class HunyuanLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HunyuanBody(nn.Module):
+class HunyuanBody(DecoderBody):
     def __init__(self, config: HunyuanImage3Config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            HunyuanLayer(config, i) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, HunyuanLayer)
 
 
 # Checkpoint names -> ours (before the per-tensor rewrites below).
@@ -143,20 +137,9 @@ class HunyuanImage3LM(MoEDecoderLM):
     # Block steps' hidden states come back before the final norm (forward's unnormed_from).
     block_rows_unnormed = True
 
-    def __init__(self, config: HunyuanImage3Config):
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = HunyuanBody(config)  # type: ignore[assignment]
-        self.rotary = Rotary2D(config)  # type: ignore[assignment]
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        self._packed_output = None
-        self._output_kernels = None
-        self._kernels = None
-        self._decode_table = None
+    # DecoderLM.__init__ builds these: the body of HunyuanLayers, the 2D rotary.
+    body_class = HunyuanBody
+    rotary_class = Rotary2D
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         """The CPU kernels' fused layers know Llama's layers only: PyTorch ops here (the

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omniflow.models.config_keys import ConfigKeys
 from omniflow.models.llama.config import DecoderConfig
 
 HUNYUAN_IMAGE3_ARCHITECTURES = ("HunyuanImage3ForCausalMM",)
@@ -73,61 +74,59 @@ class HunyuanImage3Config(DecoderConfig):
         return self.vae_downsample * self.patch_size
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> HunyuanImage3Config:
-        architecture = (raw.get("architectures") or ["HunyuanImage3ForCausalMM"])[0]
+    def from_dict(cls, raw: dict[str, Any], file: str = "config.json") -> HunyuanImage3Config:
+        keys = ConfigKeys(raw, file)
+        architecture = (keys.get("architectures") or ["HunyuanImage3ForCausalMM"])[0]
         if architecture not in HUNYUAN_IMAGE3_ARCHITECTURES:
             raise NotImplementedError(
                 f"config.json architecture {architecture!r} is not HunyuanImage-3"
             )
-        if raw.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {raw['hidden_act']!r}: only 'silu' is supported")
-        if raw.get("use_cla") or raw.get("use_mla"):
+        keys.silu()
+        if keys.get("use_cla") or keys.get("use_mla"):
             raise NotImplementedError("HunyuanImage-3 with use_cla or use_mla")
-        if raw.get("norm_type", "rms") not in ("rms", "hf_rms"):
+        if keys.get("norm_type", "rms") not in ("rms", "hf_rms"):
             raise NotImplementedError(f"norm_type {raw['norm_type']!r}: only RMSNorm")
-        heads = int(raw["num_attention_heads"])
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        heads = keys.integer("num_attention_heads")
+        hidden = keys.integer("hidden_size")
         experts = int(_per_layer(raw, "num_experts", 1))
         shared = int(_per_layer(raw, "num_shared_expert", 1)) if raw.get("use_mixed_mlp_moe") else 0
-        bias = bool(raw.get("attention_bias", False))
+        bias = keys.flag("attention_bias")
+        moe_size = _per_layer(raw, "moe_intermediate_size", None)
         return cls(
             architecture=architecture,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            vocab_size=keys.integer("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=keys.integer("intermediate_size"),
+            num_hidden_layers=keys.integer("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("attention_head_dim") or raw["hidden_size"] // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            num_key_value_heads=keys.integer("num_key_value_heads", heads, falsy=True),
+            head_dim=keys.integer("attention_head_dim", hidden // heads, falsy=True),
+            rms_norm_eps=keys.number("rms_norm_eps", 1e-5),
+            max_position_embeddings=keys.integer("max_position_embeddings", 2048),
+            tie_word_embeddings=keys.flag("tie_word_embeddings"),
             qkv_bias=bias,
             o_bias=bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_bias=keys.flag("mlp_bias"),
             # The reference's "custom" rope: the default frequencies, over 2D positions.
-            rope={"rope_type": "default", "rope_theta": float(raw.get("rope_theta", 10000.0))},
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            rope={"rope_type": "default", "rope_theta": keys.number("rope_theta", 10000.0)},
+            bos_token_id=keys.get("bos_token_id"),
+            eos_token_ids=keys.eos_token_ids(),
+            torch_dtype=keys.torch_dtype(),
             n_routed_experts=experts if experts > 1 else 0,
             n_shared_experts=shared,
             num_experts_per_tok=int(_per_layer(raw, "moe_topk", 1)),
-            moe_intermediate_size=int(
-                _per_layer(raw, "moe_intermediate_size", None) or raw["intermediate_size"]
-            ),
-            moe_layer_num_skipped=int(raw.get("moe_layer_num_skipped", 0)),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            use_qk_norm=bool(raw.get("use_qk_norm", False)),
-            patch_size=int(raw.get("patch_size", 1)),
-            patch_embed_hidden_dim=int(raw.get("patch_embed_hidden_dim", 64)),
-            image_base_size=int(raw.get("image_base_size", 1024)),
-            vae=dict(raw.get("vae") or {}),
-            vit=dict(raw.get("vit") or {}),
-            vit_aligner=dict(raw.get("vit_aligner") or {}),
-            vit_processor=dict(raw.get("vit_processor") or {}),
+            moe_intermediate_size=int(moe_size or keys.integer("intermediate_size")),
+            moe_layer_num_skipped=keys.integer("moe_layer_num_skipped", 0),
+            norm_topk_prob=keys.flag("norm_topk_prob", True),
+            routed_scaling_factor=keys.number("routed_scaling_factor", 1.0),
+            use_qk_norm=keys.flag("use_qk_norm"),
+            patch_size=keys.integer("patch_size", 1),
+            patch_embed_hidden_dim=keys.integer("patch_embed_hidden_dim", 64),
+            image_base_size=keys.integer("image_base_size", 1024),
+            vae=dict(keys.get("vae") or {}),
+            vit=dict(keys.get("vit") or {}),
+            vit_aligner=dict(keys.get("vit_aligner") or {}),
+            vit_processor=dict(keys.get("vit_processor") or {}),
         )
 
 

@@ -99,13 +99,13 @@ def load_config(path: str | Path) -> DecoderConfig:
     raw = json.loads(config_file.read_text())
     architecture = (raw.get("architectures") or [""])[0]
     if architecture in MLA_ARCHITECTURES or raw.get("model_type") in _MLA_MODEL_TYPES:
-        return MLAConfig.from_dict(raw)
+        return MLAConfig.from_dict(raw, str(config_file))
     if (
         architecture in HUNYUAN_IMAGE3_ARCHITECTURES
         or raw.get("model_type") in HUNYUAN_IMAGE3_MODEL_TYPES
     ):
-        return HunyuanImage3Config.from_dict(raw)
-    return DecoderConfig.from_dict(raw)
+        return HunyuanImage3Config.from_dict(raw, str(config_file))
+    return DecoderConfig.from_dict(raw, str(config_file))
 
 
 _MLA_MODEL_TYPES = ("deepseek_v2", "longcat_flash", "longcat_next")

@@ -33,7 +33,7 @@ import contextlib
 import functools
 import io
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -106,7 +106,7 @@ class ARRole(ModelActor):
     async def _reap_leases(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            book = self.engine.backend.leases  # type: ignore[attr-defined]
+            book = cast(LLMEngine, self.engine.backend).leases
             if book is not None and book.open:
                 await self.engine.call(lambda: None)  # a step follows, which reaps
 

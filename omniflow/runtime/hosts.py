@@ -22,12 +22,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 
 from omniflow.control.discovery import Registry, RegistryError, open_registry
 from omniflow.runtime.config import Config, ConfigError, from_json, parse, to_json
+
+if TYPE_CHECKING:
+    from omniflow.control.discovery.etcd import EtcdRegistry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,8 +89,7 @@ class HostShare:
         """For each role, ``counts[role]`` replica numbers no other host holds (lowest
         first; numbers this host held before its restart are its own again)."""
         me, ttl = self.config.host_id.encode(), self.config.runtime.ttl_s
-        claim: Callable[[str, bytes, float], Awaitable[bytes]]
-        claim = self.registry.claim  # type: ignore[attr-defined]  # checked in __init__
+        claim = cast("EtcdRegistry", self.registry).claim  # checked in __init__
         taken: dict[str, list[int]] = {}
         for role, count in counts.items():
             mine = taken[role] = []
@@ -135,8 +137,7 @@ class HostShare:
             except Exception as e:
                 log.warning("the down watch failed (%s); watching again", e)
             finally:
-                with contextlib.suppress(Exception):
-                    await events.aclose()  # type: ignore[attr-defined]
+                await _close_watch(events)
             await asyncio.sleep(_DOWN_RETRY_S)
 
     async def close(self) -> None:
@@ -242,8 +243,7 @@ async def stop_all(registry: Registry, name: str, timeout: float) -> list[str]:
                     if not left:
                         break
     finally:
-        with contextlib.suppress(Exception):
-            await events.aclose()  # type: ignore[attr-defined]
+        await _close_watch(events)
         # The key has done its work: a host started later must not read it as a stop.
         await registry.delete(down_key(name))
     return hosts
@@ -256,3 +256,9 @@ async def stop_everywhere(address: str, name: str, timeout: float) -> list[str]:
         return await stop_all(registry, name, timeout)
     finally:
         await registry.close()
+
+
+async def _close_watch(events: Any) -> None:
+    """End a registry watch (its ``aclose``), whatever state it is in."""
+    with contextlib.suppress(Exception):
+        await events.aclose()

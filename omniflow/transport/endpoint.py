@@ -391,7 +391,8 @@ class Outbox:
 
 def fd_of(sock: zmq.Socket) -> int:
     """The socket's notification FD, for the loop's reader (edge-triggered)."""
-    return int(sock.getsockopt(zmq.FD))  # type: ignore[arg-type]
+    fd: Any = sock.getsockopt(zmq.FD)  # an int for FD (the stubs say int | bytes | str)
+    return int(fd)
 
 
 def stop_reading(loop: asyncio.AbstractEventLoop | None, sock: zmq.Socket) -> None:

@@ -130,8 +130,8 @@ def _export_frame(t: torch.Tensor, frames: list[Any]) -> Frame:
         t = t.contiguous()
     name = dtype_name(t.dtype)
     # bf16 has no numpy dtype: view the bytes as uint8 (zero-copy).
-    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-    frames.append(memoryview(raw))  # type: ignore[arg-type]  # numpy arrays are buffers
+    raw: Any = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    frames.append(memoryview(raw))  # numpy arrays are buffers (Any: their stubs say otherwise)
     return Frame(index=len(frames) - 1, dtype=name, shape=tuple(t.shape))
 
 

@@ -15,6 +15,7 @@ from omniflow.kv import OutOfPages, RadixPrefixCache
 from omniflow.kv.tiers import HOST, SSD, KVTiers
 from omniflow.memory import PagePool
 from omniflow.models import DecoderConfig
+from tests.helpers import assert_leaves_queued
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PAGE = 4
@@ -247,3 +248,4 @@ def _check_books(tree, tiers, held):
         ssd += len(node.residency.ssd or ())
     assert host == tiers.host_used <= tiers.host_capacity
     assert ssd == tiers.ssd.slots - tiers.ssd_free
+    assert_leaves_queued(tree)  # the host and SSD tiers' eviction queues too

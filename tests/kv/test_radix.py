@@ -7,6 +7,7 @@ import pytest
 from omniflow.engine import LLMEngine
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.kv import OutOfPages, PrefixMatch, RadixPrefixCache, Residency
+from tests.helpers import assert_leaves_queued
 
 
 def test_match_insert_free_keep_pages_matchable():
@@ -161,6 +162,7 @@ def test_random_workload_keeps_the_books_balanced():
         assert sum(n.lock_count for n in cache.nodes()) == sum(
             cache.ref_counts[p] for p in cache.node_of_page
         )
+        assert_leaves_queued(cache)
     for pages in held:
         cache.free(pages)
     assert cache.usage().free_pages == 12
@@ -205,3 +207,23 @@ def test_a_growing_sequence_keys_only_its_new_pages(monkeypatch):
     assert (
         cache.match_prefix(tokens[:20] + [1, 2, 3, 4, 5], extra[:20] + [None] * 5).num_tokens == 24
     )
+
+
+def test_eviction_from_a_large_tree_takes_lru_leaves_without_a_walk():
+    n = 20_000
+    cache = RadixPrefixCache(num_pages=n + 3, page_size=1)
+    chain = cache.allocate(3)  # one three-page path, the oldest of all
+    cache.insert([-1, -2, -3], chain)
+    cache.free(chain)
+    for i in range(n):  # 20k one-page leaves, each less recently used than the next
+        page = cache.allocate(1)
+        cache.insert([i], page)
+        cache.free(page)
+    assert sum(1 for _ in cache.nodes()) == n + 1  # the path is one three-page edge
+    probes = cache.leaves["device"].probes
+    taken = cache.allocate(13)  # the oldest: the path, then leaves 0..9
+    assert sorted(taken) == sorted(chain + list(range(3, 13)))
+    assert cache.match_prefix([-1]).num_tokens == 0
+    assert [cache.match_prefix([i]).num_tokens for i in (0, 9, 10, n - 1)] == [0, 0, 1, 1]
+    # Popped heap entries, not nodes walked: about one per page evicted, not one per node.
+    assert cache.leaves["device"].probes - probes <= 2 * 13

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from omniflow.models.config_keys import ConfigKeys
 from omniflow.models.llama.config import DecoderConfig, _rope_parameters
 
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "LongcatFlashForCausalLM")
@@ -88,69 +89,68 @@ class MLAConfig(DecoderConfig):
         return scale
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> MLAConfig:
-        architecture = (raw.get("architectures") or [""])[0] or {
+    def from_dict(cls, raw: dict[str, Any], file: str = "config.json") -> MLAConfig:
+        keys = ConfigKeys(raw, file)
+        architecture = (keys.get("architectures") or [""])[0] or {
             "deepseek_v2": "DeepseekV2ForCausalLM",
             "longcat_flash": "LongcatFlashForCausalLM",
-        }.get(raw.get("model_type", ""), "")
-        next_ = raw.get("model_type") == "longcat_next"
+        }.get(keys.get("model_type", ""), "")
+        next_ = keys.get("model_type") == "longcat_next"
         if next_:  # its decoder layers are LongCat-Flash's
             architecture = "LongcatFlashForCausalLM"
         if architecture not in MLA_ARCHITECTURES:
             raise NotImplementedError(f"config.json architecture {architecture!r} is not MLA")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {raw['hidden_act']!r}: only 'silu' is supported")
+        keys.silu()
         longcat = architecture == "LongcatFlashForCausalLM"
-        topk_method = raw.get("topk_method", "greedy")
+        topk_method = keys.get("topk_method", "greedy")
         if topk_method not in TOPK_METHODS:
             raise NotImplementedError(f"topk_method {topk_method!r}; supported: {TOPK_METHODS}")
-        if int(raw.get("moe_layer_freq", 1)) != 1:
+        if keys.integer("moe_layer_freq", 1) != 1:
             raise NotImplementedError("moe_layer_freq != 1")
-        heads = int(raw["num_attention_heads"])
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        bias = bool(raw.get("attention_bias", False))
-        rope_dim = int(raw.get("qk_rope_head_dim", 64))
-        q_lora = raw.get("q_lora_rank")
+        heads = keys.integer("num_attention_heads")
+        bias = keys.flag("attention_bias")
+        rope_dim = keys.integer("qk_rope_head_dim", 64)
         return cls(
             architecture=architecture,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["ffn_hidden_size" if longcat else "intermediate_size"]),
-            num_hidden_layers=int(raw["num_layers" if longcat else "num_hidden_layers"]),
+            vocab_size=keys.integer("vocab_size"),
+            hidden_size=keys.integer("hidden_size"),
+            intermediate_size=keys.integer("ffn_hidden_size" if longcat else "intermediate_size"),
+            num_hidden_layers=keys.integer("num_layers" if longcat else "num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=heads,
             head_dim=rope_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rms_norm_eps=keys.number("rms_norm_eps", 1e-6),
+            max_position_embeddings=keys.integer("max_position_embeddings", 2048),
+            tie_word_embeddings=keys.flag("tie_word_embeddings"),
             qkv_bias=bias,
             o_bias=bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_bias=keys.flag("mlp_bias"),
             rope=_rope_parameters(raw),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            q_lora_rank=None if q_lora is None else int(q_lora),
-            kv_lora_rank=int(raw.get("kv_lora_rank", 512)),
-            qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
+            bos_token_id=keys.get("bos_token_id"),
+            eos_token_ids=keys.eos_token_ids(),
+            torch_dtype=keys.torch_dtype(),
+            q_lora_rank=keys.optional_int("q_lora_rank"),
+            kv_lora_rank=keys.integer("kv_lora_rank", 512),
+            qk_nope_head_dim=keys.integer("qk_nope_head_dim", 128),
             qk_rope_head_dim=rope_dim,
-            v_head_dim=int(raw.get("v_head_dim", 128)),
-            n_routed_experts=int(raw.get("n_routed_experts") or 0),
-            n_shared_experts=int(raw.get("n_shared_experts") or 0),
-            zero_expert_num=int(raw.get("zero_expert_num") or 0),
-            num_experts_per_tok=int(raw.get("moe_topk" if longcat else "num_experts_per_tok") or 1),
-            moe_intermediate_size=int(
-                raw.get("expert_ffn_hidden_size" if longcat else "moe_intermediate_size") or 0
+            v_head_dim=keys.integer("v_head_dim", 128),
+            n_routed_experts=keys.integer("n_routed_experts", 0, falsy=True),
+            n_shared_experts=keys.integer("n_shared_experts", 0, falsy=True),
+            zero_expert_num=keys.integer("zero_expert_num", 0, falsy=True),
+            num_experts_per_tok=keys.integer(
+                "moe_topk" if longcat else "num_experts_per_tok", 1, falsy=True
             ),
-            first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+            moe_intermediate_size=keys.integer(
+                "expert_ffn_hidden_size" if longcat else "moe_intermediate_size", 0, falsy=True
+            ),
+            first_k_dense_replace=keys.integer("first_k_dense_replace", 0, falsy=True),
             topk_method=topk_method,
-            n_group=int(raw.get("n_group") or 1),
-            topk_group=int(raw.get("topk_group") or 1),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            router_bias=bool(raw.get("router_bias", False)),
-            output_vocab_size=int(raw["text_vocab_plus_multimodal_special_token_size"])
+            n_group=keys.integer("n_group", 1, falsy=True),
+            topk_group=keys.integer("topk_group", 1, falsy=True),
+            norm_topk_prob=keys.flag("norm_topk_prob"),
+            routed_scaling_factor=keys.number("routed_scaling_factor", 1.0),
+            router_bias=keys.flag("router_bias"),
+            output_vocab_size=keys.integer("text_vocab_plus_multimodal_special_token_size")
             if next_
             else 0,
             ngram={k: raw[k] for k in NGRAM_KEYS if k in raw} if next_ else None,

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omniflow.models.config_keys import ConfigKeys
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -45,42 +47,40 @@ class DecoderConfig:
         return self.num_hidden_layers, self.num_key_value_heads, self.head_dim
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> DecoderConfig:
-        architectures = raw.get("architectures") or []
+    def from_dict(cls, raw: dict[str, Any], file: str = "config.json") -> DecoderConfig:
+        keys = ConfigKeys(raw, file)
+        architectures = keys.get("architectures") or []
         architecture = architectures[0] if architectures else _architecture_from_model_type(raw)
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise NotImplementedError(
                 f"config.json architecture {architecture!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if raw.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {raw['hidden_act']!r}: only 'silu' is supported")
-        if architecture == "Qwen2ForCausalLM" and raw.get("use_sliding_window"):
+        keys.silu()
+        if architecture == "Qwen2ForCausalLM" and keys.get("use_sliding_window"):
             raise NotImplementedError("Qwen2 use_sliding_window=true: sliding-window attention")
-        heads = int(raw["num_attention_heads"])
+        heads = keys.integer("num_attention_heads")
+        hidden = keys.integer("hidden_size")
         is_qwen2 = architecture == "Qwen2ForCausalLM"
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         return cls(
             architecture=architecture,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            vocab_size=keys.integer("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=keys.integer("intermediate_size"),
+            num_hidden_layers=keys.integer("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=True if is_qwen2 else bool(raw.get("attention_bias", False)),
-            o_bias=False if is_qwen2 else bool(raw.get("attention_bias", False)),
-            mlp_bias=False if is_qwen2 else bool(raw.get("mlp_bias", False)),
+            num_key_value_heads=keys.integer("num_key_value_heads", heads, falsy=True),
+            head_dim=keys.integer("head_dim", hidden // heads, falsy=True),
+            rms_norm_eps=keys.number("rms_norm_eps", 1e-6),
+            max_position_embeddings=keys.integer("max_position_embeddings", 2048),
+            tie_word_embeddings=keys.flag("tie_word_embeddings"),
+            qkv_bias=True if is_qwen2 else keys.flag("attention_bias"),
+            o_bias=False if is_qwen2 else keys.flag("attention_bias"),
+            mlp_bias=False if is_qwen2 else keys.flag("mlp_bias"),
             rope=_rope_parameters(raw),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(dtype),
+            bos_token_id=keys.get("bos_token_id"),
+            eos_token_ids=keys.eos_token_ids(),
+            torch_dtype=keys.torch_dtype(),
         )
 
     @classmethod
@@ -88,7 +88,7 @@ class DecoderConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model folder {path}")
-        return cls.from_dict(json.loads(config_file.read_text()))
+        return cls.from_dict(json.loads(config_file.read_text()), str(config_file))
 
 
 def _architecture_from_model_type(raw: dict[str, Any]) -> str:
