@@ -208,12 +208,15 @@ def media_inputs(request: Request, hidden_size: int) -> Media:
 
 
 def token_logprobs(tokenizer: Any, delta: Any) -> list[dict[str, Any]]:
-    """Each new token's text, log-probability and top alternatives (OpenAI's shape)."""
+    """Each new token's text, log-probability and top alternatives (OpenAI's shape).
+
+    The chosen token's text is decoded as the reply's text is (special tokens skipped), so
+    the entries always join to the content; the alternatives keep their special names."""
     decode = tokenizer.decode
     tops = delta.top_logprobs or [{}] * len(delta.token_ids)
     return [
         {
-            "token": decode([token], skip_special_tokens=False),
+            "token": decode([token], skip_special_tokens=True),
             "logprob": float(logprob),
             "top_logprobs": [
                 {"token": decode([t], skip_special_tokens=False), "logprob": float(p)}
