@@ -57,11 +57,20 @@ def endpoint_for(config: Config, run_dir: Path, role: str, replica: int) -> str:
     return f"ipc://{run_dir}/{role}-{replica}.sock"
 
 
+# The kernel's word that the supervisor died: a signal of its own, because at that moment
+# getppid() may still name the dead parent (the reparenting comes after the signal).
+PARENT_DIED = signal.SIGUSR2
+
+
 def die_with_parent() -> None:
-    """Ask the kernel for SIGTERM when the supervisor dies (Linux)."""
+    """Ask the kernel for ``PARENT_DIED`` when the supervisor dies (Linux); until the
+    worker's loop handles it, its default action ends the process at once."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, PARENT_DIED)  # PR_SET_PDEATHSIG
+
+
+ORPHAN_DRAIN_S = 1.0  # in-flight work an orphaned worker still finishes
 
 
 class Worker:
@@ -78,12 +87,15 @@ class Worker:
         self.host: ActorHost | None = None
         self.intake_closed = False
         self.devices: list[str] = []  # PCI bus ids of the GPUs it computes on
+        self.parent = os.getppid()  # the supervisor; another parent later means it died
+        self.parent_died = False
 
     async def run(self, control_address: str, registry_address: str) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
         loop.add_signal_handler(signal.SIGUSR1, self._close_intake)  # the supervisor stops
+        loop.add_signal_handler(PARENT_DIED, self._on_parent_died)
         control = self.ctx.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 1000)
         control.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)  # the supervisor's are headers
@@ -137,7 +149,7 @@ class Worker:
         try:
             return await self._serve(actor, control, registry)
         finally:
-            control.close()
+            control.close(0 if self.orphaned else None)  # nobody reads it once orphaned
             self.ctx.term()
 
     async def _serve(self, actor: Actor, control: zmq.Socket, registry: Registry) -> int:
@@ -211,13 +223,17 @@ class Worker:
             # Producers stop picking this replica; in an ordered stop (intake closed) it
             # stays listed while it drains, so new requests get a quick shutting_down.
             listed = self.intake_closed
-            if not listed:
+            orphaned = self.orphaned  # no registry calls then: the TTL drops the record
+            if not listed and not orphaned:
                 await self._leaving(registry, key, record)
-            drained = await host.drain(rt.drain_timeout_s)
-            if listed:
+            drained = await host.drain(
+                min(rt.drain_timeout_s, ORPHAN_DRAIN_S) if orphaned else rt.drain_timeout_s
+            )
+            if listed and not orphaned:
                 await self._leaving(registry, key, record)
-            with contextlib.suppress(Exception):
-                await registry.delete(key)
+            if not orphaned:
+                with contextlib.suppress(Exception):
+                    await registry.delete(key)
             if not drained:
                 log.warning(
                     "%s/%d: in-flight requests cancelled at shutdown", self.role, self.replica
@@ -228,11 +244,26 @@ class Worker:
             if kv_peers is not None:
                 await kv_peers.close()
             await view.close()
-            await registry.close()
-            outbox.close(linger_ms=1000)  # the last hops of drained requests still leave
+            if orphaned:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(registry.close(), 0.2)
+            else:
+                await registry.close()
+            # The last hops of drained requests still leave (briefly, for an orphan).
+            outbox.close(linger_ms=200 if orphaned else 1000)
             host.tracer.close()  # the spans of drained requests still go out
             holding.close()
         return 0
+
+    @property
+    def orphaned(self) -> bool:
+        """The supervisor died (kill -9): this worker then exits within ~2 s, not after
+        waiting out registry calls to a registry that may have died with it."""
+        return self.parent_died or os.getppid() != self.parent
+
+    def _on_parent_died(self) -> None:
+        self.parent_died = True
+        self.stop.set()
 
     async def _leaving(self, registry: Registry, key: str, record: ActorRecord) -> None:
         """Leave routing in order: a record that is no longer ready and holds nothing, so
@@ -258,7 +289,7 @@ class Worker:
         published = (0, 0)
         while True:
             await asyncio.sleep(rt.heartbeat_s)
-            if os.getppid() == 1:  # orphaned before PDEATHSIG took hold
+            if self.orphaned:  # before PDEATHSIG took hold, or reparented to a subreaper
                 self.stop.set()
                 return
             try:
