@@ -46,12 +46,14 @@ def holder(llama_path):
 
 
 def books_settled(ask, before=None):
-    """The holder's books once its pins have gone (unpins are asynchronous); counters as
-    differences from ``before``."""
+    """The holder's books once its pins and their page refs have gone (both asynchronous:
+    the pin goes first, its pages a moment later on the engine's thread); counters as
+    differences from ``before``. A leak still shows: the wait ends after 30 s."""
     deadline = time.monotonic() + 30
     while True:
         books = ask("books")
-        if books["pinned"] == 0 or time.monotonic() > deadline:
+        settled = books["pinned"] == 0 and books["referenced"] == 0
+        if settled or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     if before is not None:
