@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,21 +98,43 @@ def load_part(
     """
     folder = Path(folder)
     weight_map = read_index(folder, role)
+    fill_strictly(
+        module,
+        set(weight_map),
+        lambda names: read_tensors(folder, names, role, weight_map),
+        prefix,
+        role,
+        folder,
+    )
+
+
+def fill_strictly(
+    module: nn.Module,
+    stored: set[str],
+    read: Callable[[list[str]], dict[str, torch.Tensor]],
+    prefix: str,
+    role: str,
+    where: str | Path,
+) -> None:
+    """Load ``module`` from the tensors named ``prefix`` + its state-dict names: ``stored``
+    is every name the checkpoint holds, ``read(names)`` gives those tensors by name. A
+    missing, unexpected or mis-shaped tensor is a ``CheckpointError`` naming it, ``role``
+    and ``where`` (the folder or file)."""
     expected = module.state_dict()
-    stored = {name[len(prefix) :] for name in weight_map if name.startswith(prefix)}
-    missing = sorted(set(expected) - stored)
+    held = {name[len(prefix) :] for name in stored if name.startswith(prefix)}
+    missing = sorted(set(expected) - held)
     if missing:
-        raise CheckpointError(f"role {role}: tensor {prefix}{missing[0]} missing from {folder}")
-    unexpected = sorted(stored - set(expected))
+        raise CheckpointError(f"role {role}: tensor {prefix}{missing[0]} missing from {where}")
+    unexpected = sorted(held - set(expected))
     if unexpected:
-        raise CheckpointError(f"role {role}: unexpected tensor {prefix}{unexpected[0]} in {folder}")
-    tensors = read_tensors(folder, [prefix + n for n in sorted(expected)], role, weight_map)
+        raise CheckpointError(f"role {role}: unexpected tensor {prefix}{unexpected[0]} in {where}")
+    tensors = read([prefix + n for n in sorted(expected)])
     state = {}
     for name, want in expected.items():
         got = tensors[prefix + name]
         if tuple(got.shape) != tuple(want.shape):
             raise CheckpointError(
-                f"role {role}: tensor {prefix}{name} in {folder} has shape {list(got.shape)}, "
+                f"role {role}: tensor {prefix}{name} in {where} has shape {list(got.shape)}, "
                 f"expected {list(want.shape)}"
             )
         state[name] = got.to(want.dtype)

@@ -19,7 +19,7 @@ import torch
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from safetensors import safe_open
 
-from omniflow.models.omni.checkpoint import CheckpointError, read_config
+from omniflow.models.omni.checkpoint import CheckpointError, fill_strictly, read_config
 
 VAE_PREFIX = "image_refiner.vae."
 WEIGHT_PATH = "image_decoder/image_decoder.safetensors"  # published visual_decoder_config value
@@ -86,29 +86,15 @@ def load_vae(folder: str | Path, role: str, device: str | torch.device = "cpu") 
     if not path.is_file():
         raise CheckpointError(f"role {role}: image decoder weights {path} missing from {folder}")
     vae = AutoencoderKL(**vae_kwargs(decoder["vae_config"]))
-    expected = vae.state_dict()
     with safe_open(str(path), framework="pt") as f:
-        stored = {n[len(VAE_PREFIX) :] for n in f.keys() if n.startswith(VAE_PREFIX)}
-        missing = sorted(set(expected) - stored)
-        if missing:
-            raise CheckpointError(
-                f"role {role}: tensor {VAE_PREFIX}{missing[0]} missing from {path}"
-            )
-        unexpected = sorted(stored - set(expected))
-        if unexpected:
-            raise CheckpointError(
-                f"role {role}: unexpected tensor {VAE_PREFIX}{unexpected[0]} in {path}"
-            )
-        state = {}
-        for name, want in expected.items():
-            got = f.get_tensor(VAE_PREFIX + name)
-            if tuple(got.shape) != tuple(want.shape):
-                raise CheckpointError(
-                    f"role {role}: tensor {VAE_PREFIX}{name} in {path} has shape "
-                    f"{list(got.shape)}, expected {list(want.shape)}"
-                )
-            state[name] = got.to(want.dtype)
-    vae.load_state_dict(state, strict=True)
+        fill_strictly(
+            vae,
+            set(f.keys()),
+            lambda names: {n: f.get_tensor(n) for n in names},
+            VAE_PREFIX,
+            role,
+            path,
+        )
     return vae.to(device).eval()
 
 
