@@ -25,7 +25,6 @@ LONG_FUNCTIONS = {
     "cli/send.py:send": "owned by issue 38 (cli)",
     "cli/status.py:status": "owned by issue 38 (cli)",
     "models/omni/next_builder.py:tiny_config": "owned by issue 34 (LongCat builder)",
-    "runtime/worker.py:_serve": "runtime split pending (issue 33)",
 }
 
 # Files whose `type: ignore` comments are not counted: others own them.

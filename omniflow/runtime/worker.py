@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -184,20 +185,7 @@ class Worker:
         )
         host.reply = inbox.reply
         inbox.start()
-        kv_peers = None
-        if hasattr(actor, "use_kv_peers"):  # serves and pulls prefix KV pages (the llm role)
-            kv_endpoint = endpoint_for(cfg, self.run_dir, f"{self.role}-kv", self.replica)
-            kv_peers = KVPeers(
-                self.ctx,
-                kv_endpoint,
-                keys,
-                view,
-                self.role,
-                self.replica,
-                cfg.host_id,
-                advertise=cfg.addresses()[1],
-            )
-            await actor.use_kv_peers(kv_peers)
+        kv_peers = await self._kv_peers(actor, view, keys)
         record = ActorRecord(
             self.role,
             self.replica,
@@ -220,24 +208,8 @@ class Worker:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
-            # Producers stop picking this replica; in an ordered stop (intake closed) it
-            # stays listed while it drains, so new requests get a quick shutting_down.
-            listed = self.intake_closed
             orphaned = self.orphaned  # no registry calls then: the TTL drops the record
-            if not listed and not orphaned:
-                await self._leaving(registry, key, record)
-            drained = await host.drain(
-                min(rt.drain_timeout_s, ORPHAN_DRAIN_S) if orphaned else rt.drain_timeout_s
-            )
-            if listed and not orphaned:
-                await self._leaving(registry, key, record)
-            if not orphaned:
-                with contextlib.suppress(Exception):
-                    await registry.delete(key)
-            if not drained:
-                log.warning(
-                    "%s/%d: in-flight requests cancelled at shutdown", self.role, self.replica
-                )
+            await self._leave_and_drain(registry, key, record, host, orphaned)
             inbox.close()
             with contextlib.suppress(Exception):
                 await actor.close()
@@ -254,6 +226,45 @@ class Worker:
             host.tracer.close()  # the spans of drained requests still go out
             holding.close()
         return 0
+
+    async def _kv_peers(self, actor: Actor, view: RegistryView, keys: Any) -> KVPeers | None:
+        """Serve and pull prefix KV pages, for the roles that do (the llm role)."""
+        if not hasattr(actor, "use_kv_peers"):
+            return None
+        cfg = self.config
+        kv_peers = KVPeers(
+            self.ctx,
+            endpoint_for(cfg, self.run_dir, f"{self.role}-kv", self.replica),
+            keys,
+            view,
+            self.role,
+            self.replica,
+            cfg.host_id,
+            advertise=cfg.addresses()[1],
+        )
+        await actor.use_kv_peers(kv_peers)
+        return kv_peers
+
+    async def _leave_and_drain(
+        self, registry: Registry, key: str, record: ActorRecord, host: ActorHost, orphaned: bool
+    ) -> None:
+        """Producers stop picking this replica; in an ordered stop (intake closed) it stays
+        listed while it drains, so new requests get a quick shutting_down. An orphan drains
+        briefly and leaves the registry alone."""
+        rt = self.config.runtime
+        listed = self.intake_closed
+        if not listed and not orphaned:
+            await self._leaving(registry, key, record)
+        drained = await host.drain(
+            min(rt.drain_timeout_s, ORPHAN_DRAIN_S) if orphaned else rt.drain_timeout_s
+        )
+        if listed and not orphaned:
+            await self._leaving(registry, key, record)
+        if not orphaned:
+            with contextlib.suppress(Exception):
+                await registry.delete(key)
+        if not drained:
+            log.warning("%s/%d: in-flight requests cancelled at shutdown", self.role, self.replica)
 
     @property
     def orphaned(self) -> bool:
