@@ -82,7 +82,7 @@ class KeptContexts:
         rid = f"{sequence.request_id}/uncond"
         tokens, spans = unconditional
         if follower is not None:
-            follower.continue_with(rid, tokens, sequence.params, spans)
+            follower = follower.continued(rid, tokens, sequence.params, spans)
         else:
             follower = Sequence(rid, tokens, sequence.params, spans)
             follower.partner, follower.follows = sequence, True
@@ -217,10 +217,11 @@ class KeptContexts:
             )
         del self.kept[context_id]
         block = BlockRows(rows.to(self.cache.keys.dtype), positions.to(torch.long), causal_rows)
+        sequence = sequence.successor(request_id)
+        sequence.keep_as = context_id
         for member in (sequence, sequence.partner):
             if member is not None:
                 member.block = block
-        sequence.request_id, sequence.keep_as = request_id, context_id
         self.sequences[request_id] = sequence
         self.scheduler.requeue(sequence)
 

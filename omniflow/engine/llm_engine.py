@@ -333,8 +333,7 @@ class LLMEngine(KeptContexts):
             sequence = Sequence(request_id, tokens, params, spans)
         else:
             del self.kept[str(continue_from)]
-            sequence = kept
-            sequence.continue_with(request_id, tokens, params, spans)
+            sequence = kept.continued(request_id, tokens, params, spans)
         sequence.lend_kv_to = lend_kv_to
         sequence.head, sequence.keep = head, keep
         self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
@@ -372,9 +371,10 @@ class LLMEngine(KeptContexts):
         for member in (sequence, sequence.partner):
             if member is not None:
                 member.block = None
-        sequence.request_id, sequence.keep_as = sequence.keep_as, None
         self.scheduler.keep(sequence)
-        self.kept[sequence.request_id] = sequence
+        kept = sequence.successor(sequence.keep_as)
+        kept.keep_as = None
+        self.kept[kept.request_id] = kept
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending_aborts)

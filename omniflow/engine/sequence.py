@@ -49,7 +49,7 @@ class Sequence:
         params: SamplingParams,
         embedding_spans: list[EmbeddingSpan] | None = None,
     ):
-        self.request_id = request_id
+        self._request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.token_ids = list(prompt_token_ids)  # prompt followed by output
@@ -92,23 +92,47 @@ class Sequence:
             self.extra_keys = [None] * len(self.token_ids)
         key_spans(self.extra_keys, spans)
 
-    def continue_with(
+    @property
+    def request_id(self) -> str:
+        """Set once, at construction: a request id never changes. A kept context that goes
+        on under another request does so as its `successor`."""
+        return self._request_id
+
+    def successor(self, request_id: str) -> Sequence:
+        """This sequence's context (tokens, pages, computed state, its pair) as a new
+        Sequence of request request_id. This one is spent: it gives up its pages, lent view
+        and partner, which now point at the successor."""
+        successor = Sequence.__new__(Sequence)
+        successor.__dict__.update(self.__dict__, _request_id=request_id)
+        if self.partner is not None:
+            self.partner.partner = successor
+        self.partner, self.page_ids, self.lent = None, [], None
+        return successor
+
+    def continued(
         self,
         request_id: str,
         extra_token_ids: list[int],
         params: SamplingParams,
         spans: list[EmbeddingSpan],
+    ) -> Sequence:
+        """A kept sequence continued as a new request that goes on from all of it: its
+        tokens so far (the last one not computed yet) followed by extra_token_ids become the
+        prompt. Returns the successor that runs it (this one is spent)."""
+        sequence = self.successor(request_id)
+        sequence._continue_with(extra_token_ids, params, spans)
+        return sequence
+
+    def _continue_with(
+        self, extra_token_ids: list[int], params: SamplingParams, spans: list[EmbeddingSpan]
     ) -> None:
-        """Turn a kept sequence into a new request that goes on from all of it: its tokens so
-        far (the last one not computed yet) followed by extra_token_ids become the prompt."""
-        self.request_id = request_id
-        self.token_ids += extra_token_ids
+        self.token_ids = self.token_ids + extra_token_ids
         self.prompt_token_ids = list(self.token_ids)
         self.output_token_ids, self.output_logprobs, self.output_top_logprobs = [], [], []
         self.output_codes = []
         self.text_stream = None
         if self.extra_keys is not None:
-            self.extra_keys += [None] * len(extra_token_ids)
+            self.extra_keys = self.extra_keys + [None] * len(extra_token_ids)
         self.embedding_spans = self.embedding_spans + spans
         self._key_spans(spans)
         self.params = params

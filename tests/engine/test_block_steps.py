@@ -124,3 +124,35 @@ def test_aborting_a_block_step_keeps_its_context(engine):
     assert "ctx" in engine.kept
     with pytest.raises(ValueError, match="not kept"):
         engine.block_step("t", "nope", *block(engine.model, 5, len(prefix), seed=7))
+
+
+def test_a_request_id_never_changes_through_block_steps_and_a_continuation(engine):
+    """Each request runs on a Sequence made with its id; a kept context goes on as a new
+    Sequence (its successor), and every sequence seen keeps the id it was made with."""
+    prefix, uncond = random_prompts([9, 3], seed=8)
+    engine.keep_context("ctx", prefix, guidance=Guidance(uncond, 2.0))
+    seen = {}
+
+    def note():
+        for sequence in [*engine.kept.values(), *engine.sequences.values()]:
+            for member in (sequence, sequence.partner):
+                if member is not None:
+                    seen.setdefault(id(member), (member, member.request_id))
+
+    note()
+    engine.block_step("s", "ctx", *block(engine.model, 4, len(prefix), seed=9))
+    note()
+    engine.run_to_completion()
+    note()
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request("more", [5], greedy, continue_from="ctx", guidance=Guidance([6], 2.0))
+    note()
+    deltas = engine.run_to_completion()
+    assert {d.request_id for d in deltas} == {"more"}
+    ids = sorted(rid for _, rid in seen.values())
+    # ctx kept, then stepped as s and parked as ctx again; the unconditional half runs the
+    # block step as it is (ctx/uncond) and goes on as more/uncond
+    assert ids == ["ctx", "ctx", "ctx/uncond", "more", "more/uncond", "s"]
+    assert all(sequence.request_id == rid for sequence, rid in seen.values())
+    with pytest.raises(AttributeError):
+        next(iter(seen.values()))[0].request_id = "renamed"
