@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from omniflow.engine.cpu_decode import FusedDecode, fused_decode_supported
 from omniflow.engine.decode_mirror import DecodeMirror
 from omniflow.engine.latent_attention import LatentPagedAttention
 from omniflow.engine.paged_attention import (
@@ -94,8 +95,11 @@ class ModelRunner:
         self.scale = (
             config.softmax_scale if isinstance(config, MLAConfig) else config.head_dim**-0.5
         )
-        # A step of decodes alone runs every layer in one call on the kernels (AMX).
-        self.fused_decode = self.kernel_decode and model.decodes_on_pages()
+        # A step of decodes alone runs every layer in one call on the kernels (AMX or
+        # AVX-512 BF16): the CPU runner's specialization (engine/cpu_decode.py); None: off.
+        self.fused_decode: FusedDecode | None = None
+        if self.kernel_decode and self.kernels is not None and fused_decode_supported(model):
+            self.fused_decode = FusedDecode(model, self.kernels, self.scale)
         self.unnormed_blocks = bool(getattr(model, "block_rows_unnormed", False))
 
     @torch.inference_mode()
@@ -133,9 +137,10 @@ class ModelRunner:
         at = torch.tensor(positions, dtype=torch.long, device=device)
         rows = torch.tensor(logits_rows + block_rows, dtype=torch.long, device=device)
         context = step.context_tensor(len(ids), device) if self.model.input_context else None
-        if self.fused_decode and not prefills and not embed_rows and not wants_hidden:
+        fused = self.fused_decode
+        if fused is not None and not prefills and not embed_rows and not wants_hidden:
             assert batch.decode_pages is not None and batch.decode_lengths is not None
-            logits = self.model.decode_on_pages(
+            logits = fused.run(
                 ids,
                 at,
                 self.cache.keys,
@@ -143,7 +148,6 @@ class ModelRunner:
                 batch.slot_mapping,
                 batch.decode_pages.view(len(decodes), -1),
                 batch.decode_lengths,
-                self.scale,
                 rows,
             )
             return StepOutput(sampling, logits.float())

@@ -146,9 +146,6 @@ class HunyuanImage3LM(MoEDecoderLM):
         engine's attention may still run on the kernels)."""
         self._kernels = None
 
-    def decodes_on_pages(self) -> bool:
-        return False
-
     def materialized(self) -> None:
         """After `to_empty`: routers in float32 (the reference keeps them so), the MoE's
         unused score biases zeroed."""

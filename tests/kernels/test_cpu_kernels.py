@@ -452,7 +452,7 @@ def counted(obj, name):
     ],
 )
 def test_fused_decode_steps_equal_the_kernels_called_layer_by_layer(tmp_path, spec, num_pages):
-    """Decode-only steps run every layer in one call (DecoderLM.decode_on_pages): the same
+    """Decode-only steps run every layer in one call (engine/cpu_decode.py FusedDecode): the same
     tokens and log-probabilities, bit for bit, as the same kernels called one by one. Batched
     and ragged, steps mixing prefills and decodes (those keep the calls one by one), an
     abort and, with 14 pages of 4 tokens, preemption."""
@@ -462,9 +462,10 @@ def test_fused_decode_steps_equal_the_kernels_called_layer_by_layer(tmp_path, sp
     runs = []
     for fused in (True, False):
         engine = small_pages_engine(path, num_pages)
-        assert engine.runner.fused_decode  # AMX here: on by default
-        engine.runner.fused_decode = fused
-        calls = counted(engine.model, "decode_on_pages")
+        assert engine.runner.fused_decode is not None  # AMX here: on by default
+        calls = counted(engine.runner.fused_decode, "run")
+        if not fused:
+            engine.runner.fused_decode = None
         produced, preemptions = staggered_run(engine, prompts, params, logprobs=True)
         assert (len(calls) > 10) == fused
         assert (preemptions > 0) == (num_pages is not None)

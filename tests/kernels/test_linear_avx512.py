@@ -107,9 +107,10 @@ def test_fused_decode_steps_on_avx512_equal_the_kernels_layer_by_layer(
     runs = []
     for fused in (True, False):
         engine = small_pages_engine(path, None)
-        assert engine.runner.fused_decode and engine.model._kernels is kernels
-        engine.runner.fused_decode = fused
-        calls = counted(engine.model, "decode_on_pages")
+        assert engine.runner.fused_decode is not None and engine.model.cpu_kernels is kernels
+        calls = counted(engine.runner.fused_decode, "run")
+        if not fused:
+            engine.runner.fused_decode = None
         produced, _ = staggered_run(engine, prompts, params, logprobs=True)
         assert (len(calls) > 5) == fused
         runs.append(produced)

@@ -211,8 +211,11 @@ class DecoderLM(nn.Module):
         self._packed_output: torch.Tensor | None = None
         self._output_kernels: CpuKernels | None = None
         self._kernels: CpuKernels | None = None  # set by use_cpu_kernels
-        # decode_on_pages' per-layer addresses, for the cache at (keys, values) addresses.
-        self._decode_table: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    @property
+    def cpu_kernels(self) -> CpuKernels | None:
+        """The CPU kernels `forward` runs on (use_cpu_kernels), or None: PyTorch ops."""
+        return self._kernels
 
     @property
     def packed(self) -> bool:
@@ -301,86 +304,6 @@ class DecoderLM(nn.Module):
             x = norm(x)
             return x if hidden else self.logits(x)
         return torch.cat((norm(x[:unnormed_from]), x[unnormed_from:]))
-
-    def decodes_on_pages(self) -> bool:
-        """Whether `decode_on_pages` runs here: the CPU kernels' projections (AMX or AVX-512
-        BF16), every projection
-        on them (use_packed_weights after use_cpu_kernels), decode attention for these heads."""
-        kernels, config = self._kernels, self.config
-        return (
-            kernels is not None
-            and kernels.packed_linear
-            and kernels.decode_attention_supported(
-                config.num_attention_heads, config.num_key_value_heads, config.head_dim
-            )
-            and all(
-                isinstance(projection, KernelLinear)
-                for layer in cast("list[DecoderLayer]", self.model.layers)
-                for projection in (
-                    layer.self_attn.qkv_proj,
-                    layer.self_attn.o_proj,
-                    layer.mlp.gate_up_proj,
-                    layer.mlp.down_proj,
-                )
-            )
-        )
-
-    def decode_on_pages(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        slots: torch.Tensor,
-        tables: torch.Tensor,
-        lengths: torch.Tensor,
-        scale: float,
-        logits_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """`forward` for a step of one new token a row, every layer in one call on the CPU
-        kernels (CpuKernels.decode_layers) instead of ~9 calls a layer, with the attention
-        the engine's pages would give: each row's K/V written at slots[r] of the cache
-        keys/values [layers, kv_heads, pages, page_size, head_dim], its context the first
-        lengths[r] tokens of its pages tables[r]. Same kernels in the same order as `forward`
-        on them: the same logits. Needs `decodes_on_pages()`."""
-        kernels = self._kernels
-        if kernels is None:
-            raise RuntimeError("decode_on_pages needs use_cpu_kernels")
-        x = self.embed(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        config = self.config
-        kernels.decode_layers(
-            x,
-            self._decode_layers(keys, values),
-            cos,
-            sin,
-            keys[0],
-            slots,
-            tables,
-            lengths,
-            config.num_attention_heads,
-            config.intermediate_size,
-            config.rms_norm_eps,
-            scale,
-        )
-        return self._logits_on_kernels(x, logits_rows, kernels)
-
-    def _logits_on_kernels(
-        self, x: torch.Tensor, logits_rows: torch.Tensor | None, kernels: CpuKernels
-    ) -> torch.Tensor:
-        """The final norm (on the kernels) and the output projection of the rows that sample."""
-        if logits_rows is not None:
-            x = x.index_select(0, logits_rows)
-        norm = self.model.norm
-        return self.logits(kernels.add_rms_norm(x, None, norm.weight, norm.eps))
-
-    def _decode_layers(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """decode_on_pages' pointer table (cpu_layouts.decode_layer_table), kept while the
-        cache stays where it is."""
-        key = (keys.data_ptr(), values.data_ptr())
-        if self._decode_table is None or self._decode_table[0] != key:
-            self._decode_table = (key, cpu_layouts.decode_layer_table(self, keys, values))
-        return self._decode_table[1]
 
     def hidden_states(
         self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None
