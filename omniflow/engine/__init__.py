@@ -1,9 +1,7 @@
 """LLM engines: the protocol, the torch backend, the offline and asyncio-facing APIs."""
 
 from omniflow.engine.async_engine import AsyncEngine, EngineDeadError
-from omniflow.engine.denoise import BlockRequest, Denoising, denoise, denoise_async, denoise_steps
 from omniflow.engine.heads import BlockRows, CodesHead, Guidance
-from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.engine.llm import LLM, GenerationOutput
 from omniflow.engine.llm_engine import EngineConfig, LLMEngine
 from omniflow.engine.protocol import EngineBackend, TokenDelta
@@ -14,7 +12,6 @@ from omniflow.kv.allocator import OutOfPages, PageAllocator, PageUsage, PrefixMa
 __all__ = [
     "LLM",
     "AsyncEngine",
-    "BlockRequest",
     "BlockRows",
     "CodesHead",
     "EngineDeadError",
@@ -30,9 +27,4 @@ __all__ = [
     "PrefixMatch",
     "SamplingParams",
     "TokenDelta",
-    "condition_image_prompt",
-    "Denoising",
-    "denoise",
-    "denoise_async",
-    "denoise_steps",
 ]

@@ -40,13 +40,13 @@ import torch
 from PIL import Image
 
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
-from omniflow.engine.hunyuan_prompt import Condition, condition_spans, encode_condition
 from omniflow.kv.share import revoke
 from omniflow.models.hunyuan_image3_config import generation_template
 from omniflow.models.hunyuan_image3_template import SequenceTemplate
 from omniflow.models.hunyuan_image3_tokens import ImageTokens, grid_of_ratio, ratio_of_size
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone, span_fields
+from omniflow.roles.hunyuan_prompt import Condition, condition_spans, encode_condition
 from omniflow.roles.image_params import image_params
 from omniflow.roles.options import HunyuanAROptions, TextToImageParams
 from omniflow.runtime.actor import BadRequest, Context, MemoryBudget, Request

@@ -11,9 +11,7 @@ import torch
 
 from omniflow.engine import LLMEngine, SamplingParams
 from omniflow.engine.async_engine import AsyncEngine
-from omniflow.engine.denoise import denoise, denoise_async
 from omniflow.engine.heads import Guidance
-from omniflow.engine.hunyuan_prompt import condition_image_prompt
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.memory import PagePool
 from omniflow.models import load_decoder, load_tokenizer
@@ -25,6 +23,8 @@ from omniflow.models.hunyuan_image3_tokens import (
     unconditional_ids,
 )
 from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.roles.hunyuan_denoise import denoise, denoise_async
+from omniflow.roles.hunyuan_prompt import condition_image_prompt
 
 PAGE = 4
 GRID = (3, 4)

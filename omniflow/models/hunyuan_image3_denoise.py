@@ -1,13 +1,11 @@
-"""The HunyuanImage-3 denoising loop as block steps over a kept context.
+"""The HunyuanImage-3 denoising loop, engine-free: `denoise_steps` is a generator that yields
+each step's `BlockRequest` (the <timestep> row and the noisy latent's image rows, at their 2D
+positions) and takes back that step's hidden states; it returns the final latent.
+`Denoising` drives it (the next request, the hidden states fed back, the latent); an engine
+runs each request as a block step over a kept context (roles/hunyuan_denoise.py on an
+LLMEngine or AsyncEngine; the diffusion role with its own loop).
 
-`denoise_steps` is the loop itself, engine-free: a generator that yields each step's
-`BlockRequest` (the <timestep> row and the noisy latent's image rows, at their 2D positions)
-and takes back that step's hidden states; it returns the final latent. `Denoising` drives
-it (the next request, the hidden states fed back, the latent); `denoise` runs that on an
-`LLMEngine`, `denoise_async` on an `AsyncEngine`, and a role with its own loop runs it by
-hand.
-
-The context (kept with `keep_context`, computed here or lent) ends at the <img_ratio> token.
+The context (kept with `keep_context`, computed or lent) ends at the <img_ratio> token.
 With CFG it is kept with Guidance(unconditional ids, scale, combine=False): each step then
 runs both halves in one forward and returns both halves' hidden states, and the
 velocities are combined after final_layer, as the reference does. Same seed, same steps,
@@ -21,8 +19,6 @@ from typing import NamedTuple
 
 import torch
 
-from omniflow.engine.async_engine import AsyncEngine
-from omniflow.engine.llm_engine import LLMEngine
 from omniflow.models.flow_matching import (
     DEFAULT_SHIFT,
     cfg_combine,
@@ -126,61 +122,3 @@ class Denoising:
             self.request = self._loop.send(hidden)
         except StopIteration as done:
             self.request, self.latent = None, done.value
-
-
-def _hidden_of(deltas, request_id: str) -> torch.Tensor | None:
-    for delta in deltas:
-        if delta.request_id == request_id and delta.finish_reason is not None:
-            if delta.hidden is None:
-                raise RuntimeError(f"request {request_id} ended ({delta.finish_reason}) bare")
-            return delta.hidden
-    return None
-
-
-def denoise(
-    engine: LLMEngine,
-    parts: HunyuanImage3Parts,
-    context_id: str,
-    context_len: int,
-    grid: tuple[int, int],
-    steps: int,
-    cfg_scale: float,
-    seed: int,
-    progress: Progress | None = None,
-    shift: float = DEFAULT_SHIFT,
-) -> torch.Tensor:
-    """The denoising loop on a sync engine that runs nothing else meanwhile (other
-    requests' deltas would be dropped here): the final latent [C, H, W]."""
-    run = Denoising(
-        denoise_steps(parts, context_id, context_len, grid, steps, cfg_scale, seed, shift), steps
-    )
-    while (request := run.request) is not None:
-        engine.block_step(*request[:5])
-        hidden = None
-        while hidden is None:
-            hidden = _hidden_of(engine.step(), request.request_id)
-        run.feed(hidden, progress)
-    assert run.latent is not None
-    return run.latent
-
-
-async def denoise_async(
-    engine: AsyncEngine,
-    parts: HunyuanImage3Parts,
-    context_id: str,
-    context_len: int,
-    grid: tuple[int, int],
-    steps: int,
-    cfg_scale: float,
-    seed: int,
-    progress: Progress | None = None,
-    shift: float = DEFAULT_SHIFT,
-) -> torch.Tensor:
-    """`denoise` on an AsyncEngine (the engine thread runs the steps)."""
-    run = Denoising(
-        denoise_steps(parts, context_id, context_len, grid, steps, cfg_scale, seed, shift), steps
-    )
-    while (request := run.request) is not None:
-        run.feed((await engine.block_step(*request[:5])).hidden, progress)
-    assert run.latent is not None
-    return run.latent
