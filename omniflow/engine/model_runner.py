@@ -14,6 +14,7 @@ from omniflow.engine.cpu_decode import FusedDecode, fused_decode_supported
 from omniflow.engine.decode_mirror import DecodeMirror
 from omniflow.engine.latent_attention import LatentPagedAttention
 from omniflow.engine.paged_attention import (
+    DecodeSpec,
     KVCache,
     PagedAttention,
     PrefillSpec,
@@ -120,11 +121,11 @@ class ModelRunner:
         embed_rows, embed_values = step.embed_rows, step.embed_values
         batch = build_attention_batch(
             self.cache,
-            [(c.sequence.page_ids, c.start + 1) for c in decodes],
+            [DecodeSpec(page_ids=c.sequence.page_ids, context_len=c.start + 1) for c in decodes],
             prefill_specs(prefills),
             self.device,
             self.cache.keys.dtype,
-            None if mirrored is None else mirrored.rows,
+            mirrored=None if mirrored is None else mirrored.rows,
             decode_masks=not (self.kernel_decode or self.latent_kernels),
         )
         device = self.device
@@ -261,15 +262,19 @@ def prefill_specs(prefills: list[ScheduledChunk]) -> list[PrefillSpec]:
     prefill_attention: list[PrefillSpec] = []
     for c in prefills:
         if c.num_tokens:
-            prefill_attention.append(PrefillSpec(c.sequence.page_ids, c.start, c.num_tokens))
+            prefill_attention.append(
+                PrefillSpec(
+                    page_ids=c.sequence.page_ids, context_start=c.start, num_tokens=c.num_tokens
+                )
+            )
         if c.block:
             end, block = c.start + c.num_tokens, c.sequence.block
             assert block is not None, "a chunk with block rows has a block step"
             prefill_attention.append(
                 PrefillSpec(
-                    c.sequence.page_ids,
-                    end,
-                    c.block,
+                    page_ids=c.sequence.page_ids,
+                    context_start=end,
+                    num_tokens=c.block,
                     bidirectional=True,
                     lent=c.sequence.lent,
                     causal_rows=block.causal_rows,

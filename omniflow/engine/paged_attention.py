@@ -112,6 +112,14 @@ class AttentionBatch(NamedTuple):
     decode_lengths: torch.Tensor | None = None  # [decodes] context lengths, with the new token
 
 
+class DecodeSpec(NamedTuple):
+    """One decode row of a step, as the runner hands it to build_attention_batch: its new
+    token attends to the first context_len tokens of page_ids (the new token included)."""
+
+    page_ids: list[int]
+    context_len: int
+
+
 class PrefillSpec(NamedTuple):
     """One prefill chunk of a step, as the runner hands it to build_attention_batch: rows
     after the decode rows, attending to the chunk's context (its first context_start tokens,
@@ -129,15 +137,15 @@ class PrefillSpec(NamedTuple):
 
 def build_attention_batch(
     cache: KVCache,
-    decodes: list[tuple[list[int], int]],
+    decodes: Sequence[DecodeSpec],
     prefills: Sequence[PrefillSpec],
     device: torch.device,
     dtype: torch.dtype,
     mirrored: DecodeRows | None = None,
     decode_masks: bool = True,
 ) -> AttentionBatch:
-    """decodes: (page_ids, context length including the new token) per decode row;
-    prefills: one PrefillSpec per prefill chunk, rows after decodes;
+    """The step's attention metadata, built once per step: decodes, one DecodeSpec per
+    decode row (rows first); prefills, one PrefillSpec per prefill chunk, rows after them;
     mirrored: the decode rows' mirror, if they read one instead of gathering pages;
     decode_masks: False when decode attention reads tables and lengths (the CPU kernel), so
     no mask is built."""
@@ -169,7 +177,14 @@ def build_attention_batch(
             block_pages = torch.tensor(page_ids[: -(-end // size)], dtype=torch.long, device=device)
             segments.append(
                 PrefillSegment(
-                    row, row + chunk, block_pages, end, None, 1, True, spec.lent, spec.causal_rows
+                    row_start=row,
+                    row_end=row + chunk,
+                    context_pages=block_pages,
+                    context_len=end,
+                    causal_mask=None,
+                    bidirectional=True,
+                    lent=spec.lent,
+                    causal_rows=spec.causal_rows,
                 )
             )
             row += chunk
@@ -185,16 +200,24 @@ def build_attention_batch(
             pages = torch.tensor(page_ids[: -(-end // size)], dtype=torch.long, device=device)
             query_positions = torch.arange(context_start, end, device=device)
             mask = torch.arange(end, device=device)[None, :] <= query_positions[:, None]
-        segments.append(PrefillSegment(row, row + chunk, pages, end, mask))
+        segments.append(
+            PrefillSegment(
+                row_start=row,
+                row_end=row + chunk,
+                context_pages=pages,
+                context_len=end,
+                causal_mask=mask,
+            )
+        )
         row += chunk
     return AttentionBatch(
-        torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        len(decodes),
-        decode_pages,
-        decode_bias,
-        segments,
-        mirrored,
-        decode_lengths,
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        num_decode_rows=len(decodes),
+        decode_pages=decode_pages,
+        decode_bias=decode_bias,
+        prefills=segments,
+        mirrored=mirrored,
+        decode_lengths=decode_lengths,
     )
 
 

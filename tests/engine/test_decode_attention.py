@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from omniflow.engine.paged_attention import (
+    DecodeSpec,
     KVCache,
     PagedAttention,
     build_attention_batch,
@@ -13,7 +14,12 @@ from omniflow.engine.paged_attention import (
 
 PAGE, KV_HEADS, HEADS, DIM = 4, 2, 6, 8
 # (page ids, context length including the new token) per decode row: ragged, unordered pages
-DECODES = [([3, 5, 7], 10), ([1], 3), ([2, 8, 9, 10], 16), ([4, 6], 5)]
+DECODES = [
+    DecodeSpec([3, 5, 7], 10),
+    DecodeSpec([1], 3),
+    DecodeSpec([2, 8, 9, 10], 16),
+    DecodeSpec([4, 6], 5),
+]
 
 
 def reference(cache, q, scale):
