@@ -10,13 +10,12 @@ from typing import NamedTuple
 
 import torch
 
+from omniflow.engine.attention_backend import create_attention_backend
 from omniflow.engine.cpu_decode import FusedDecode, fused_decode_supported
 from omniflow.engine.decode_mirror import DecodeMirror
-from omniflow.engine.latent_attention import LatentPagedAttention
 from omniflow.engine.paged_attention import (
     DecodeSpec,
     KVCache,
-    PagedAttention,
     PrefillSpec,
     build_attention_batch,
 )
@@ -73,16 +72,10 @@ class ModelRunner:
         self.latent_kernels = self.latent and self.kernels is not None
         if self.kernels is not None:
             model.use_cpu_kernels(self.kernels)
-        config = model.config
-        # Decode attention on the kernel reads the pages in place; only other decodes need
-        # the mirror's contiguous copies.
-        self.kernel_decode = (
-            not self.latent
-            and self.kernels is not None
-            and self.kernels.decode_attention_supported(
-                config.num_attention_heads, config.num_key_value_heads, config.head_dim
-            )
-        )
+        # How attention runs (engine/attention_backend.py): the PyTorch reference or the CPU
+        # kernels. Decodes that read the pages in place need no mirror's contiguous copies.
+        self.attention = create_attention_backend(cache, model.config, self.kernels)
+        self.kernel_decode = self.attention.decodes_in_place
         self.mirror = DecodeMirror(cache, 0 if self.kernel_decode else mirror_bytes)
         if relayout and packed_weights_supported(self.device, parameter.dtype):
             # MLA keeps oneDNN's packing: its float32 routers and bare kv_b weights are not
@@ -93,9 +86,7 @@ class ModelRunner:
             )
         elif relayout and self.device.type == "cpu":
             model.use_input_major_weights()
-        self.scale = (
-            config.softmax_scale if isinstance(config, MLAConfig) else config.head_dim**-0.5
-        )
+        self.scale = self.attention.scale
         # A step of decodes alone runs every layer in one call on the kernels (AMX or
         # AVX-512 BF16): the CPU runner's specialization (engine/cpu_decode.py); None: off.
         self.fused_decode: FusedDecode | None = None
@@ -126,7 +117,7 @@ class ModelRunner:
             self.device,
             self.cache.keys.dtype,
             mirrored=None if mirrored is None else mirrored.rows,
-            decode_masks=not (self.kernel_decode or self.latent_kernels),
+            decode_masks=self.attention.decode_masks,
         )
         device = self.device
         wants_hidden = bool(blocks) or any(
@@ -154,15 +145,10 @@ class ModelRunner:
             return StepOutput(sampling, logits.float())
         # A model whose block rows skip the final norm (HunyuanImage-3's final_layer).
         unnormed = {"unnormed_from": len(sampling)} if blocks and self.unnormed_blocks else {}
-        attention = (
-            LatentPagedAttention(self.cache, batch, self.scale, self.kernels)
-            if self.latent
-            else PagedAttention(self.cache, batch, self.scale, self.kernels)
-        )
         out = self.model(
             ids,
             at,
-            attention,
+            self.attention.bind(batch),
             logits_rows=rows,
             embed_rows=torch.tensor(embed_rows, dtype=torch.long, device=device)
             if embed_rows
