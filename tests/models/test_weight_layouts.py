@@ -13,6 +13,7 @@ from omniflow.engine.llm_engine import EngineConfig
 from omniflow.engine.model_runner import CPU_BF16_ROW_BLOCK, CPU_KERNELS_ROW_BLOCK
 from omniflow.kernels import cpu_kernels
 from omniflow.models import build_tiny_model, load_decoder
+from omniflow.models.layers import cpu_layouts
 from omniflow.models.layers.cpu_layouts import KernelLinear, PackedLinear, packed_weights_supported
 from omniflow.models.llama.decoder import causal_attention
 from omniflow.models.loader import iter_checkpoint_tensors
@@ -143,6 +144,25 @@ def test_kernels_without_their_projections_keep_onednn_projections(tmp_path, mon
     for delta in engine.run_to_completion():
         produced[delta.request_id] += delta.token_ids
     assert [len(tokens) for tokens in produced.values()] == [8, 8]
+
+
+def test_a_torch_without_onednns_private_ops_runs_the_plain_layouts(tmp_path, monkeypatch):
+    """The packed layouts call oneDNN's private ops (cpu_layouts.PRIVATE_ONEDNN_OPS). Where
+    this torch lacks one (renamed, dropped), bf16 runs the plain weights on PyTorch's public
+    ops: no PackedLinear, no KernelLinear, no one-call decode; the engine still serves."""
+    monkeypatch.setattr(
+        cpu_layouts, "PRIVATE_ONEDNN_OPS", (*cpu_layouts.PRIVATE_ONEDNN_OPS, "_gone_in_this_torch")
+    )
+    assert not packed_weights_supported(torch.device("cpu"), torch.bfloat16)
+    path = build_tiny_model(tmp_path / "m", "llama-gqa", seed=6)
+    engine = LLMEngine(path, EngineConfig(device="cpu", dtype="bfloat16"))
+    assert not engine.model.packed and engine.runner.fused_decode is None
+    layer = engine.model.model.layers[0]
+    assert type(layer.mlp.gate_up_proj) is torch.nn.Linear
+    prompt = [4, 8, 15, 16, 23, 42]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    assert len([t for d in engine.run_to_completion() for t in d.token_ids]) == 6
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])

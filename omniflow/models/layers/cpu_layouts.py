@@ -18,12 +18,19 @@ if TYPE_CHECKING:
     from omniflow.models.llama.decoder import DecoderLayer, DecoderLM
 
 
+# oneDNN's private ops that the packed layouts call: only here, and only where this torch has
+# all of them (a torch that renames or drops one runs the plain layouts: PyTorch's public ops).
+PRIVATE_ONEDNN_OPS = ("_is_mkldnn_bf16_supported", "_reorder_linear_weight", "_linear_pointwise")
+
+
 def packed_weights_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `DecoderLM.use_packed_weights` applies: bf16 on a CPU whose oneDNN runs bf16."""
+    """Whether `DecoderLM.use_packed_weights` applies: bf16 on a CPU whose oneDNN runs bf16,
+    with the private ops it calls present in this torch."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
+        and all(hasattr(torch.ops.mkldnn, op) for op in PRIVATE_ONEDNN_OPS)
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
