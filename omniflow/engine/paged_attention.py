@@ -153,18 +153,9 @@ def build_attention_batch(
     slot_mapping: list[int] = []
     decode_pages = decode_bias = decode_lengths = None
     if decodes and mirrored is None:
-        widest = max(-(-length // size) for _, length in decodes)
-        # Padding points at page 0: its values are finite and their scores are masked.
-        tables = [
-            page_ids[:widest] + [0] * (widest - len(page_ids[:widest])) for page_ids, _ in decodes
-        ]
-        decode_pages = torch.tensor(tables, dtype=torch.long, device=device).view(-1)
-        decode_lengths = torch.tensor([length for _, length in decodes], device=device)
-        if decode_masks:
-            valid = torch.arange(widest * size, device=device)[None, :] < decode_lengths[:, None]
-            bias = torch.zeros(valid.shape, dtype=dtype, device=device)
-            bias.masked_fill_(~valid, float("-inf"))
-            decode_bias = bias.repeat(cache.num_kv_heads, 1)[:, None, :]
+        decode_pages, decode_bias, decode_lengths = _decode_tables(
+            cache, decodes, device, dtype, decode_masks
+        )
     for page_ids, length in decodes:
         slot_mapping.append(page_ids[(length - 1) // size] * size + (length - 1) % size)
     segments: list[PrefillSegment] = []
@@ -219,6 +210,32 @@ def build_attention_batch(
         mirrored=mirrored,
         decode_lengths=decode_lengths,
     )
+
+
+def _decode_tables(
+    cache: KVCache,
+    decodes: Sequence[DecodeSpec],
+    device: torch.device,
+    dtype: torch.dtype,
+    masks: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The decode rows' block tables (padded to the widest, flat), their masks (None without
+    ``masks``) and context lengths."""
+    size = cache.page_size
+    widest = max(-(-length // size) for _, length in decodes)
+    # Padding points at page 0: its values are finite and their scores are masked.
+    tables = [
+        page_ids[:widest] + [0] * (widest - len(page_ids[:widest])) for page_ids, _ in decodes
+    ]
+    pages = torch.tensor(tables, dtype=torch.long, device=device).view(-1)
+    lengths = torch.tensor([length for _, length in decodes], device=device)
+    bias = None
+    if masks:
+        valid = torch.arange(widest * size, device=device)[None, :] < lengths[:, None]
+        bias = torch.zeros(valid.shape, dtype=dtype, device=device)
+        bias.masked_fill_(~valid, float("-inf"))
+        bias = bias.repeat(cache.num_kv_heads, 1)[:, None, :]
+    return pages, bias, lengths
 
 
 class PagedAttention:
