@@ -56,7 +56,8 @@ def config(name: str = "gwbench", tracing: bool = False) -> omniflow.Config:
                     {"from": "upper", "to": "reverse", "stream": True},
                 ]
             },
-            "gateway": {"port": 0, "max_inflight": 4096},
+            # keepalive: a round's connections idle while the other side's round runs
+            "gateway": {"port": 0, "max_inflight": 4096, "keepalive_timeout_s": 3600},
         },
         "<bench>",
     )

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from omniflow.engine.figures import engine_figures
 from omniflow.memory import CacheConfig, PagePool
 from omniflow.roles.options import ModelThreadOptions
 from omniflow.runtime.actor import Actor
@@ -34,6 +36,11 @@ class ModelActor(Actor):
     process, so this is per replica). The model thread runs ``model_nice`` (default 10,
     0 turns it off) nice levels below the event loop, so the loop moves requests first
     when the CPU is short (see omniflow/runtime/priority.py).
+
+    ``figures()`` (the replica's /metrics figures) counts the model thread's calls: how
+    many run and wait for it now, and their count and compute seconds since the replica
+    started (its load and warm-up included). Each counter has one writer (the event loop
+    or the model thread), so reading them at a heartbeat needs no lock.
     """
 
     Options: ClassVar[type[ModelThreadOptions]] = ModelThreadOptions
@@ -42,6 +49,10 @@ class ModelActor(Actor):
     _executor: ThreadPoolExecutor | None = None
     pool: PagePool | None = None  # the deployment's page pool, given by the worker
     cache_config: CacheConfig | None = None
+    # The model thread's figures: calls given (event loop), returned (event loop: done or
+    # cancelled), started and finished (model thread), compute seconds (model thread).
+    _given = _returned = _started = _finished = 0
+    _compute_s = 0.0
 
     def use_pool(self, pool: PagePool, config: CacheConfig) -> None:
         """Called by the worker before ``setup()``: the page pool every local process maps."""
@@ -77,7 +88,36 @@ class ModelActor(Actor):
         if self._executor is None:
             self.start_model_thread()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
+        self._given += 1
+        try:
+            return await loop.run_in_executor(self._executor, self._timed, fn, args)
+        finally:
+            self._returned += 1
+
+    def _timed(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """On the model thread: ``fn(*args)``, counted and timed."""
+        self._started += 1
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._compute_s += time.perf_counter() - start
+            self._finished += 1
+
+    def figures(self) -> dict[str, float]:
+        """The model thread's figures, and an LLM engine's (KV pages, queues, steps)
+        where the role runs one (``self.engine``, an AsyncEngine over an LLMEngine)."""
+        running = self._started - self._finished
+        figures = {
+            "model_running": float(running),
+            "model_waiting": float(max(self._given - self._returned - running, 0)),
+            "compute_seconds_count": float(self._finished),
+            "compute_seconds_sum": self._compute_s,
+        }
+        backend = getattr(getattr(self, "engine", None), "backend", None)
+        if backend is not None and hasattr(backend, "allocator"):
+            figures.update(engine_figures(backend))
+        return figures
 
     def engine_died(self, error: BaseException) -> None:
         """An AsyncEngine's on_death: a dead engine is a dead worker. The process exits at

@@ -7,9 +7,11 @@ own span on as the next hops' parent; its ``Timing`` names both ids, so the clie
 the span tree without a collector (``omniflow send --trace``).
 
 With ``[tracing]`` on, spans are the SDK's ``ReadableSpan``s, exported by its
-``BatchSpanProcessor`` over OTLP/HTTP when an endpoint is set (no endpoint: built and
-dropped, what benchmarks/gateway.py measures); a traceparent whose sampled flag is off
-is followed, not recorded. Off, a traced request still gets span ids, with nothing
+``BatchSpanProcessor`` over OTLP/HTTP when an endpoint is set; with no endpoint (and no
+processor added) no SDK span is built at all, since nothing would read it: the ids, the
+traceparents and the ``Timing``s still go out, so ``omniflow send --trace`` has its tree
+(what benchmarks/gateway.py measures). A traceparent whose sampled flag is off is
+followed, not recorded. Off, a traced request still gets span ids, with nothing
 recorded: the tree is there, no export.
 """
 
@@ -61,15 +63,13 @@ def traceparent(trace: str, span: str, flags: str = "01") -> str:
 class Span:
     """One role's span of one request: its ids and start; ``sampled``: it is recorded."""
 
-    __slots__ = ("trace", "id", "parent", "flags", "start")
+    __slots__ = ("trace", "id", "parent", "flags", "start", "traceparent")
 
     def __init__(self, trace: str, parent: str, flags: str, start: float) -> None:
         self.trace, self.parent, self.flags, self.start = trace, parent, flags, start
         self.id = span_id()
-
-    @property
-    def traceparent(self) -> str:
-        return traceparent(self.trace, self.id, self.flags)
+        # What the next hops hang under: formatted once (read per hop and per header).
+        self.traceparent = f"00-{trace}-{self.id}-{flags}"
 
     @property
     def sampled(self) -> bool:
@@ -142,8 +142,8 @@ class Tracer:
     ) -> None:
         """End ``span`` at ``end_s``; ``queued``: (from, to) of its wait for a slot, a
         child span ``queue`` when it waited longer than ``QUEUE_SPAN_S``."""
-        if not self.on or not span.sampled:
-            return
+        if not self.on or self._processor is None or not span.sampled:
+            return  # off, or on with no exporter: nothing would read the span
         readable, context, kind, status, code = self._sdk
         trace = int(span.trace, 16)
         own = context(trace, int(span.id, 16), False, self._sampled)

@@ -89,3 +89,33 @@ def test_an_image_edit_is_conditioned_on_the_image(client):
             prompt="x",
         )
     assert masked.value.body["param"] == "mask"
+
+
+def test_metrics_show_each_hunyuan_roles_engine_and_model_figures(client):
+    import time
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    generate(client, size="256x256")
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+
+    def samples(name: str) -> dict[str, float]:
+        text = httpx.get(f"{url}/metrics").text
+        return {
+            s.labels["role"]: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == name and s.labels.get("replica") == "0"
+        }
+
+    deadline = time.monotonic() + 10
+    while True:  # figures arrive with each replica's next heartbeat
+        computed = samples("omniflow_model_compute_seconds_count")
+        if computed.get("vae_decoder", 0) > 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert computed.get("vae_decoder", 0) > 1, computed  # its warm-up, then this image
+    steps = samples("omniflow_engine_step_seconds_count")
+    assert steps.get("ar", 0) > 0 and steps.get("diffusion", 0) > 0, steps
+    assert {"ar", "diffusion"} <= set(samples("omniflow_kv_pages_free"))

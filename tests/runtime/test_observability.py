@@ -119,6 +119,44 @@ def test_metrics_show_every_replicas_kv_and_queue_figures(deployment):
     assert served is not None and served.value >= 1
 
 
+def test_metrics_show_a_model_roles_thread_figures(deployment):
+    """Not only the llm: the vision encoder's model-thread figures, after an image."""
+    url, _, _ = deployment
+
+    def compute_count(families: dict[str, list]) -> float:
+        for s in families.get("omniflow_model_compute_seconds", []):
+            if s.name.endswith("_count") and s.labels.get("role") == "vision_encoder":
+                assert s.labels["replica"] == "0"
+                return s.value
+        return -1.0
+
+    before = compute_count(scrape(url))
+    chat(url, text="what is this", image=True)
+    deadline = time.monotonic() + 10
+    while True:  # figures arrive with the encoder's next heartbeat
+        families = scrape(url)
+        after = compute_count(families)
+        if after > max(before, 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert after > max(before, 0), (before, after)
+    seconds = [
+        s
+        for s in families["omniflow_model_compute_seconds"]
+        if s.name.endswith("_sum") and s.labels["role"] == "vision_encoder"
+    ]
+    assert seconds and seconds[0].value > 0
+    for gauge in ("omniflow_model_running_calls", "omniflow_model_waiting_calls"):
+        roles = {s.labels["role"]: s.value for s in families[gauge]}
+        assert roles.get("vision_encoder") == 0, (gauge, roles)  # idle again
+    served = [
+        s
+        for s in families["omniflow_replica_served"]
+        if s.name.endswith("_total") and s.labels["role"] == "vision_encoder"
+    ]
+    assert served and served[0].value >= 1
+
+
 TS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 

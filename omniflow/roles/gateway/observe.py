@@ -41,10 +41,11 @@ class Observe:
             given.decode("latin-1")[:128] if given else f"{self._prefix}{next(self._ids):x}"
         )
         parent = (header(scope, b"traceparent") or b"").decode("latin-1")
-        # A trace of its own for model requests only (not every /metrics scrape).
-        if not tracing.parse(parent) and self.tracer.on and scope["path"].startswith("/v1/"):
-            parent = tracing.traceparent(tracing.trace_id(), tracing.span_id())
         span = self.tracer.start(parent, started) if parent else None
+        # A trace of its own for model requests only (not every /metrics scrape): a span
+        # under a new trace id (and a parent id of its own, as the client's would be).
+        if span is None and self.tracer.on and scope["path"].startswith("/v1/"):
+            span = tracing.Span(tracing.trace_id(), tracing.span_id(), "01", started)
         extra = [(b"x-request-id", request_id.encode("latin-1"))]
         if span is not None:
             extra.append((b"traceparent", span.traceparent.encode()))

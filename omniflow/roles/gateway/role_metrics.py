@@ -6,7 +6,10 @@ Each replica publishes its figures in its registry record at every heartbeat
 those records (its Client's RegistryView), so a scrape reads them from memory: no request
 to any replica, no socket of its own, and a replica that died or left is gone from the
 next scrape with its record. Figures are at most one heartbeat (``[runtime] heartbeat_s``)
-old. Labels: ``role`` and ``replica`` (and ``tier`` for KV pages).
+old. Labels: ``role`` and ``replica`` (and ``tier`` for KV pages). Every replica has
+its queue depth, in-flight and served count; a model role (roles/base.py ``ModelActor``)
+its model thread's running and waiting calls and compute seconds; a role running an LLM
+engine (llm, the HunyuanImage-3 roles) the engine's KV, queue and step figures.
 """
 
 from __future__ import annotations
@@ -58,6 +61,24 @@ _FIGURES: dict[str, tuple[str, str, str]] = {
         "gauge",
         "KV cache pages reachable through the prefix cache, by tier",
     ),
+    "model_running": (
+        "omniflow_model_running_calls",
+        "gauge",
+        "calls running on a replica's model thread",
+    ),
+    "model_waiting": (
+        "omniflow_model_waiting_calls",
+        "gauge",
+        "calls waiting for a replica's model thread",
+    ),
+}
+# stats keys NAME_count and NAME_sum -> a summary (metric name, help).
+_SUMMARIES: dict[str, tuple[str, str]] = {
+    "step_seconds": ("omniflow_engine_step_seconds", "time of the engine's model steps"),
+    "compute_seconds": (
+        "omniflow_model_compute_seconds",
+        "time of the calls on a replica's model thread (its load and warm-up included)",
+    ),
 }
 
 
@@ -75,19 +96,19 @@ class RoleMetrics(Collector):
         served = CounterMetricFamily(
             "omniflow_replica_served", "requests a replica finished", labels=_LABELS
         )
-        steps = SummaryMetricFamily(
-            "omniflow_engine_step_seconds", "time of the engine's model steps", labels=_LABELS
-        )
+        summaries = {
+            key: SummaryMetricFamily(name, documentation, labels=_LABELS)
+            for key, (name, documentation) in _SUMMARIES.items()
+        }
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for record in records:
             labels = [record.role, str(record.replica)]
             inflight.add_metric(labels, record.inflight)
             served.add_metric(labels, record.served)
             stats = record.stats
-            if "step_seconds_count" in stats:
-                steps.add_metric(
-                    labels, stats["step_seconds_count"], stats.get("step_seconds_sum", 0.0)
-                )
+            for key, summary in summaries.items():
+                if f"{key}_count" in stats:
+                    summary.add_metric(labels, stats[f"{key}_count"], stats.get(f"{key}_sum", 0.0))
             for key, value in stats.items():
                 name, _, tier = key.partition(":")
                 figure = _FIGURES.get(name)
@@ -99,7 +120,7 @@ class RoleMetrics(Collector):
                 family.add_metric([*labels, tier] if tier else labels, value)
         yield inflight
         yield served
-        yield steps
+        yield from summaries.values()
         yield from families.values()
 
 
