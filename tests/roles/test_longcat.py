@@ -130,7 +130,7 @@ def test_everything_at_once_through_the_cli(longcat):
     pngs = [f for f in report["files"] if f.endswith(".png")]
     wavs = [f for f in report["files"] if f.endswith(".wav")]
     assert len(pngs) == 1 and len(wavs) == 1
-    assert Image.open(work / pngs[0]).size == (128, 128)
+    assert Image.open(work / pngs[0]).size == (112, 112)  # 4 x 4 tokens: 28 * 4 px
     with wave.open(str(work / wavs[0])) as w:
         assert w.getframerate() == 24000
         assert w.getnframes() == 3 * 4 * 1920  # default: 3 chunks of 4 tokens
