@@ -89,7 +89,7 @@ def test_image_out_is_a_png_of_the_expected_size(longcat):
     assert len(images) == 1
     png = Image.open(io.BytesIO(images[0].data["image"]))
     assert png.format == "PNG"
-    assert png.size == (3 * 32, 2 * 32) == (images[0].data["width"], images[0].data["height"])
+    assert png.size == (96, 64) == (images[0].data["width"], images[0].data["height"])
 
 
 def test_audio_out_streams_in_chunks(longcat):
