@@ -73,7 +73,6 @@ def role_specs(models: Path) -> dict[str, dict]:
             "options": {
                 "build_tiny": True,
                 "model_path": str(models / "next"),
-                "standin_path": str(models / "image_decoder"),
                 "steps": 1,
                 "threads": 1,
             },

@@ -76,7 +76,7 @@ def soak_config(name: str, models: Path, llm_replicas: int):
                 },
                 "image_decoder": {
                     "actor": f"{r}.image_decoder:ImageDecoderRole",
-                    "options": opts("next", standin_path=str(models / "image_decoder"), steps=1),
+                    "options": opts("next", steps=1),
                 },
                 "audio_decoder": {
                     "actor": f"{r}.audio_decoder:AudioDecoderRole",

@@ -1,8 +1,10 @@
-"""``image_decoder`` role: vision codes → PNG, through the flow-matching refiner with CFG.
+"""``image_decoder`` role: vision codes → PNG, as the published image decoder makes it.
 
-``model_path`` is a published-layout LongCat-Next folder: the pixels come from its
-refiner VAE (``image_refiner.vae.*`` of ``image_decoder/image_decoder.safetensors``, diffusers'
-``AutoencoderKL``). The codes → latent part is still our stand-in, read from ``standin_path``.
+``model_path`` is a published-layout LongCat-Next folder. The role reads the vision
+codebooks (``model.visual_tokenizer.visual_bridge_model.quantizer.quantize.codebooks.i.embed``
+from the shards) and every tensor of ``image_decoder/image_decoder.safetensors``: the ViT
+decoder ``image_decoder.*`` and the refiner ``image_refiner.{base_transformer,vae,cond_proj}.*``
+(``models/omni/next_image_decoder.py``).
 
 Input:
     tensors["image_codes"]: int64 (or int32) [h*w, 8]   RVQ ids, row-major over the grid
@@ -10,7 +12,8 @@ Input:
     params: "cfg_scale" (float, default option ``cfg_scale``), "seed" (int noise seed, default 0),
             "steps" (denoising steps, default option ``steps``)
 Output:
-    image:  bytes    PNG, RGB, height = h * pixels_per_token, width = w * pixels_per_token
+    image:  bytes    PNG, RGB; each side of n tokens max(16, ceil(28 n / 16) * 16) pixels
+                     (the ViT decoder's 28 px a token, rounded up for the refiner)
     width:  int
     height: int
     mime:   "image/png"
@@ -24,9 +27,8 @@ from typing import Any
 
 import torch
 
-from omniflow.models.omni import ImageDecoder, ensure_model, load_image_decoder
 from omniflow.models.omni.next_builder import ensure_next
-from omniflow.models.omni.next_image import latents_to_pixels, load_vae, vae_scale
+from omniflow.models.omni.next_image_decoder import NextImageDecoder, load_next_image_decoder
 from omniflow.roles.base import ModelActor
 from omniflow.roles.image_params import png_bytes
 from omniflow.roles.options import ImageDecoderOptions, ImageDecoderParams
@@ -47,30 +49,16 @@ class ImageDecoderRole(ModelActor):
         self.cfg_scale = opts.cfg_scale
         self.max_tokens = opts.max_tokens
         self.start_model_thread()
-        self.model: ImageDecoder = await self._run(self._load)
+        self.model: NextImageDecoder = await self._run(self._load)
         # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
-        warm = torch.zeros(1, len(self.model.config.codebook_sizes), dtype=torch.int64)
+        warm = torch.zeros(1, len(self.model.codebook_sizes), dtype=torch.int64)
         await self._run(self._decode, warm, (1, 1), self.cfg_scale, 0, self.steps)
 
-    def _load(self) -> ImageDecoder:
+    def _load(self) -> NextImageDecoder:
         opts = self.options
         if opts.build_tiny:
             ensure_next(opts.model_path, opts.seed)
-            ensure_model("image_decoder", opts.standin_path, opts.seed)
-        self.vae = load_vae(opts.model_path, "image_decoder", opts.device)
-        model = load_image_decoder(opts.standin_path, opts.device)
-        channels = self.vae.config["latent_channels"]
-        if (model.config.latent_channels, model.config.vae_scale) != (
-            channels,
-            vae_scale(self.vae),
-        ):
-            raise ValueError(
-                f"role image_decoder: the stand-in at {opts.standin_path} makes "
-                f"{model.config.latent_channels}-channel latents for a scale of "
-                f"{model.config.vae_scale}; the VAE in {opts.model_path} takes {channels} "
-                f"channels at a scale of {vae_scale(self.vae)}"
-            )
-        return model
+        return load_next_image_decoder(opts.model_path, "image_decoder", opts.device)
 
     async def handle(self, request: Request, ctx: Context) -> dict[str, Any]:
         grid = self._grid(request.data.get("image_grid"))
@@ -107,7 +95,7 @@ class ImageDecoderRole(ModelActor):
         return int(grid[0]), int(grid[1])
 
     def _codes(self, codes: Any, grid: tuple[int, int]) -> torch.Tensor:
-        levels = len(self.model.config.codebook_sizes)
+        levels = len(self.model.codebook_sizes)
         if not torch.is_tensor(codes) or codes.dtype not in (torch.int64, torch.int32):
             got = "nothing" if codes is None else getattr(codes, "dtype", type(codes).__name__)
             raise BadRequest("image_codes", f"expected an int64 tensor [h*w, {levels}], got {got}")
@@ -117,7 +105,7 @@ class ImageDecoderRole(ModelActor):
                 f"expected shape [{grid[0] * grid[1]}, {levels}] for grid {list(grid)}, "
                 f"got {list(codes.shape)}",
             )
-        for level, size in enumerate(self.model.config.codebook_sizes):
+        for level, size in enumerate(self.model.codebook_sizes):
             column = codes[:, level]
             if int(column.min()) < 0 or int(column.max()) >= size:
                 raise BadRequest("image_codes", f"level {level} ids must lie in [0, {size})")
@@ -126,6 +114,5 @@ class ImageDecoderRole(ModelActor):
     def _decode(
         self, codes: torch.Tensor, grid: tuple[int, int], cfg_scale: float, seed: int, steps: int
     ) -> tuple[bytes, tuple[int, int]]:
-        latent = self.model.latent(codes, grid, steps=steps, cfg_scale=cfg_scale, seed=seed)
-        pixels = latents_to_pixels(self.vae, latent)
+        pixels = self.model.decode(codes, grid, steps, cfg_scale, seed)
         return png_bytes(pixels.numpy()), (pixels.shape[0], pixels.shape[1])

@@ -155,17 +155,10 @@ class LLMOptions(WeightsOptions, kw_only=True):
 
 
 class ImageDecoderOptions(WeightsOptions, kw_only=True):
-    standin_path: Annotated[
-        str,
-        Meta(
-            min_length=1,
-            description="folder of our stand-in codes-to-latent transformer and flow refiner "
-            "(model_path holds the published VAE; build_tiny builds both)",
-        ),
-    ]
     steps: Annotated[int, Meta(ge=1, description="Euler steps of the refiner")] = 4
     cfg_scale: Annotated[
-        float, Meta(ge=0, le=30, description="guidance scale (a request's cfg_scale wins)")
+        float,
+        Meta(ge=0, le=30, description="the refiner's text guidance (a request's cfg_scale wins)"),
     ] = 2.0
     max_tokens: Annotated[int, Meta(ge=1, description="largest image grid h*w accepted")] = 1024
 

@@ -121,7 +121,12 @@ def test_no_user_message_is_a_400_naming_messages():
 def test_size_maps_onto_the_token_grid():
     req = decode_body(b'{"prompt": "cat", "size": "64x96", "num_inference_steps": 3}', ImageRequest)
     assert image_params(req) == {"want": "image", "image_grid": [3, 2], "steps": 3}
-    for size in ("100x100", "big", "2048x32"):
+    # LongCat-Next's sides: n tokens are max(16, ceil(28 n / 16) * 16) px; 18 tokens: 512 px.
+    assert image_params(ImageRequest(prompt="x", size="512x896"))["image_grid"] == [32, 18]
+    assert image_params(ImageRequest(prompt="x", size="112x32"))["image_grid"] == [1, 4]
+    for size in ("100x100", "big", "2048x32", "128x128", "1024x1024"):
         with pytest.raises(ApiError) as info:
             image_params(ImageRequest(prompt="x", size=size))
         assert info.value.param == "size"
+    with pytest.raises(ApiError, match=r"nearest: \[112, 144\]"):
+        image_params(ImageRequest(prompt="x", size="128x128"))

@@ -89,7 +89,7 @@ def test_image_out_is_a_png_of_the_expected_size(longcat):
     assert len(images) == 1
     png = Image.open(io.BytesIO(images[0].data["image"]))
     assert png.format == "PNG"
-    assert png.size == (3 * 32, 2 * 32) == (images[0].data["width"], images[0].data["height"])
+    assert png.size == (96, 64) == (images[0].data["width"], images[0].data["height"])
 
 
 def test_audio_out_streams_in_chunks(longcat):
@@ -130,7 +130,7 @@ def test_everything_at_once_through_the_cli(longcat):
     pngs = [f for f in report["files"] if f.endswith(".png")]
     wavs = [f for f in report["files"] if f.endswith(".wav")]
     assert len(pngs) == 1 and len(wavs) == 1
-    assert Image.open(work / pngs[0]).size == (128, 128)
+    assert Image.open(work / pngs[0]).size == (112, 112)  # 4 x 4 tokens: 28 * 4 px
     with wave.open(str(work / wavs[0])) as w:
         assert w.getframerate() == 24000
         assert w.getnframes() == 3 * 4 * 1920  # default: 3 chunks of 4 tokens

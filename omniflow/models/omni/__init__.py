@@ -1,22 +1,20 @@
 """LongCat-Next parts: the published-layout tokenizers (next_*.py, checkpoint.py) and our
-stand-in depth head, code embedder, image and audio decoders ({"kind": ...} folders)."""
+stand-in depth head, code embedder and audio decoder ({"kind": ...} folders); the image
+decoder is the published one (next_image_decoder.py)."""
 
 from omniflow.models.omni.audio_decoder import AudioDecoder, AudioDecoderConfig, to_pcm16
 from omniflow.models.omni.depth_head import DepthHead, DepthHeadConfig
 from omniflow.models.omni.embedder import CodeEmbedder
-from omniflow.models.omni.image_decoder import FlowRefiner, ImageDecoder, ImageDecoderConfig
 from omniflow.models.omni.loader import (
     KINDS,
     ModelFormatError,
     build_tiny,
     build_tiny_audio_decoder,
     build_tiny_depth_head,
-    build_tiny_image_decoder,
     ensure_model,
     has_model,
     load_audio_decoder,
     load_depth_head,
-    load_image_decoder,
     load_model,
     save_model,
 )
@@ -31,9 +29,6 @@ __all__ = [
     "CodeEmbedder",
     "DepthHead",
     "DepthHeadConfig",
-    "FlowRefiner",
-    "ImageDecoder",
-    "ImageDecoderConfig",
     "LogMel",
     "ModelFormatError",
     "ResidualVQ",
@@ -41,13 +36,11 @@ __all__ = [
     "build_tiny",
     "build_tiny_audio_decoder",
     "build_tiny_depth_head",
-    "build_tiny_image_decoder",
     "check_ids",
     "ensure_model",
     "has_model",
     "load_audio_decoder",
     "load_depth_head",
-    "load_image_decoder",
     "load_model",
     "mel_filterbank",
     "save_model",

@@ -1,5 +1,5 @@
-"""Save, load and build our stand-in omni models (depth heads, code embedders, decoders): a
-folder with ``config.json`` + ``model.safetensors``. The vision and audio tokenizers are read
+"""Save, load and build our stand-in omni models (depth heads, code embedders, the audio
+decoder): a folder with ``config.json`` + ``model.safetensors``. The vision and audio tokenizers are read
 from the published LongCat-Next layout instead (``checkpoint.py``, ``next_*.py``).
 
 ``config.json`` holds ``{"kind": ..., <the model's config fields>}``; the weights are a flat
@@ -26,7 +26,6 @@ from torch import nn
 from omniflow.models.omni.audio_decoder import AudioDecoder, AudioDecoderConfig
 from omniflow.models.omni.depth_head import DepthHead, DepthHeadConfig
 from omniflow.models.omni.embedder import CodeEmbedder
-from omniflow.models.omni.image_decoder import ImageDecoder, ImageDecoderConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -50,7 +49,6 @@ class StoredCodeEmbedder(CodeEmbedder):
 KINDS: dict[str, tuple[type, type[nn.Module]]] = {
     "code_embedder": (CodeEmbedderConfig, StoredCodeEmbedder),
     "depth_head": (DepthHeadConfig, DepthHead),
-    "image_decoder": (ImageDecoderConfig, ImageDecoder),
     "audio_decoder": (AudioDecoderConfig, AudioDecoder),
 }
 
@@ -153,21 +151,22 @@ def build_tiny_depth_head(path: str | Path, seed: int = 0, **overrides: Any) -> 
     return build_tiny("depth_head", path, seed, **overrides)
 
 
-def build_tiny_image_decoder(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
-    return build_tiny("image_decoder", path, seed, **overrides)
-
-
 def build_tiny_audio_decoder(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     return build_tiny("audio_decoder", path, seed, **overrides)
 
 
+def _load_as(kind: str, cls: type[Any], path: str | Path, device: str | torch.device) -> Any:
+    model = load_model(kind, path, device)
+    if not isinstance(model, cls):
+        raise ModelFormatError(f"{path}: loaded a {type(model).__name__}, expected {cls.__name__}")
+    return model
+
+
 def load_depth_head(path: str | Path, device: str | torch.device = "cpu") -> DepthHead:
-    return load_model("depth_head", path, device)  # type: ignore[return-value]
-
-
-def load_image_decoder(path: str | Path, device: str | torch.device = "cpu") -> ImageDecoder:
-    return load_model("image_decoder", path, device)  # type: ignore[return-value]
+    head: DepthHead = _load_as("depth_head", DepthHead, path, device)
+    return head
 
 
 def load_audio_decoder(path: str | Path, device: str | torch.device = "cpu") -> AudioDecoder:
-    return load_model("audio_decoder", path, device)  # type: ignore[return-value]
+    decoder: AudioDecoder = _load_as("audio_decoder", AudioDecoder, path, device)
+    return decoder

@@ -5,8 +5,8 @@ keys + ``vq_config``, ``audio_config`` = Whisper keys + ``vq_config``, the vocab
 ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` with the published
 tensor names of the parts implemented here (vision tokenizer, audio tokenizer, the word
 embedding, the LLM's LongCat-Flash decoder layers, final norm and ``lm_head``, the n-gram
-embedding, the depth heads), ``image_decoder/image_decoder.safetensors`` (the refiner's
-``image_refiner.vae.*``), ``tokenizer.json`` (the tiny BPE + the multimodal specials),
+embedding, the depth heads), ``image_decoder/image_decoder.safetensors`` (the ViT decoder's
+``image_decoder.*`` and the refiner's ``image_refiner.{base_transformer,vae,cond_proj}.*``), ``tokenizer.json`` (the tiny BPE + the multimodal specials),
 ``generation_config.json`` and ``tokenizer_config.json`` naming the multimodal special tokens at their published ids relative to ``text_vocab_size``.
 """
 
@@ -23,11 +23,8 @@ from omniflow.models.omni.checkpoint import has_checkpoint, write_checkpoint
 from omniflow.models.omni.next_audio import PREFIX as AUDIO_PREFIX
 from omniflow.models.omni.next_audio import NextAudioTokenizer
 from omniflow.models.omni.next_heads import NGRAM_PREFIX, NgramEmbedding, head_for
-from omniflow.models.omni.next_image import (
-    WEIGHT_PATH,
-    tiny_vae_tensors,
-    tiny_visual_decoder_config,
-)
+from omniflow.models.omni.next_image import WEIGHT_PATH, tiny_visual_decoder_config
+from omniflow.models.omni.next_image_decoder import tiny_image_decoder_tensors
 from omniflow.models.omni.next_vision import EMBED, NextVisionTokenizer
 from omniflow.models.omni.next_vision import PREFIX as VISION_PREFIX
 from omniflow.models.tiny.builder import TinySpec
@@ -70,6 +67,7 @@ def tiny_config(
     audio_offset = text_vocab_size + N_SPECIAL
     visual_offset = audio_offset + sum(audio_sizes)
     vocab = visual_offset + sum(visual_sizes)
+    visual = _visual_config(ids, visual_sizes, quant_conv)
     return {
         "architectures": ["LongcatNextForCausalLM"],
         "model_type": "longcat_next",
@@ -90,62 +88,68 @@ def tiny_config(
         "pad_token_id": 0,
         "torch_dtype": "float32",
         **_llm_config(hidden_size),
-        "visual_config": {
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "in_channels": 3,
-            "hidden_act": "silu",
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": [1],
-            "out_hidden_size": 32,
-            "image_head_transformer_dims": 128,
-            "image_head_transformer_layers": 1,
-            "image_head_transformer_ffn_scale": 2,
-            "image_start_token_id": ids["<longcat_img_start>"],
-            "image_end_token_id": ids["<longcat_img_end>"],
-            "image_pad_token_id": ids["<longcat_img_pad>"],
-            "image_line_token_id": ids["<longcat_img_newline>"],
-            "vq_config": {
-                "quantizer_type": "rq",
-                "depth": len(visual_sizes),
-                "codebook_size": visual_sizes,
-                "codebook_sizes": visual_sizes,
-                "codebook_dim": 32,
-                "shared_codebook": False,
-                "quant_conv": quant_conv,
-                "in_channels": 32,
-            },
+        "visual_config": visual,
+        "audio_config": _audio_config(ids, audio_sizes),
+        "visual_decoder_config": tiny_visual_decoder_config(visual["vq_config"]["codebook_dim"]),
+    }
+
+
+def _visual_config(ids: dict[str, int], sizes: list[int], quant_conv: bool) -> dict[str, Any]:
+    """Qwen2.5-VL's vision keys + the published extras and ``vq_config``."""
+    return {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "in_channels": 3,
+        "hidden_act": "silu",
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [1],
+        "out_hidden_size": 32,
+        "image_head_transformer_dims": 128,
+        "image_head_transformer_layers": 1,
+        "image_head_transformer_ffn_scale": 2,
+        "image_start_token_id": ids["<longcat_img_start>"],
+        "image_end_token_id": ids["<longcat_img_end>"],
+        "image_pad_token_id": ids["<longcat_img_pad>"],
+        "image_line_token_id": ids["<longcat_img_newline>"],
+        "vq_config": {
+            "quantizer_type": "rq",
+            "depth": len(sizes),
+            "codebook_size": sizes,
+            "codebook_sizes": sizes,
+            "codebook_dim": 32,
+            "shared_codebook": False,
+            "quant_conv": quant_conv,
+            "in_channels": 32,
         },
-        "audio_config": {
-            "num_mel_bins": 128,
-            "d_model": 32,
-            "encoder_layers": 2,
-            "encoder_attention_heads": 2,
-            "encoder_ffn_dim": 64,
-            "max_source_positions": 1500,
-            "activation_function": "gelu",
-            "sampling_rate": 16000,
-            "avg_pooler": 4,
-            "audio_head_transformer_dims": 128,
-            "audio_head_transformer_layers": 1,
-            "audio_head_transformer_ffn_scale": 2,
-            "audio_start_token_id": ids["<longcat_audio_start>"],
-            "audio_end_token_id": ids["<longcat_audio_end>"],
-            "audio_pad_token_id": ids["<longcat_audio_pad>"],
-            "audio_delim_token_id": ids["<longcat_audio_delim>"],
-            "audiotext_start_token_id": ids["<longcat_audiotext_start>"],
-            "audiotext_end_token_id": ids["<longcat_audiotext_end>"],
-            "audiotext_pad_token_id": ids["<longcat_audiotext_pad>"],
-            "audiogen_start_token_id": ids["<longcat_audiogen_start>"],
-            "audiogen_end_token_id": ids["<longcat_audiogen_end>"],
-            "vq_config": {"codebook_sizes": audio_sizes},
-        },
-        "visual_decoder_config": tiny_visual_decoder_config(),
+    }
+
+
+def _audio_config(ids: dict[str, int], sizes: list[int]) -> dict[str, Any]:
+    """Whisper's encoder keys + the published extras and ``vq_config``."""
+    named = (
+        "audio_start audio_end audio_pad audio_delim audiotext_start audiotext_end "
+        "audiotext_pad audiogen_start audiogen_end"
+    ).split()
+    return {
+        "num_mel_bins": 128,
+        "d_model": 32,
+        "encoder_layers": 2,
+        "encoder_attention_heads": 2,
+        "encoder_ffn_dim": 64,
+        "max_source_positions": 1500,
+        "activation_function": "gelu",
+        "sampling_rate": 16000,
+        "avg_pooler": 4,
+        "audio_head_transformer_dims": 128,
+        "audio_head_transformer_layers": 1,
+        "audio_head_transformer_ffn_scale": 2,
+        **{f"{n}_token_id": ids[f"<longcat_{n}>"] for n in named},
+        "vq_config": {"codebook_sizes": sizes},
     }
 
 
@@ -271,7 +275,7 @@ def build_tiny_next(
     """Write the tiny published-layout checkpoint into ``folder``."""
     config = tiny_config(hidden_size, quant_conv=quant_conv)
     files = _text_files(config, tiny_tokenizer(config))
-    image_decoder = {WEIGHT_PATH: tiny_vae_tensors(seed + 11)}
+    image_decoder = {WEIGHT_PATH: tiny_image_decoder_tensors(config, seed + 11)}
     return write_checkpoint(
         folder, tiny_tensors(config, seed), files, shards=3, extra_tensor_files=image_decoder
     )

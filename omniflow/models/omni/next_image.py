@@ -26,14 +26,14 @@ WEIGHT_PATH = "image_decoder/image_decoder.safetensors"  # published visual_deco
 
 
 def tiny_vae_config() -> dict[str, Any]:
-    """A tiny ``vae_config``: 3 blocks (8 pixels per latent pixel would need 4), 4 channels;
-    the published one is a Flux-style 16-channel VAE (its values are not reproduced)."""
+    """A tiny ``vae_config``: 4 blocks (8 pixels per latent pixel, as published), 4 channels;
+    the published one is a Flux-style 16-channel VAE (its widths are not reproduced)."""
     return {
         "in_channels": 3,
         "out_channels": 3,
-        "down_block_types": ["DownEncoderBlock2D"] * 3,
-        "up_block_types": ["UpDecoderBlock2D"] * 3,
-        "block_out_channels": [8, 16, 16],
+        "down_block_types": ["DownEncoderBlock2D"] * 4,
+        "up_block_types": ["UpDecoderBlock2D"] * 4,
+        "block_out_channels": [8, 8, 16, 16],
         "layers_per_block": 1,
         "act_fn": "silu",
         "latent_channels": 4,
@@ -46,8 +46,49 @@ def tiny_vae_config() -> dict[str, Any]:
     }
 
 
-def tiny_visual_decoder_config() -> dict[str, Any]:
-    return {"weight_path": WEIGHT_PATH, "vae_config": tiny_vae_config()}
+def tiny_visual_decoder_config(codebook_dim: int) -> dict[str, Any]:
+    """``visual_decoder_config``: the ViT decoder's, the refiner transformer's, the VAE's and
+    the scheduler's configs under their published keys, every width tiny (ViT patch 14,
+    merge 2 and transformer patch 2 as published, so a token is 28 pixels and the refiner
+    works in multiples of 16 as it does there)."""
+    vit = {
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "layer_norm_eps": 1e-6,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "codebook_dim": codebook_dim,
+        "swiglu": True,
+        "subln": True,
+        "hidden_act": "gelu",
+        "k_bias": False,
+    }
+    transformer = {
+        "patch_size": 2,
+        "in_channels": tiny_vae_config()["latent_channels"],
+        "hidden_size": 48,
+        "num_layers": 2,
+        "num_refiner_layers": 1,
+        "num_attention_heads": 2,
+        "num_kv_heads": 1,
+        "multiple_of": 16,
+        "norm_eps": 1e-5,
+        "axes_dim_rope": [8, 8, 8],
+        "axes_lens": [300, 512, 512],
+        "text_feat_dim": 40,
+        "timestep_scale": 1000.0,
+    }
+    return {
+        "weight_path": WEIGHT_PATH,
+        "codebook_dim": codebook_dim,
+        "image_decoder_config": vit,
+        "transformer_config": transformer,
+        "vae_config": tiny_vae_config(),
+        "scheduler_config": {"num_train_timesteps": 1000, "dynamic_time_shift": True},
+    }
 
 
 def vae_kwargs(vae_config: dict[str, Any]) -> dict[str, Any]:
@@ -57,15 +98,8 @@ def vae_kwargs(vae_config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in vae_config.items() if k in accepted and not k.startswith("_")}
 
 
-def tiny_vae_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random VAE tensors under their published names."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        vae = AutoencoderKL(**vae_kwargs(tiny_vae_config()))
-    return {VAE_PREFIX + n: t for n, t in vae.state_dict().items()}
-
-
-def _decoder_config(folder: Path, role: str) -> dict[str, Any]:
+def decoder_config(folder: Path, role: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """config.json and its ``visual_decoder_config`` (an error naming the role if absent)."""
     config = read_config(folder, role)
     decoder = config.get("visual_decoder_config")
     if not isinstance(decoder, dict) or not isinstance(decoder.get("vae_config"), dict):
@@ -74,14 +108,14 @@ def _decoder_config(folder: Path, role: str) -> dict[str, Any]:
             "(a tiny folder built before the image decoder was published-layout: delete it "
             "to rebuild)"
         )
-    return decoder
+    return config, decoder
 
 
 def load_vae(folder: str | Path, role: str, device: str | torch.device = "cpu") -> AutoencoderKL:
     """The refiner's ``AutoencoderKL``, every tensor under ``image_refiner.vae.`` of the image
     decoder file loaded strictly (missing, unexpected or mis-shaped: ``CheckpointError``)."""
     folder = Path(folder)
-    decoder = _decoder_config(folder, role)
+    decoder = decoder_config(folder, role)[1]
     path = folder / str(decoder.get("weight_path", WEIGHT_PATH))
     if not path.is_file():
         raise CheckpointError(f"role {role}: image decoder weights {path} missing from {folder}")

@@ -330,20 +330,32 @@ def _sampling(
     return params
 
 
+# LongCat-Next's image sizes: a side of n tokens is max(16, ceil(28 n / 16) * 16) pixels
+# (the ViT decoder's 28 px a token, rounded up to the refiner's 16), n = 1..32.
+LONGCAT_SIDES = {max(16, -(-28 * n // 16) * 16): n for n in range(1, 33)}
+
+
 def image_params(req: ImageRequest, sized: bool = False) -> dict[str, Any]:
     """The sampling knobs, and ``size``: passed on as is where the roles read ``size``
-    (``sized``), else ("WxH", multiples of 32) as longcat's token grid."""
+    (``sized``), else ("WxH", each side one of ``LONGCAT_SIDES``) as longcat's token grid."""
     params: dict[str, Any] = {"want": "image"}
     if sized:
         params["size"] = req.size
         return _knobs(req, params)
     match = re.fullmatch(r"(\d+)x(\d+)", req.size)
-    if not match or int(match.group(1)) % 32 or int(match.group(2)) % 32:
-        raise ApiError(400, f"expected WIDTHxHEIGHT in multiples of 32, got {req.size!r}", "size")
-    width, height = int(match.group(1)) // 32, int(match.group(2)) // 32
-    if not (1 <= width <= 32 and 1 <= height <= 32):
-        raise ApiError(400, "each side must be 32..1024 pixels", "size")
-    params["image_grid"] = [height, width]
+    if not match:
+        raise ApiError(400, f"expected WIDTHxHEIGHT, got {req.size!r}", "size")
+    width, height = int(match.group(1)), int(match.group(2))
+    for side in (width, height):
+        if side not in LONGCAT_SIDES:
+            near = sorted(LONGCAT_SIDES, key=lambda s: abs(s - side))[:2]
+            raise ApiError(
+                400,
+                f"{side} px is not a longcat image side (a side of n tokens is "
+                f"max(16, ceil(28n/16)*16) px, n = 1..32; nearest: {sorted(near)})",
+                "size",
+            )
+    params["image_grid"] = [LONGCAT_SIDES[height], LONGCAT_SIDES[width]]
     return _knobs(req, params)
 
 
