@@ -35,6 +35,9 @@ class EtcdRegistry:
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, timeout: float = 5.0):
         self.url = f"etcd://{host}:{port}"
         self._client = aetcd.Client(host=host, port=port, timeout=timeout)
+        # A bound on each operation of ours, on top of aetcd's per-RPC timeout: a gRPC
+        # call that never completes (seen under load) becomes a RegistryError, not a hang.
+        self._op_timeout = 2 * timeout + 1.0
         self._lease: aetcd.Lease | None = None
         self._lease_ttl = 0.0  # the ttl asked for; etcd may grant more
         self._lease_lock = asyncio.Lock()
@@ -242,7 +245,8 @@ class EtcdRegistry:
                     await asyncio.wait_for(self._lease.revoke(), 5.0)
                 self._lease = None
         self._leased.clear()
-        await self._client.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._client.close(), self._op_timeout)
 
     # ------------------------------------------------------------ helpers
 
@@ -251,13 +255,20 @@ class EtcdRegistry:
             self._revision = revision
 
     @contextlib.asynccontextmanager
-    async def _errors(self, what: str) -> AsyncIterator[None]:
+    async def _errors(self, what: str, bounded: bool = True) -> AsyncIterator[None]:
+        """aetcd's errors as RegistryError; a ``bounded`` operation that takes longer than
+        ``_op_timeout`` is one too."""
         if self._closed:
             raise RegistryError(f"{self.url}: {what}: the registry client is closed")
         try:
-            yield
+            async with asyncio.timeout(self._op_timeout if bounded else None):
+                yield
         except aetcd.exceptions.ClientError as error:
             raise RegistryError(f"{self.url}: {what} failed: {error!r}") from error
+        except TimeoutError:
+            raise RegistryError(
+                f"{self.url}: {what}: no answer within {self._op_timeout:.0f}s"
+            ) from None
 
 
 class EtcdWatch:
@@ -300,9 +311,10 @@ class EtcdWatch:
         registry, client, what = self._registry, self._registry._client, f"watch {self._prefix!r}"
         watch = None
         try:
-            async with registry._errors(what):
-                watch = await client.watch_prefix(
-                    self._prefix.encode(), start_revision=start_revision
+            async with registry._errors(what, bounded=False):
+                watch = await asyncio.wait_for(
+                    client.watch_prefix(self._prefix.encode(), start_revision=start_revision),
+                    registry._op_timeout,
                 )
                 async for event in watch:
                     kv = event.kv
@@ -316,4 +328,4 @@ class EtcdWatch:
         finally:
             if watch is not None and not registry._closed:
                 with contextlib.suppress(Exception):
-                    await watch.cancel()
+                    await asyncio.wait_for(watch.cancel(), 2.0)
