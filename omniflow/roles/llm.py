@@ -59,7 +59,7 @@ import torch
 
 from omniflow.content import SUMMARY_META, summary_key
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
-from omniflow.engine.figures import engine_description, engine_figures
+from omniflow.engine.figures import engine_description
 from omniflow.engine.heads import codes_key
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni.checkpoint import CheckpointError, is_next_folder
@@ -367,10 +367,6 @@ class LLMRole(PrefixPulls, ModelActor):
             meta[KV_PULL_META] = self.kv_endpoint
             meta["kv_pulls"] = dict(self.pulls)
         return meta
-
-    def figures(self) -> dict[str, float]:
-        engine = getattr(self, "engine", None)
-        return {} if engine is None else engine_figures(engine.backend)
 
     def describe(self) -> dict[str, Any]:
         return {"model": str(self.path), **engine_description(self.engine.backend)}
