@@ -141,6 +141,11 @@ def test_images_generations(client):
     for item in result.data:
         png = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
         assert png.format == "PNG" and png.size == (64, 96)
+    # no size: the pipeline's default, a side the token grid gives (4 tokens, 112 px)
+    plain = client.images.generate(model="lcgw", prompt="a cat", response_format="b64_json",
+                                   extra_body={"seed": 3, "num_inference_steps": 1})  # fmt: skip
+    png = Image.open(io.BytesIO(base64.b64decode(plain.data[0].b64_json)))
+    assert png.size == (112, 112)
 
 
 def _log(role: str) -> str:

@@ -128,5 +128,8 @@ def test_size_maps_onto_the_token_grid():
         with pytest.raises(ApiError) as info:
             image_params(ImageRequest(prompt="x", size=size))
         assert info.value.param == "size"
+    # no size: longcat's default grid (the default works on every pipeline)
+    assert image_params(ImageRequest(prompt="x"))["image_grid"] == [4, 4]
+    assert image_params(ImageRequest(prompt="x"), sized=True)["size"] == "128x128"
     with pytest.raises(ApiError, match=r"nearest: \[112, 144\]"):
         image_params(ImageRequest(prompt="x", size="128x128"))

@@ -175,7 +175,9 @@ class ImageRequest(msgspec.Struct):
     prompt: str
     model: str | None = None
     n: Annotated[int, Meta(ge=1, le=8)] = 1
-    size: Annotated[str, Meta(max_length=32)] = "128x128"
+    # None: the pipeline's default (128x128 where the roles read ``size``; longcat: 4x4
+    # tokens, 112x112 px)
+    size: Annotated[str, Meta(max_length=32)] | None = None
     response_format: Literal["b64_json"] = "b64_json"
     seed: Seed | None = None
     num_inference_steps: Annotated[int, Meta(ge=1, le=200)] | None = None
@@ -340,7 +342,10 @@ def image_params(req: ImageRequest, sized: bool = False) -> dict[str, Any]:
     (``sized``), else ("WxH", each side one of ``LONGCAT_SIDES``) as longcat's token grid."""
     params: dict[str, Any] = {"want": "image"}
     if sized:
-        params["size"] = req.size
+        params["size"] = req.size or "128x128"
+        return _knobs(req, params)
+    if req.size is None:
+        params["image_grid"] = [4, 4]
         return _knobs(req, params)
     match = re.fullmatch(r"(\d+)x(\d+)", req.size)
     if not match:
