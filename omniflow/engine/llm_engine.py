@@ -53,7 +53,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the config's max_position_embeddings
     enable_prefix_caching: bool = True
-    prefix_cache: str = "radix"  # the only kind (kv/radix.py); the llm role still passes it
     seed: int | None = None  # for requests without their own seed
     # KV tiers below the device (radix prefix cache only): evicted pages are copied to the
     # host page pool (the deployment's, or a private one), then to SSD, before being dropped.
@@ -108,7 +107,6 @@ class EngineConfig:
                 raise ValueError(f"engine config field backend 'sglang' needs {missing}")
 
 
-PREFIX_CACHES = ("radix",)
 PREFILL_SAMPLE_TOKENS = 16  # steps with fewer prompt tokens say little about prefill speed
 BACKENDS = ("torch", "sglang")
 FLOW_OPERATIONS = ("codes_heads", "guidance", "block_steps", "embeddings")
@@ -187,11 +185,6 @@ class LLMEngine(KeptContexts):
         kv_pool: PagePool | None = None,
     ):
         self.config = config = config or EngineConfig()
-        if config.prefix_cache not in PREFIX_CACHES:
-            raise ValueError(
-                f"engine config field prefix_cache must be one of {PREFIX_CACHES}, "
-                f"not {config.prefix_cache!r}"
-            )
         self.model, self.tokenizer, model_config, dtype, device, path = _load(
             model, config, tokenizer
         )

@@ -135,8 +135,6 @@ class LLMRole(PrefixPulls, ModelActor):
         config = EngineConfig(
             device=device,
             kv_cache_bytes=opts.kv_cache_mb << 20,
-            # The radix tree keys media positions by content hash, per turn and session.
-            prefix_cache=opts.prefix_cache,
             # Evicted KV pages go to the deployment's host pool, then to [cache] ssd_dir.
             host_kv_bytes=opts.host_kv_mb << 20,
             ssd_kv_dir=(cache.ssd_dir or None) if cache is not None and ssd_kv_mb else None,
