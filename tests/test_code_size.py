@@ -17,7 +17,6 @@ LONG_FILES = {
     "control/routing.py": "grown by issue 40/38 / routing split pending",
     "runtime/client.py": "owned by issue 38 / runtime split pending (issue 33)",
     "runtime/host.py": "runtime split pending (issue 33)",
-    "runtime/supervisor.py": "owned by issue 38 / runtime split pending (issue 33)",
 }
 
 # Functions over MAX_FUNCTION_LINES, as "file:function".

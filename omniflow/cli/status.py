@@ -23,7 +23,7 @@ from omniflow.cli.common import (
     out,
 )
 from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, find_deployment
-from omniflow.runtime.supervisor import default_run_dir
+from omniflow.runtime.supervisor_dir import default_run_dir
 
 
 def status(
