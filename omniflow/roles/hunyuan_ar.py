@@ -33,7 +33,7 @@ import contextlib
 import functools
 import io
 import itertools
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import torch
@@ -106,8 +106,7 @@ class ARRole(ModelActor):
     async def _reap_leases(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            book = cast(LLMEngine, self.engine.backend).leases
-            if book is not None and book.open:
+            if self.engine.lends_kv():
                 await self.engine.call(lambda: None)  # a step follows, which reaps
 
     async def close(self) -> None:

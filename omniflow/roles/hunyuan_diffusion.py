@@ -28,7 +28,7 @@ import contextlib
 import functools
 import itertools
 from collections.abc import AsyncGenerator, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -176,7 +176,7 @@ class DiffusionRole(ModelActor):
 
     def _prompt_rows(self) -> int:
         """On the engine thread: the prompt rows it has forwarded so far."""
-        return int(cast(LLMEngine, self.engine.backend).stats["prompt_tokens_computed"])
+        return self.engine.stats["prompt_tokens_computed"]
 
     async def _denoise(
         self,

@@ -59,7 +59,6 @@ import torch
 
 from omniflow.content import SUMMARY_META, summary_key
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
-from omniflow.engine.figures import engine_description
 from omniflow.engine.heads import codes_key
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni.checkpoint import CheckpointError, is_next_folder
@@ -367,7 +366,7 @@ class LLMRole(PrefixPulls, ModelActor):
         return meta
 
     def describe(self) -> dict[str, Any]:
-        return {"model": str(self.path), **engine_description(self.engine.backend)}
+        return {"model": str(self.path), **self.engine.description()}
 
     def _session(self, session_id: str) -> Session:
         if not session_id:
