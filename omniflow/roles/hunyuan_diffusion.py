@@ -34,8 +34,8 @@ import torch
 
 from omniflow.engine import AsyncEngine, EngineConfig, Guidance, LLMEngine
 from omniflow.kv.share import KVLeaseView
-from omniflow.models.hunyuan_image3_config import generation_defaults
-from omniflow.models.hunyuan_image3_denoise import Denoising, denoise_steps
+from omniflow.models.hunyuan_image3.config import generation_defaults
+from omniflow.models.hunyuan_image3.denoise import Denoising, denoise_steps
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone, spans_of
 from omniflow.roles.image_params import ImageParams, image_params
