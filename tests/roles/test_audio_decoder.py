@@ -8,11 +8,12 @@ import wave
 import pytest
 import torch
 
+from omniflow.models.omni.next_builder import tiny_config
 from omniflow.roles.audio_decoder import AudioDecoderRole
 from omniflow.runtime.actor import BadRequest
 from tests.roles.media import drive, make_ctx, make_request, run
 
-SIZES = [8192, 4096, 2048] + [1024] * 5
+SIZES = tiny_config()["audio_config"]["vq_config"]["codebook_sizes"]  # published: 8192, ...
 
 
 def _codes(n, seed=0):
@@ -21,7 +22,7 @@ def _codes(n, seed=0):
 
 
 def _actor(models_root, **options):
-    options.setdefault("model_path", str(models_root / "audio_decoder"))
+    options.setdefault("model_path", str(models_root / "next"))
     options.setdefault("build_tiny", True)
     return AudioDecoderRole("audio_decoder", 0, options)
 
