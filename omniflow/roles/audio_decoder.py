@@ -3,9 +3,8 @@
 ``model_path`` is a published-layout LongCat-Next folder. The role reads the audio bridge's
 codebooks and ``proj_decoder`` (``model.audio_tokenizer.audio_bridge_model.``), every tensor
 under ``model.audio_tokenizer.audio_decoder.`` and ``...audio_flow_matching_decoder.``
-(``models/omni/next_audio_decoder.py``, ``next_flow_mel.py``), and, for the waveform, our
-stand-in vocoder (``cosy24k_vocoder/standin_vocoder.safetensors``; the published HiFT is not
-implemented yet, ``models/omni/next_audio_vocoder.py``).
+(``models/omni/next_audio_decoder.py``, ``next_flow_mel.py``), and the HiFT vocoder's
+``cosy24k_vocoder/hift.pt`` (``models/omni/next_hift.py``).
 
 Each input chunk (one Call of a streamed request) carries
     tensors["audio_codes"]: int64 (or int32) [n, 8]     RVQ ids of n audio tokens
@@ -18,8 +17,9 @@ and yields, as soon as it is decoded, one output
 The published decoder is not causal across a chunk (GroupNorm over time, a post-net that
 looks ahead, a flow decoder that attends in blocks of 100 frames), so each chunk is decoded on
 its own, as the published ``lazy_decode_and_save`` decodes each audio segment; the flow's
-start noise is seeded by the chunk's index (option ``noise_seed``), so a chunk decodes the same
-wherever it runs. The published cross-fade between segments is not applied.
+start noise and the vocoder's source phases and noise are seeded by the chunk's index (option
+``noise_seed``), so a chunk decodes the same wherever it runs. The published cross-fade between
+segments is not applied.
 
 A client assembles the WAV by concatenating the ``audio_chunk`` bytes in ``index`` order and
 writing them with ``wave``: ``setnchannels(1)``, ``setsampwidth(2)``, ``setframerate(24000)``,
@@ -37,9 +37,8 @@ import torch
 
 from omniflow.models.omni.checkpoint import read_config
 from omniflow.models.omni.next_audio_decoder import NextAudioDecoder, load_next_audio_decoder
-from omniflow.models.omni.next_audio_vocoder import load_standin_vocoder, to_pcm16
 from omniflow.models.omni.next_builder import ensure_next
-from omniflow.models.omni.vocoder import Vocoder
+from omniflow.models.omni.next_hift import HiFTGenerator, load_hift, to_pcm16
 from omniflow.roles.base import ModelActor
 from omniflow.roles.options import AudioDecoderOptions, NoParams
 from omniflow.runtime.actor import BadRequest, Context, Request
@@ -73,14 +72,14 @@ class AudioDecoderRole(ModelActor):
         warm = torch.zeros(1, len(self.model.codebook_sizes), dtype=torch.int64)
         await self._run(self._decode, warm, 0)
 
-    def _load(self) -> tuple[NextAudioDecoder, Vocoder, int]:
+    def _load(self) -> tuple[NextAudioDecoder, HiFTGenerator, int]:
         opts = self.options
         if opts.build_tiny:
             ensure_next(opts.model_path, opts.seed)
         role = self.role
         config = read_config(opts.model_path, role)
         model = load_next_audio_decoder(opts.model_path, role, opts.device)
-        vocoder = load_standin_vocoder(opts.model_path, config, role, opts.device)
+        vocoder = load_hift(opts.model_path, role, opts.device)
         rate = int(config["audio_config"]["vocoder_config"]["sampling_rate"])
         return model, vocoder, rate
 
@@ -125,5 +124,5 @@ class AudioDecoderRole(ModelActor):
         noise = torch.Generator().manual_seed(self.options.noise_seed * 1_000_003 + index)
         mel = self.model.mel(codes, noise)
         with torch.no_grad():
-            wave = self.vocoder(mel.t()[None])[0]
+            wave = self.vocoder(mel.t()[None], noise)[0]
         return to_pcm16(wave.float().cpu())

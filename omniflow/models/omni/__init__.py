@@ -1,6 +1,6 @@
 """LongCat-Next parts: the published-layout tokenizers, image decoder and audio decoder
 (next_*.py, checkpoint.py) and our stand-in depth head and code embedder ({"kind": ...}
-folders); the audio decoder's vocoder is still our stand-in (next_audio_vocoder.py)."""
+folders)."""
 
 from omniflow.models.omni.depth_head import DepthHead, DepthHeadConfig
 from omniflow.models.omni.embedder import CodeEmbedder
@@ -16,9 +16,8 @@ from omniflow.models.omni.loader import (
     save_model,
 )
 from omniflow.models.omni.mel import LogMel, mel_filterbank
-from omniflow.models.omni.next_audio_vocoder import to_pcm16
+from omniflow.models.omni.next_hift import to_pcm16
 from omniflow.models.omni.rvq import ResidualVQ, check_ids
-from omniflow.models.omni.vocoder import Vocoder
 
 __all__ = [
     "KINDS",
@@ -28,7 +27,6 @@ __all__ = [
     "LogMel",
     "ModelFormatError",
     "ResidualVQ",
-    "Vocoder",
     "build_tiny",
     "build_tiny_depth_head",
     "check_ids",

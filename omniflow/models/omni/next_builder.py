@@ -5,7 +5,7 @@ keys + ``vq_config``, ``audio_config`` = Whisper keys + ``vq_config``, the vocab
 ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` with the published
 tensor names of the parts implemented here (vision tokenizer, audio tokenizer, the word
 embedding, the LLM's LongCat-Flash decoder layers, final norm and ``lm_head``, the n-gram
-embedding, the depth heads), ``image_decoder/image_decoder.safetensors`` (the ViT decoder's
+embedding, the depth heads), ``cosy24k_vocoder/hift.pt`` (the HiFT vocoder's state dict, narrow), ``image_decoder/image_decoder.safetensors`` (the ViT decoder's
 ``image_decoder.*`` and the refiner's ``image_refiner.{base_transformer,vae,cond_proj}.*``), ``tokenizer.json`` (the tiny BPE + the multimodal specials),
 ``generation_config.json`` and ``tokenizer_config.json`` naming the multimodal special tokens at their published ids relative to ``text_vocab_size``.
 """
@@ -23,8 +23,8 @@ from omniflow.models.omni.checkpoint import has_checkpoint, write_checkpoint
 from omniflow.models.omni.next_audio import PREFIX as AUDIO_PREFIX
 from omniflow.models.omni.next_audio import NextAudioTokenizer
 from omniflow.models.omni.next_audio_decoder import NextAudioDecoder
-from omniflow.models.omni.next_audio_vocoder import STANDIN_PATH, standin_vocoder_tensors
 from omniflow.models.omni.next_heads import NGRAM_PREFIX, NgramEmbedding, head_for
+from omniflow.models.omni.next_hift import HIFT_PATH, tiny_hift_state
 from omniflow.models.omni.next_image import WEIGHT_PATH, tiny_visual_decoder_config
 from omniflow.models.omni.next_image_decoder import tiny_image_decoder_tensors
 from omniflow.models.omni.next_vision import EMBED, NextVisionTokenizer
@@ -334,12 +334,14 @@ def build_tiny_next(
     """Write the tiny published-layout checkpoint into ``folder``."""
     config = tiny_config(hidden_size, quant_conv=quant_conv)
     files = _text_files(config, tiny_tokenizer(config))
-    extra = {
-        WEIGHT_PATH: tiny_image_decoder_tensors(config, seed + 11),
-        STANDIN_PATH: standin_vocoder_tensors(seed + 13),
-    }
+    image_decoder = {WEIGHT_PATH: tiny_image_decoder_tensors(config, seed + 11)}
     return write_checkpoint(
-        folder, tiny_tensors(config, seed), files, shards=3, extra_tensor_files=extra
+        folder,
+        tiny_tensors(config, seed),
+        files,
+        shards=3,
+        extra_tensor_files=image_decoder,
+        torch_files={HIFT_PATH: tiny_hift_state(seed + 13)},
     )
 
 
