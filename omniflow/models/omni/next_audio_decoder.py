@@ -185,7 +185,14 @@ def load_next_audio_decoder(
     and ``audio_flow_matching_decoder.``, strictly, plus the bridge's codebooks and
     ``proj_decoder``."""
     folder = Path(folder)
-    model = NextAudioDecoder(read_config(folder, role))
+    try:
+        model = NextAudioDecoder(read_config(folder, role))
+    except KeyError as missing:
+        raise CheckpointError(
+            f"role {role}: {folder}/config.json: audio_config lacks {missing} (a tiny folder "
+            "built by an omniflow before the published audio decoder lacks it: remove the "
+            "folder and build_tiny writes a new one)"
+        ) from None
     weight_map = read_index(folder, role)
     stored = set(weight_map)
 

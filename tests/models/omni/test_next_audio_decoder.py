@@ -479,3 +479,42 @@ def test_a_damaged_checkpoint_fails_naming_tensor_role_and_folder(folder, tmp_pa
         load_next_audio_decoder(bad)
     assert needle in str(error.value)
     assert "role audio_decoder" in str(error.value) and str(bad) in str(error.value)
+
+
+def test_a_folder_without_the_decoder_config_is_named(folder, tmp_path):
+    """A tiny folder built before the published audio decoder: its config lacks the keys."""
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    config = json.loads((old / "config.json").read_text())
+    del config["audio_config"]["flow_matching_config"]
+    (old / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="audio_config lacks 'flow_matching_config'") as e:
+        load_next_audio_decoder(old)
+    assert "role audio_decoder" in str(e.value) and str(old) in str(e.value)
+
+
+@pytest.mark.slow
+def test_up_fails_naming_the_renamed_tensor(folder, tmp_path, monkeypatch):
+    """`omniflow up` with the audio decoder on a folder with one tensor renamed."""
+    import tempfile
+
+    from tests.helpers import cli
+
+    bad = _damaged(folder, tmp_path, "renamed")
+    monkeypatch.setenv("OMNIFLOW_RUN_ROOT", tempfile.mkdtemp(prefix="of-", dir="/tmp"))
+    config = tmp_path / "broken.toml"
+    config.write_text(
+        'name = "lc-audio-broken"\nregistry = "embedded"\n'
+        '[roles.audio_decoder]\nactor = "omniflow.roles.audio_decoder:AudioDecoderRole"\n'
+        f'[roles.audio_decoder.options]\nmodel_path = "{bad}"\n'
+        '[graph]\nedges = [{ from = "input", to = "audio_decoder" }]\n'
+        "[runtime]\nstart_timeout_s = 60\n"
+    )
+    try:
+        out = cli("up", str(config), "--detach", check=False)
+    finally:
+        cli("down", "--name", "lc-audio-broken", check=False)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "role audio_decoder" in text and str(bad) in text
+    assert "model.audio_tokenizer.audio_decoder.layers.1.fc1.weight missing" in text
