@@ -7,7 +7,9 @@ under ``model.audio_tokenizer.audio_decoder.`` and ``...audio_flow_matching_deco
 ``cosy24k_vocoder/hift.pt`` (``models/omni/next_hift.py``).
 
 Each input chunk (one Call of a streamed request) carries
-    tensors["audio_codes"]: int64 (or int32) [n, 8]     RVQ ids of n audio tokens
+    tensors["audio_codes"]: int64 (or int32) [n, 8]     RVQ ids of n audio tokens; a row whose
+                         level 0 is codebook_sizes[0] (the published end-of-audio flag)
+                         ends a segment: the runs between flags decode on their own
 and yields, as soon as it is decoded, one output
     audio_chunk: bytes   raw PCM16 little-endian mono frames at 24 kHz; with the tiny
                          checkpoint's config n * 1920 samples (4 mel frames a token, hop 480)
@@ -70,7 +72,7 @@ class AudioDecoderRole(ModelActor):
         self.model, self.vocoder, self.sample_rate = await self._run(self._load)
         # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
         warm = torch.zeros(1, len(self.model.codebook_sizes), dtype=torch.int64)
-        await self._run(self._decode, warm, 0)
+        await self._run(self._decode, [warm], 0)
 
     def _load(self) -> tuple[NextAudioDecoder, HiFTGenerator, int]:
         opts = self.options
@@ -87,14 +89,22 @@ class AudioDecoderRole(ModelActor):
         codes = request.tensors.get("audio_codes")
         if codes is None and request.last and request.seq > 0:
             return  # a closing chunk without codes
-        codes = self._codes(codes)
-        if codes.shape[0] == 0:
+        segments = self._segments(self._codes(codes))
+        if not segments:
             return
         state = self._streams.setdefault(ctx, _StreamState())
         index = state.index
         state.index += 1
-        pcm = await self._run(self._decode, codes, index)
+        pcm = await self._run(self._decode, segments, index)
         yield {"audio_chunk": pcm, "sample_rate": self.sample_rate, "index": index}
+
+    def _segments(self, codes: torch.Tensor) -> list[torch.Tensor]:
+        """The runs of codes between end-of-audio rows (level 0 = ``codebook_sizes[0]``, the
+        published end flag): each is decoded on its own, the flag rows are dropped."""
+        ends = (codes[:, 0] == self.model.codebook_sizes[0]).nonzero().view(-1).tolist()
+        bounds = [-1, *ends, codes.shape[0]]
+        runs = [codes[a + 1 : b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        return [run for run in runs if run.shape[0]]
 
     def _codes(self, codes: Any) -> torch.Tensor:
         sizes = self.model.codebook_sizes
@@ -107,22 +117,40 @@ class AudioDecoderRole(ModelActor):
             raise BadRequest(
                 "audio_codes", f"expected shape [n, {len(sizes)}], got {list(codes.shape)}"
             )
-        if codes.shape[0] > self.max_chunk_tokens:
+        limit = min(self.max_chunk_tokens, self.model.max_tokens)
+        if codes.shape[0] > limit:
+            why = (
+                "option max_chunk_tokens"
+                if limit == self.max_chunk_tokens
+                else "the decoder's positional_embedding rows / avg_pooler"
+            )
             raise BadRequest(
                 "audio_codes",
-                f"{codes.shape[0]} tokens in one chunk exceeds the limit of "
-                f"{self.max_chunk_tokens} (option max_chunk_tokens)",
+                f"{codes.shape[0]} tokens in one chunk exceeds the limit of {limit} ({why})",
             )
+        flags = codes[:, 0] == sizes[0]  # end-of-audio rows: level 0 = codebook_sizes[0]
+        rows = codes[~flags]
         for level, size in enumerate(sizes):
-            if codes.shape[0] and (
-                int(codes[:, level].min()) < 0 or int(codes[:, level].max()) >= size
+            if rows.shape[0] and (
+                int(rows[:, level].min()) < 0 or int(rows[:, level].max()) >= size
             ):
-                raise BadRequest("audio_codes", f"level {level} ids must lie in [0, {size})")
+                raise BadRequest(
+                    "audio_codes",
+                    f"level {level} ids must lie in [0, {size}) (or level 0 = {sizes[0]}, "
+                    "the end-of-audio flag)",
+                )
+        flagged = codes[flags]  # the head has size + 1 classes a level: the flag row's may be size
+        if flagged.shape[0] and bool(((flagged < 0) | (flagged > torch.tensor(sizes))).any()):
+            raise BadRequest(
+                "audio_codes", f"an end-of-audio row's ids must lie in [0, size] for sizes {sizes}"
+            )
         return codes.to(torch.int64)
 
-    def _decode(self, codes: torch.Tensor, index: int) -> bytes:
+    def _decode(self, segments: list[torch.Tensor], index: int) -> bytes:
         noise = torch.Generator().manual_seed(self.options.noise_seed * 1_000_003 + index)
-        mel = self.model.mel(codes, noise)
-        with torch.no_grad():
-            wave = self.vocoder(mel.t()[None], noise)[0]
-        return to_pcm16(wave.float().cpu())
+        waves = []
+        for codes in segments:
+            mel = self.model.mel(codes, noise)
+            with torch.no_grad():
+                waves.append(self.vocoder(mel.t()[None], noise)[0])
+        return to_pcm16(torch.cat(waves).float().cpu())

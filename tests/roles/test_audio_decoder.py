@@ -91,8 +91,9 @@ def test_empty_chunk_yields_nothing(models_root):
         torch.zeros(2, 7, dtype=torch.int64),
         torch.full((1, 8), 9000, dtype=torch.int64),
         _codes(600),
+        torch.tensor([[SIZES[0], 0, 0, SIZES[3] + 1, 0, 0, 0, 0]]),
     ],
-    ids=["missing", "dtype", "levels", "range", "too-long"],
+    ids=["missing", "dtype", "levels", "range", "too-long", "flag-row-range"],
 )
 def test_bad_chunks_name_the_field(models_root, codes):
     async def main():
@@ -110,3 +111,20 @@ def test_bad_chunks_name_the_field(models_root, codes):
 
     (out,) = run(main())
     assert out["index"] == 0 and len(out["audio_chunk"]) == 1920 * 2
+
+
+def test_end_of_audio_rows_split_the_chunk_and_are_dropped(models_root):
+    """Level 0 = codebook_sizes[0] is the published end-of-audio flag: the runs on either side
+    decode on their own (as lazy_decode_and_save splits at it) and the flag makes no sound."""
+    flag = torch.tensor([[SIZES[0]] + [0] * 7])
+    first, second = _codes(3, seed=1), _codes(2, seed=2)
+    (split,), (alone,), flags_only = _stream(
+        models_root, [torch.cat([first, flag, second]), first, torch.cat([flag, flag])]
+    )
+    assert flags_only == []
+    assert [split["index"], alone["index"]] == [0, 1]
+    assert len(split["audio_chunk"]) == (3 + 2) * 1920 * 2
+    assert len(alone["audio_chunk"]) == 3 * 1920 * 2
+    # a stream's chunk 0 decodes `first` first under the same noise seed: the same samples
+    again = _stream(models_root, [first], closing_marker=False)[0][0]["audio_chunk"]
+    assert split["audio_chunk"][: 3 * 1920 * 2] == again

@@ -153,6 +153,10 @@ class NextAudioDecoder(nn.Module):
         self.audio_decoder = AudioDecoderNet(audio)
         self.audio_flow_matching_decoder = FlowMelDecoder(audio["flow_matching_config"])
         self.use_hidden = bool(audio["flow_matching_config"]["use_hidden_states_before_dconv2"])
+        # the most tokens one decode takes: dconv1 makes avg_pooler frames a token, and each
+        # frame needs a positional_embedding row
+        rows = self.audio_decoder.positional_embedding.shape[0]
+        self.max_tokens = rows // int(audio["avg_pooler"])
 
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
         """``audio_bridge_model.decode``: token vectors [n, d_model] of codes [n, L]."""
