@@ -128,3 +128,23 @@ def test_end_of_audio_rows_split_the_chunk_and_are_dropped(models_root):
     # a stream's chunk 0 decodes `first` first under the same noise seed: the same samples
     again = _stream(models_root, [first], closing_marker=False)[0][0]["audio_chunk"]
     assert split["audio_chunk"][: 3 * 1920 * 2] == again
+
+
+def test_a_chunk_longer_than_the_positions_is_refused_by_name(models_root):
+    """With max_chunk_tokens above it, the decoder's own limit (positional_embedding rows /
+    avg_pooler: 3000 / 4 tokens in the tiny config) still answers 400, not a model error."""
+
+    async def main():
+        actor = _actor(models_root, max_chunk_tokens=1000)
+        await actor.setup()
+        try:
+            with pytest.raises(BadRequest) as error:
+                request = make_request(tensors={"audio_codes": _codes(751)})
+                await drive(actor, request, make_ctx("audio_decoder"))
+            return error.value
+        finally:
+            await actor.close()
+
+    error = run(main())
+    assert error.field == "audio_codes" and "limit of 750" in str(error)
+    assert "positional_embedding" in str(error)

@@ -518,3 +518,43 @@ def test_up_fails_naming_the_renamed_tensor(folder, tmp_path, monkeypatch):
     text = out.stdout + out.stderr
     assert "role audio_decoder" in text and str(bad) in text
     assert "model.audio_tokenizer.audio_decoder.layers.1.fc1.weight missing" in text
+
+
+def test_blocks_match_the_packages_they_were_taken_from(folder):
+    """Second oracles from pip: the flow U-Net's transformer block is diffusers'
+    ``BasicTransformerBlock`` (layer_norm, gelu, unbiased attention) under a 3-D additive mask,
+    and the decoder's causal layer is transformers' ``WhisperEncoderLayer`` under a causal
+    mask; each loads our block's state dict strictly, so the names are theirs too."""
+    from diffusers.models.attention import BasicTransformerBlock
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoderLayer
+
+    from omniflow.models.omni.next_flow_mel import chunk_bias
+
+    model = load_next_audio_decoder(folder)
+    fc = tiny_config()["audio_config"]["flow_matching_config"]
+    block = model.audio_flow_matching_decoder.conditional_decoder.mid_blocks[0][1][0]
+    theirs = BasicTransformerBlock(
+        32, fc["num_heads"], fc["attention_head_dim"], activation_fn="gelu"
+    ).eval()
+    theirs.load_state_dict(block.state_dict(), strict=True)
+    x = torch.randn(1, 130, 32, generator=torch.Generator().manual_seed(1))
+    bias = chunk_bias(torch.ones(1, 1, 130))
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, bias), theirs(x, attention_mask=bias))
+
+    ac = tiny_config()["audio_config"]
+    layer = model.audio_decoder.layers[1]
+    wconf = WhisperConfig(
+        d_model=32,
+        encoder_attention_heads=ac["decoder_attention_heads"],
+        encoder_ffn_dim=ac["decoder_ffn_dim"],
+        activation_function="gelu",
+    )
+    wconf._attn_implementation = "eager"
+    whisper = WhisperEncoderLayer(wconf).eval()
+    whisper.load_state_dict(layer.state_dict(), strict=True)
+    h = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(2))
+    causal = torch.full((9, 9), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        torch.testing.assert_close(layer(h), whisper(h, causal))
