@@ -91,7 +91,8 @@ class MelRefine(nn.Module):
 
     def forward(self, coarse: torch.Tensor) -> torch.Tensor:
         """[B, mels, L] → refined [B, mels, frames(L)]."""
-        coarse = F.interpolate(coarse.float(), size=self.frames(coarse.shape[-1]), mode="nearest")
+        size = self.frames(coarse.shape[-1])
+        coarse = F.interpolate(coarse.float(), size=size, mode="nearest").to(coarse.dtype)
         return self.layers(coarse) + coarse
 
 

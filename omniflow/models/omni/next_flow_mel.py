@@ -38,7 +38,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps))
+        h = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            h = h.to(self.weight.dtype)  # as published: normalise in float32, then cast
+        return self.weight * h
 
 
 class WhisperAttention(nn.Module):
@@ -52,12 +55,10 @@ class WhisperAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in self._qkv())
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in projections)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
-
-    def _qkv(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
-        return self.q_proj, self.k_proj, self.v_proj
 
 
 class WhisperLayer(nn.Module):
