@@ -168,6 +168,9 @@ class AudioDecoderOptions(WeightsOptions, kw_only=True):
     max_chunk_tokens: Annotated[
         int, Meta(ge=1, description="largest chunk of audio tokens accepted")
     ] = 512
+    noise_seed: Annotated[
+        int, Meta(ge=0, description="seeds the flow decoder's start noise, with the chunk index")
+    ] = 0
 
 
 class BackboneOptions(WeightsOptions, kw_only=True):
