@@ -37,9 +37,8 @@ from typing import Any
 
 import torch
 
-from omniflow.models.omni.checkpoint import read_config
+from omniflow.models.omni.checkpoint import ensure_next, read_config
 from omniflow.models.omni.next_audio_decoder import NextAudioDecoder, load_next_audio_decoder
-from omniflow.models.omni.next_builder import ensure_next
 from omniflow.models.omni.next_hift import HiFTGenerator, load_hift, to_pcm16
 from omniflow.roles.base import ModelActor
 from omniflow.roles.options import AudioDecoderOptions, NoParams

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from omniflow.content import content_hash
+from omniflow.models.omni.checkpoint import ensure_next
 from omniflow.models.omni.next_audio import NextAudioTokenizer, load_next_audio
-from omniflow.models.omni.next_builder import ensure_next
 from omniflow.roles.encoder_cache import CachingEncoder, role_cache
 from omniflow.roles.options import AudioEncoderOptions, NoParams
 from omniflow.runtime.actor import BadRequest, Context, Request

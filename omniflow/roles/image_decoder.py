@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from omniflow.models.omni.next_builder import ensure_next
+from omniflow.models.omni.checkpoint import ensure_next
 from omniflow.models.omni.next_image_decoder import NextImageDecoder, load_next_image_decoder
 from omniflow.roles.base import ModelActor
 from omniflow.roles.image_params import png_bytes

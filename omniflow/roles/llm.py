@@ -61,8 +61,7 @@ from omniflow.content import SUMMARY_META, summary_key
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
 from omniflow.engine.heads import codes_key
 from omniflow.models.loader import load_tokenizer
-from omniflow.models.omni.checkpoint import CheckpointError, is_next_folder
-from omniflow.models.omni.next_builder import ensure_next
+from omniflow.models.omni.checkpoint import CheckpointError, ensure_next, is_next_folder
 from omniflow.models.omni.next_media import load_next_media_heads
 from omniflow.models.tiny.builder import build_tiny_model
 from omniflow.roles.base import ModelActor

@@ -27,7 +27,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from omniflow.content import content_hash
-from omniflow.models.omni.next_builder import ensure_next
+from omniflow.models.omni.checkpoint import ensure_next
 from omniflow.models.omni.next_vision import NextVisionTokenizer, load_next_vision
 from omniflow.roles.encoder_cache import CachingEncoder, EncoderOutputCache, role_cache
 from omniflow.roles.options import NoParams, VisionEncoderOptions

@@ -210,3 +210,15 @@ def is_next_folder(folder: str | Path) -> bool:
         return json.loads(path.read_text()).get("model_type") == "longcat_next"
     except ValueError:
         return False
+
+
+def ensure_next(folder: str | Path, seed: int = 0, hidden_size: int = 64) -> Path:
+    """``folder``, after building the tiny checkpoint there if it holds none yet."""
+    if not has_checkpoint(folder):
+        # The builder imports every part's module (transformers' Whisper and Qwen2.5-VL,
+        # diffusers' VAE): seconds per process, which a role that only loads its own part
+        # should not pay at every start.
+        from omniflow.models.omni.next_builder import build_tiny_next
+
+        build_tiny_next(folder, seed, hidden_size)
+    return Path(folder)

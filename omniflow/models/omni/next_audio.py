@@ -27,7 +27,7 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoderLayer
 
 from omniflow.models.omni.checkpoint import CheckpointError, load_part, read_config, read_index
 from omniflow.models.omni.mel import LogMel
-from omniflow.models.omni.next_vision import code_offsets, load_code_rows
+from omniflow.models.omni.next_codes import code_offsets, load_code_rows
 
 PREFIX = "model.audio_tokenizer."
 _OWN_KEYS = ("vq_config", "vocoder_config", "flow_matching_config", "cosy24kvocoder_config")

@@ -19,16 +19,17 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Tokenizer
 
-from omniflow.models.omni.checkpoint import has_checkpoint, write_checkpoint
+from omniflow.models.omni.checkpoint import write_checkpoint
 from omniflow.models.omni.next_audio import PREFIX as AUDIO_PREFIX
 from omniflow.models.omni.next_audio import NextAudioTokenizer
 from omniflow.models.omni.next_audio_decoder import NextAudioDecoder
+from omniflow.models.omni.next_codes import EMBED
 from omniflow.models.omni.next_heads import NGRAM_PREFIX, NgramEmbedding, head_for
 from omniflow.models.omni.next_hift import HIFT_PATH, tiny_hift_state
 from omniflow.models.omni.next_image import WEIGHT_PATH, tiny_visual_decoder_config
 from omniflow.models.omni.next_image_decoder import tiny_image_decoder_tensors
-from omniflow.models.omni.next_vision import EMBED, NextVisionTokenizer
 from omniflow.models.omni.next_vision import PREFIX as VISION_PREFIX
+from omniflow.models.omni.next_vision import NextVisionTokenizer
 from omniflow.models.tiny.builder import TinySpec
 from omniflow.models.tiny.mla import mla_random_state_dict
 from omniflow.models.tiny.tokenizer import (
@@ -343,10 +344,3 @@ def build_tiny_next(
         extra_tensor_files=image_decoder,
         torch_files={HIFT_PATH: tiny_hift_state(seed + 13)},
     )
-
-
-def ensure_next(folder: str | Path, seed: int = 0, hidden_size: int = 64) -> Path:
-    """``folder``, after building the tiny checkpoint there if it holds none yet."""
-    if not has_checkpoint(folder):
-        build_tiny_next(folder, seed, hidden_size)
-    return Path(folder)

@@ -35,6 +35,7 @@ from safetensors import safe_open
 from torch import nn
 
 from omniflow.models.omni.checkpoint import CheckpointError, fill_strictly, read_tensors
+from omniflow.models.omni.next_codes import VISION_PREFIX
 from omniflow.models.omni.next_image import (
     WEIGHT_PATH,
     decoder_config,
@@ -43,7 +44,6 @@ from omniflow.models.omni.next_image import (
     vae_scale,
 )
 from omniflow.models.omni.next_refiner import RefinerTransformer, schedule
-from omniflow.models.omni.next_vision import PREFIX as VISION_PREFIX
 from omniflow.models.omni.next_vit_decoder import VisionTransformerDecoder
 
 CODEBOOK = VISION_PREFIX + "visual_bridge_model.quantizer.quantize.codebooks.{}.embed"

@@ -18,9 +18,13 @@ import torch
 from torch import nn
 
 from omniflow.models.omni.checkpoint import load_part, read_config
+from omniflow.models.omni.next_codes import (
+    VISION_PREFIX,
+    EmbeddingLayer,
+    code_offsets,
+    load_code_rows,
+)
 from omniflow.models.omni.next_heads import NextDepthHead, head_for
-from omniflow.models.omni.next_vision import PREFIX as VISION_PREFIX
-from omniflow.models.omni.next_vision import EmbeddingLayer, code_offsets, load_code_rows
 
 
 class NextMediaHead:

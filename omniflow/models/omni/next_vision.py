@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
@@ -30,9 +29,14 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 )
 
 from omniflow.models.omni.checkpoint import CheckpointError, load_part, read_config, read_index
+from omniflow.models.omni.next_codes import (
+    VISION_PREFIX,
+    EmbeddingLayer,
+    code_offsets,
+    load_code_rows,
+)
 
-PREFIX = "model.visual_tokenizer."
-EMBED = "model.embed_tokens.weight"
+PREFIX = VISION_PREFIX
 # OpenAI CLIP normalization, Qwen2-VL's image processor defaults.
 _MEAN = (0.48145466, 0.4578275, 0.40821073)
 _STD = (0.26862954, 0.26130258, 0.27577711)
@@ -137,33 +141,6 @@ class _Bridge(nn.Module):
         self.quantizer = VisualQuantizer(sizes, dim, quant_in)
 
 
-class _MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _PreBuffer(nn.Module):
-    def __init__(self, hidden: int, inter: int, eps: float) -> None:
-        super().__init__()
-        self.pre_layernorm = nn.LayerNorm(hidden, eps=eps)
-        self.mlp = _MLP(hidden, inter)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.pre_layernorm(x))
-
-
-class EmbeddingLayer(nn.Module):
-    def __init__(self, hidden: int, inter: int, eps: float) -> None:
-        super().__init__()
-        self.pre_buffer = _PreBuffer(hidden, inter, eps)
-
-
 def vision_config(config: dict[str, Any]) -> Qwen2_5_VLVisionConfig:
     raw = {k: v for k, v in config["visual_config"].items() if k not in _OWN_KEYS}
     vconf = Qwen2_5_VLVisionConfig(**raw)
@@ -175,11 +152,6 @@ def _int(value: object) -> int:
     if not isinstance(value, int):
         raise CheckpointError(f"visual_config: expected an integer, got {value!r}")
     return value
-
-
-def code_offsets(offset: int, sizes: list[int]) -> torch.Tensor:
-    """Level l's first row in the word embedding: offset + sizes[0] + ... + sizes[l-1]."""
-    return torch.tensor([offset] + sizes[:-1], dtype=torch.int64).cumsum(0)
 
 
 class NextVisionTokenizer(nn.Module):
@@ -254,24 +226,6 @@ class NextVisionTokenizer(nn.Module):
         """LLM input vectors [N, hidden]: summed code rows, then ``visual_embedding_layer``."""
         rows = self.code_rows(codes.to(self.offsets.device) + self.offsets).sum(1)
         return self.visual_embedding_layer.pre_buffer(rows)
-
-
-def load_code_rows(table: nn.Embedding, folder: str | Path, first_row: int, role: str) -> None:
-    """Fill ``table`` with rows [first_row, first_row + n) of ``model.embed_tokens.weight``."""
-    weight_map = read_index(folder, role)
-    if EMBED not in weight_map:
-        raise CheckpointError(f"role {role}: tensor {EMBED} missing from {folder}")
-    n, hidden = table.weight.shape
-    with safe_open(str(Path(folder) / weight_map[EMBED]), framework="pt") as f:
-        part = f.get_slice(EMBED)
-        rows, cols = part.get_shape()
-        if cols != hidden or rows < first_row + n:
-            raise CheckpointError(
-                f"role {role}: tensor {EMBED} in {folder} has shape {[rows, cols]}, "
-                f"expected at least [{first_row + n}, {hidden}] for the code rows"
-            )
-        with torch.no_grad():
-            table.weight.copy_(part[first_row : first_row + n])
 
 
 def load_next_vision(folder: str | Path, device: str = "cpu") -> NextVisionTokenizer:
