@@ -429,18 +429,22 @@ class Supervisor:
         assert replica.proc is not None
         path = holding_path(self.run_dir, replica.role, replica.index)
         try:
-            held, complete = read_held(path, replica.proc.pid)
+            held, complete, tokens = read_held(path, replica.proc.pid)
         except (OSError, ValueError) as e:
             log.warning("could not read what %s held: %s", replica.actor_id, e)
-            held, complete = [], False
+            held, complete, tokens = [], False, {}
         replica.failed_at_death = set()
         replica.holding_complete = complete
         for request_id, reply_to in held:
-            self._post_unavailable(replica, request_id, reply_to)
+            self._post_unavailable(replica, request_id, reply_to, tokens.get(request_id, b""))
         path.unlink(missing_ok=True)
 
-    def _post_unavailable(self, replica: Replica, request_id: str, reply_to: str) -> None:
-        """One terminal Fail per request and death, whichever list names it."""
+    def _post_unavailable(
+        self, replica: Replica, request_id: str, reply_to: str, token: bytes = b""
+    ) -> None:
+        """One terminal Fail per request and death, whichever list names it (``token``: the
+        request's; a heartbeat's list has none, and the client drops such a notice, moving
+        the request on itself once the replica leaves its view)."""
         if request_id in replica.failed_at_death:
             return
         replica.failed_at_death.add(request_id)
@@ -450,6 +454,7 @@ class Supervisor:
             replica.role,
             request_id,
             replica.actor_id,
+            token,
         )
         with contextlib.suppress(Exception):
             self.outbox.post(reply_to, [encode(fail)])
