@@ -49,15 +49,15 @@ from omniflow.engine import Guidance, LLMEngine  # noqa: E402
 from omniflow.engine.llm_engine import EngineConfig  # noqa: E402
 from omniflow.memory.mappings import mapping_at  # noqa: E402
 from omniflow.models.flow_matching import initial_noise  # noqa: E402
-from omniflow.models.hunyuan_image3_parts import load_image_parts  # noqa: E402
-from omniflow.models.hunyuan_image3_tokens import (  # noqa: E402
+from omniflow.models.hunyuan_image3.parts import load_image_parts  # noqa: E402
+from omniflow.models.hunyuan_image3.tokens import (  # noqa: E402
     ImageTokens,
     context_ids,
     image_block,
     unconditional_ids,
 )
 from omniflow.models.loader import load_decoder, load_tokenizer  # noqa: E402
-from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3  # noqa: E402
+from omniflow.models.tiny.hunyuan_image3 import build_tiny_hunyuan_image3  # noqa: E402
 from omniflow.runtime.config import parse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ STEPS = 8
 CFG = 2.5
 
 
-# Config overrides of the tiny model family (models/tiny_hunyuan_image3.py).
+# Config overrides of the tiny model family (models/tiny/hunyuan_image3.py).
 WIDTHS: dict[str, dict[str, int]] = {
     "tiny": {},
     "wide": {

@@ -100,7 +100,6 @@ async def run_mode(mode: str, model_path, workload, images: Images, args) -> dic
         dtype="float32",
         page_size=PAGE,
         num_pages=args.device_pages,
-        prefix_cache="radix",
         enable_prefix_caching=mode != "no_cache",
         host_kv_bytes=args.host_kv_mb << 20 if mode != "no_cache" else 0,
     )

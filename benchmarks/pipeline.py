@@ -81,7 +81,7 @@ def role_specs(models: Path) -> dict[str, dict]:
             "actor": f"{r}.audio_decoder:AudioDecoderRole",
             "options": {
                 "build_tiny": True,
-                "model_path": str(models / "audio_decoder"),
+                "model_path": str(models / "next"),
                 "threads": 1,
             },
         },

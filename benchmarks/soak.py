@@ -80,7 +80,7 @@ def soak_config(name: str, models: Path, llm_replicas: int):
                 },
                 "audio_decoder": {
                     "actor": f"{r}.audio_decoder:AudioDecoderRole",
-                    "options": opts("audio_decoder"),
+                    "options": opts("next"),
                 },
             },
             "graph": {

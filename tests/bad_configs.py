@@ -57,8 +57,8 @@ CASES = [
     (
         "not-a-choice",
         "kv_cache_mb = 8",
-        'prefix_cache = "lru"',
-        '[roles.llm.options] prefix_cache: "lru" is not one of "radix"',
+        'dtype = "int3"',
+        '[roles.llm.options] dtype: "int3" is not one of',
     ),
     (
         "model-path-does-not-exist",

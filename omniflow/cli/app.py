@@ -47,7 +47,9 @@ from omniflow.runtime import logs as runlog
 from omniflow.runtime.config import GATEWAY_ROLE, ConfigError
 from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, find_deployment
 from omniflow.runtime.hosts import for_host, with_registry
-from omniflow.runtime.supervisor import StartError, Supervisor, run_dir_for
+from omniflow.runtime.replica import StartError
+from omniflow.runtime.supervisor import Supervisor
+from omniflow.runtime.supervisor_dir import run_dir_for
 
 progress_log = logging.getLogger("omniflow.supervisor")
 

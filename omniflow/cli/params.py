@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from omniflow.runtime.config import Config
-from omniflow.runtime.request_check import InvalidRequest, check_params, check_values
+from omniflow.runtime.image_grid import SizeError, longcat_grid
+from omniflow.runtime.request_check import InvalidRequest, check_params, check_values, declared
 
 WANT = ("text", "image", "audio")
 SIZE = re.compile(r"auto|[1-9][0-9]{0,5}x[1-9][0-9]{0,5}")
@@ -53,6 +54,24 @@ def check_size(size: str) -> str:
     if not SIZE.fullmatch(size):
         raise ParamError(f"--size {size!r}: expected WIDTHxHEIGHT (e.g. 512x512) or auto")
     return size
+
+
+def map_size(params: dict[str, Any], config: Config, where: str = "--size") -> None:
+    """On a deployment whose roles read ``image_grid`` and not ``size`` (LongCat), ``size``
+    becomes that token grid, as the gateway maps it; a side that is no LongCat side is
+    refused, naming ``where`` and the two nearest sides."""
+    types = declared(config)
+    if "size" not in params or types is None or "size" in types or "image_grid" not in types:
+        return
+    if "image_grid" in params:
+        raise ParamError(f"{where} and --param image_grid: give one of them")
+    size = params.pop("size")
+    try:
+        if not isinstance(size, str):
+            raise SizeError(f"expected WIDTHxHEIGHT, got {size!r}")
+        params["image_grid"] = longcat_grid(size)
+    except SizeError as e:
+        raise ParamError(f"{where} {size}: {e}") from None
 
 
 def check(params: dict[str, Any], config: Config, inputs: dict[str, Any] | None = None) -> None:

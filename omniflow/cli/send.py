@@ -22,64 +22,63 @@ from omniflow.cli.common import (
     find_running,
 )
 
+# The options of `omniflow send` that do not fit on the line of their parameter.
+_TEXT_FILE = typer.Option(None, "--text-file", help="Text input read from this file (UTF-8).")
+_IMAGE = typer.Option(
+    [], "--image", "-i", help="An image file: PNG, JPEG, WebP, GIF or BMP (repeatable)."
+)
+_AUDIO = typer.Option(
+    None, "--audio", "-a", help="A WAV file: 16-bit PCM or 32-bit float, mono or stereo, 8-48 kHz."
+)
+_WANT = typer.Option(None, "--want", "-w", help="Output modalities, some of text,image,audio.")
+_MAX_TOKENS = typer.Option(
+    None, "--max-tokens", min=1, help="Text tokens to generate (default 16)."
+)
+_CFG_SCALE = typer.Option(None, "--cfg-scale", help="Classifier-free guidance scale of an image.")
+_SIZE = typer.Option(None, "--size", help="Generated image size: WIDTHxHEIGHT or auto.")
+_PARAM = typer.Option(
+    [],
+    "--param",
+    "-p",
+    help="Request parameter KEY=VALUE (repeatable; VALUE as JSON where it parses).",
+)
+_SESSION = typer.Option("", "--session", help="Session id: continue a multi-turn dialogue.")
+_OUT = typer.Option(
+    None, "--out", "-o", help="Where images and audio are written (default: ./out)."
+)
+_TIMEOUT = typer.Option(
+    None, "--timeout", help="Deadline in seconds, > 0 (default: the config's request_timeout_s)."
+)
+_JSON = typer.Option(False, "--json", help="One JSON object with outputs, files, timings, usage.")
+_TRACE = typer.Option(
+    False, "--trace", help="Trace the request (W3C trace context); print its span tree."
+)
+_ADDRESS = typer.Option(
+    None, "--address", help="Where the actors reach this client (tcp; another host's)."
+)
+
 
 def send(
     text: str | None = typer.Option(None, "--text", "-t", help="Text input (-: read stdin)."),
-    text_file: Path | None = typer.Option(
-        None, "--text-file", help="Text input read from this file (UTF-8)."
-    ),
-    image: list[Path] = typer.Option(
-        [], "--image", "-i", help="An image file: PNG, JPEG, WebP, GIF or BMP (repeatable)."
-    ),
-    audio: Path | None = typer.Option(
-        None,
-        "--audio",
-        "-a",
-        help="A WAV file: 16-bit PCM or 32-bit float, mono or stereo, 8-48 kHz.",
-    ),
-    want: str | None = typer.Option(
-        None, "--want", "-w", help="Output modalities, some of text,image,audio."
-    ),
-    max_tokens: int | None = typer.Option(
-        None, "--max-tokens", min=1, help="Text tokens to generate (default 16)."
-    ),
+    text_file: Path | None = _TEXT_FILE,
+    image: list[Path] = _IMAGE,
+    audio: Path | None = _AUDIO,
+    want: str | None = _WANT,
+    max_tokens: int | None = _MAX_TOKENS,
     seed: int | None = typer.Option(None, "--seed", help="Sampling or noise seed."),
     steps: int | None = typer.Option(None, "--steps", help="Denoising steps of an image."),
-    cfg_scale: float | None = typer.Option(
-        None, "--cfg-scale", help="Classifier-free guidance scale of an image."
-    ),
-    size: str | None = typer.Option(
-        None, "--size", help="Generated image size: WIDTHxHEIGHT or auto."
-    ),
-    param: list[str] = typer.Option(
-        [],
-        "--param",
-        "-p",
-        help="Request parameter KEY=VALUE (repeatable; VALUE as JSON where it parses).",
-    ),
-    session: str = typer.Option(
-        "", "--session", help="Session id: continue a multi-turn dialogue."
-    ),
-    out_dir: Path | None = typer.Option(
-        None, "--out", "-o", help="Where images and audio are written (default: ./out)."
-    ),
-    timeout: float | None = typer.Option(
-        None,
-        "--timeout",
-        help="Deadline in seconds, > 0 (default: the config's request_timeout_s).",
-    ),
-    as_json: bool = typer.Option(
-        False, "--json", help="One JSON object with outputs, files, timings, usage."
-    ),
-    trace: bool = typer.Option(
-        False, "--trace", help="Trace the request (W3C trace context); print its span tree."
-    ),
+    cfg_scale: float | None = _CFG_SCALE,
+    size: str | None = _SIZE,
+    param: list[str] = _PARAM,
+    session: str = _SESSION,
+    out_dir: Path | None = _OUT,
+    timeout: float | None = _TIMEOUT,
+    as_json: bool = _JSON,
+    trace: bool = _TRACE,
     name: str | None = NameOpt,
     run_dir: Path | None = RunDirOpt,
     registry: str | None = RegistryOpt,
-    address: str | None = typer.Option(
-        None, "--address", help="Where the actors reach this client (tcp; another host's)."
-    ),
+    address: str | None = _ADDRESS,
 ) -> None:
     """Send one request: stream text to the terminal, write images (PNG) and audio (WAV) to --out."""
     from omniflow.cli import params as checks
@@ -88,14 +87,48 @@ def send(
         fail("nothing to send: give --text, --text-file, --image or --audio", EXIT_USAGE)
     if timeout is not None and not timeout > 0:
         fail(f"--timeout {timeout:g}: expected seconds > 0", EXIT_USAGE)
+    options = {"max_tokens": max_tokens, "seed": seed, "steps": steps, "cfg_scale": cfg_scale}
+    params = _params(param, want, size, options)
+    # Before anything is sent: a result must never be lost for want of a place to write it.
+    out_dir = _out_dir(out_dir)
+    if registry is not None and name is None:
+        fail("--registry needs the deployment's --name", EXIT_USAGE)
+    state = None if registry is not None else find_running(name, run_dir, any_host=True)
+    inputs = _inputs(_text_input(text, text_file), image, audio)
+    config = _config(state, registry, name)
     try:
-        params = checks.parse_pairs(param)
+        checks.map_size(params, config, "--size" if size is not None else "--param size")
+        checks.check(params, config, inputs)
+    except checks.ParamError as e:
+        fail(str(e), EXIT_USAGE)
+    import uvloop
+
+    from omniflow.runtime.deployment import connect
+
+    async def run() -> int:
+        if state is None:
+            conn = await connect(name, registry=registry, address=address)
+        else:
+            conn = await connect(run_dir=state["run_dir"], address=address)
+        try:
+            return await _stream(conn, inputs, params, session, timeout, out_dir, as_json, trace)
+        finally:
+            await conn.close()
+
+    raise typer.Exit(uvloop.run(run()))
+
+
+def _params(
+    pairs: list[str], want: str | None, size: str | None, options: dict[str, Any]
+) -> dict[str, Any]:
+    """--param KEY=VALUE pairs with the first-class options over them, checked."""
+    from omniflow.cli import params as checks
+
+    try:
+        params = checks.parse_pairs(pairs)
         for key, value in (
             ("want", None if want is None else checks.check_want(want)),
-            ("max_tokens", max_tokens),
-            ("seed", seed),
-            ("steps", steps),
-            ("cfg_scale", cfg_scale),
+            *options.items(),
             ("size", None if size is None else checks.check_size(size)),
         ):
             if value is not None:
@@ -104,13 +137,11 @@ def send(
             params["want"] = checks.check_want(params["want"])
     except checks.ParamError as e:
         fail(str(e), EXIT_USAGE)
-    # Before anything is sent: a result must never be lost for want of a place to write it.
-    out_dir = _out_dir(out_dir)
-    if registry is not None and name is None:
-        fail("--registry needs the deployment's --name", EXIT_USAGE)
-    state = None if registry is not None else find_running(name, run_dir, any_host=True)
+    return params
+
+
+def _inputs(text: str | None, image: list[Path], audio: Path | None) -> dict[str, Any]:
     inputs: dict[str, Any] = {}
-    text = _text_input(text, text_file)
     if text is not None:
         inputs["text"] = text
     images = [_read_input(path, "--image") for path in image]
@@ -120,67 +151,65 @@ def send(
         inputs["images"] = images
     if audio is not None:
         inputs["audio"] = _read_input(audio, "--audio")
+    return inputs
+
+
+def _config(state: dict[str, Any] | None, registry: str | None, name: str | None) -> Any:
+    """The running deployment's config: from its run dir, or its registry."""
     import uvloop
 
-    from omniflow.cli.outputs import OutputWriter
-    from omniflow.runtime.client import Output, RequestFailed
     from omniflow.runtime.config import from_json
-    from omniflow.runtime.deployment import DeploymentNotFound, config_in_registry, connect
+    from omniflow.runtime.deployment import DeploymentNotFound, config_in_registry
 
     try:
         if state is None:
-            config = uvloop.run(config_in_registry(registry or "", name or ""))
-        else:
-            config = from_json((Path(state["run_dir"]) / "deployment.json").read_bytes())
+            return uvloop.run(config_in_registry(registry or "", name or ""))
+        return from_json((Path(state["run_dir"]) / "deployment.json").read_bytes())
     except DeploymentNotFound as e:
         fail(str(e), EXIT_NOT_RUNNING)
+
+
+async def _stream(
+    conn: Any,
+    inputs: dict[str, Any],
+    params: dict[str, Any],
+    session: str,
+    timeout: float | None,
+    out_dir: Path,
+    as_json: bool,
+    trace: bool,
+) -> int:
+    """Send the request on ``conn``, writing its outputs as they come; the exit code."""
+    from omniflow.cli.outputs import OutputWriter
+    from omniflow.runtime.client import Output, RequestFailed
+
+    request_id = uuid.uuid4().hex
+    writer = OutputWriter(out_dir, request_id, echo=not as_json)
+    traced = _start_trace() if trace else None
     try:
-        checks.check(params, config, inputs)
-    except checks.ParamError as e:
-        fail(str(e), EXIT_USAGE)
-
-    async def run() -> int:
-        if state is None:
-            conn = await connect(name, registry=registry, address=address)
-        else:
-            conn = await connect(run_dir=state["run_dir"], address=address)
-        request_id = uuid.uuid4().hex
-        writer = OutputWriter(out_dir, request_id, echo=not as_json)
-        traced = _start_trace() if trace else None
-        try:
-            async for event in conn.stream(
-                inputs, params=params, session=session, timeout=timeout, request_id=request_id
-            ):
-                if isinstance(event, Output):
-                    writer.add(event)
-                else:
-                    writer.finish()
-                    _report(event, writer, as_json, traced)
-        except RequestFailed as e:
-            if as_json:
-                print(
-                    json.dumps(
-                        {
-                            "error": {
-                                "code": e.code,
-                                "role": e.role,
-                                "message": e.detail,
-                                "request_id": e.request_id,
-                            }
-                        }
-                    )
-                )
+        async for event in conn.stream(
+            inputs, params=params, session=session, timeout=timeout, request_id=request_id
+        ):
+            if isinstance(event, Output):
+                writer.add(event)
             else:
-                if writer.text:
-                    sys.stdout.write("\n")
-                err.print(f"request failed: {e}", style="red")
-            # A request the deployment refused for its arguments is the caller's error.
-            return EXIT_USAGE if e.code == "bad_request" else EXIT_REQUEST
-        finally:
-            await conn.close()
-        return 0
+                writer.finish()
+                _report(event, writer, as_json, traced)
+    except RequestFailed as e:
+        _report_failure(e, writer, as_json)
+        # A request the deployment refused for its arguments is the caller's error.
+        return EXIT_USAGE if e.code == "bad_request" else EXIT_REQUEST
+    return 0
 
-    raise typer.Exit(uvloop.run(run()))
+
+def _report_failure(e: Any, writer: Any, as_json: bool) -> None:
+    if as_json:
+        error = {"code": e.code, "role": e.role, "message": e.detail, "request_id": e.request_id}
+        print(json.dumps({"error": error}))
+        return
+    if writer.text:
+        sys.stdout.write("\n")
+    err.print(f"request failed: {e}", style="red")
 
 
 def _out_dir(given: Path | None) -> Path:

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -22,7 +23,7 @@ from omniflow.cli.common import (
     out,
 )
 from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, find_deployment
-from omniflow.runtime.supervisor import default_run_dir
+from omniflow.runtime.supervisor_dir import default_run_dir
 
 
 def status(
@@ -51,9 +52,29 @@ def status(
         records = uvloop.run(list_deployment_actors(state))
     except Exception as e:  # the registry unreachable, most likely
         fail(f"cannot list {state['name']}'s actors at {state['registry']}: {e}", EXIT_NOT_RUNNING)
-    # The supervisor's view (state.json) names what the registry cannot: a replica being
-    # restarted has no record there, and only the supervisor counts restarts.
-    supervised = {(a["role"], a["replica"]): a for a in state.get("actors", [])}
+    actors = _actors(records, state.get("actors", []))
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "name": state["name"],
+                    "supervisor_pid": state["pid"],
+                    "run_dir": state["run_dir"],
+                    "registry": state["registry"],
+                    "host_id": state.get("host_id", ""),
+                    "actors": actors,
+                }
+            )
+        )
+        return
+    _print_table(state, actors)
+
+
+def _actors(records: list[Any], supervised_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The registry's records joined with the supervisor's view (state.json), which names
+    what the registry cannot: a replica being restarted has no record there, and only the
+    supervisor counts restarts."""
+    supervised = {(a["role"], a["replica"]): a for a in supervised_list}
     actors = [
         {
             "role": r.role,
@@ -83,20 +104,10 @@ def status(
             }
         )
     actors.sort(key=lambda a: (a["role"], a["replica"]))
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "name": state["name"],
-                    "supervisor_pid": state["pid"],
-                    "run_dir": state["run_dir"],
-                    "registry": state["registry"],
-                    "host_id": state.get("host_id", ""),
-                    "actors": actors,
-                }
-            )
-        )
-        return
+    return actors
+
+
+def _print_table(state: dict[str, Any], actors: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     title = (

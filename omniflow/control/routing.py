@@ -18,17 +18,18 @@ from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from omniflow.control.balance import NoReplicaError, PickKey, prefix_chain
-from omniflow.control.discovery.view import RegistryView
-from omniflow.control.graph import INPUT, Plan
+from omniflow.control.branch import Branch, merge
+from omniflow.control.graph import INPUT
+from omniflow.control.router import FULL_CREDIT, NO_LINK, RouteError, Router, revoke_if_unsent
 from omniflow.messages import ActorRecord, Call, Code, Done, Emit, Join, Timing
 from omniflow.transport.codec import encode, export_tensors, revoke_tensors, split_output
-from omniflow.transport.endpoint import Outbox, PeerUnavailable
-from omniflow.transport.links import Link, client_link
+from omniflow.transport.endpoint import PeerUnavailable
+from omniflow.transport.links import client_link
+
+__all__ = ["FULL_CREDIT", "NO_REPLICA_GRACE_S", "Fanout", "RouteError", "Router"]
 
 log = logging.getLogger(__name__)
 
-FULL_CREDIT = 1 << 62
-_NO_LINK = Link()  # what a message without tensors needs to know about its link
 _NO_KEY = PickKey()  # what a policy that keys on nothing is handed
 # How long a request waits, once, for a role that has no ready replica in this process's
 # registry view before it fails as unavailable (never past its deadline). Right after a
@@ -38,100 +39,6 @@ NO_REPLICA_GRACE_S = 5.0
 _REPICK_PAUSE_S = 0.1  # between tries of an idempotent role's only replica
 
 
-class RouteError(RuntimeError):
-    """No replica could take a branch; ``code`` is the Fail code to answer with."""
-
-    def __init__(self, code: str, message: str, replica: str = "") -> None:
-        super().__init__(message)
-        self.code = code
-        self.replica = replica  # the actor id of a replica that did not take it, if one
-
-
-class Router:
-    """What every producer in one process shares: the plan, the view, the sockets."""
-
-    def __init__(
-        self,
-        plan: Plan,
-        view: RegistryView,
-        outbox: Outbox,
-        policies: Mapping[str, Any],
-        idempotent: frozenset[str] = frozenset(),
-        host: str = "",
-    ) -> None:
-        self.plan = plan
-        self.view = view
-        self.outbox = outbox
-        self.policies = policies
-        self.idempotent = idempotent
-        self.host = host
-
-    def pick(
-        self,
-        role: str,
-        key: PickKey,
-        exclude: frozenset[str] = frozenset(),
-        exclude_pids: frozenset[int] = frozenset(),
-    ) -> ActorRecord:
-        """A replica of ``role``, but none named in ``exclude`` (actor ids) or running as one
-        of ``exclude_pids`` (a dead process; its restarted replica may be picked)."""
-        replicas = self.view.replicas(role)
-        if exclude or exclude_pids:
-            replicas = [
-                r for r in replicas if r.actor_id not in exclude and r.pid not in exclude_pids
-            ]
-        if not replicas:
-            raise NoReplicaError(role)
-        return self.policies[role].pick(replicas, key)
-
-    def link(self, record: ActorRecord | None) -> Link:
-        if record is None:
-            return Link()
-        return Link(same_host=record.host == self.host, gpus=tuple(record.devices), pid=record.pid)
-
-    def send_now(
-        self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = _NO_LINK
-    ) -> Awaitable[None] | None:
-        """Send ``msg`` if the peer's queue takes it now (None); else the send to await."""
-        if tensors:
-            frames: list[Any] = [b""]
-            msg.tensors = export_tensors(dict(tensors), frames, link)
-            frames[0] = encode(msg)
-        else:
-            frames = [encode(msg)]
-        if self.outbox.try_send(address, frames):
-            return None
-        return self.outbox.send(address, frames)
-
-    async def send(
-        self, address: str, msg: Any, tensors: Mapping[str, Any], link: Link = _NO_LINK
-    ) -> None:
-        rest = self.send_now(address, msg, tensors, link)
-        if rest is not None:
-            await rest
-
-
-class _Branch:
-    __slots__ = ("role", "record", "stream", "join", "seq", "data", "tensors", "loops")
-
-    def __init__(
-        self,
-        role: str,
-        record: ActorRecord,
-        stream: bool,
-        join: Join | None,
-        loops: dict[str, int],
-    ) -> None:
-        self.role = role
-        self.loops = loops
-        self.record = record
-        self.stream = stream
-        self.join = join
-        self.seq = 0
-        self.data: dict[str, Any] = {}
-        self.tensors: dict[str, Any] = {}
-
-
 class Fanout:
     """The branches one request opened from one producer."""
 
@@ -139,7 +46,7 @@ class Fanout:
         self.router = router
         self.src = src
         self.call = call  # the request's identity: id, reply_to, params, deadline, join
-        self.branches: dict[str, _Branch] = {}
+        self.branches: dict[str, Branch] = {}
         self.emitted = 0
         self.addresses: set[str] = set()
         self.waited_for_replicas = False
@@ -158,16 +65,16 @@ class Fanout:
         if not routes:
             emit = Emit(self.call.request_id, self.src, self.emitted, data, token=self.call.token)
             self.emitted += 1
-            link = client_link(self.call.reply_to) if tensors else _NO_LINK
+            link = client_link(self.call.reply_to) if tensors else NO_LINK
             rest = self.router.send_now(self.call.reply_to, emit, tensors, link)
             if rest is not None:
-                await _revoke_if_unsent(rest, emit, link)
+                await revoke_if_unsent(rest, emit, link)
             return
         for branch in self._branches_for(routes, data):
             if branch.stream:
                 await self._send_chunk(branch, data, tensors, last=False, credit=0)
             else:
-                _merge(branch.data, data)
+                merge(branch.data, data)
                 branch.tensors.update(tensors)
 
     def peer(self, role: str) -> ActorRecord:
@@ -181,7 +88,7 @@ class Fanout:
             branch = self._open(edges[0], None, {})
         return branch.record
 
-    def _branches_for(self, routes: list, data: Mapping[str, Any]) -> list[_Branch]:
+    def _branches_for(self, routes: list, data: Mapping[str, Any]) -> list[Branch]:
         """The branch each route goes down, opened (replica picked) on first use."""
         joins = self._joins_for(routes, data)
         return [
@@ -243,7 +150,7 @@ class Fanout:
                 tags[route] = Join(join_role, target.actor_id, len(members), i)
         return tags
 
-    def _open(self, edge: Any, join: Join | None, data: Mapping[str, Any]) -> _Branch:
+    def _open(self, edge: Any, join: Join | None, data: Mapping[str, Any]) -> Branch:
         role = edge.dst
         loops = self.call.loops
         if edge.max_iters:
@@ -257,7 +164,7 @@ class Fanout:
                 raise RouteError(Code.UNAVAILABLE, message, join.replica)
         else:
             record = self._pick(role, key=self._key(role, data))
-        branch = _Branch(role, record, edge.stream, join, loops)
+        branch = Branch(role, record, edge.stream, join, loops)
         self.branches[role] = branch
         return branch
 
@@ -284,7 +191,7 @@ class Fanout:
 
     async def _send_chunk(
         self,
-        branch: _Branch,
+        branch: Branch,
         data: dict,
         tensors: dict,
         last: bool,
@@ -297,7 +204,7 @@ class Fanout:
 
     def _chunk(
         self,
-        branch: _Branch,
+        branch: Branch,
         data: dict,
         last: bool,
         credit: int,
@@ -327,10 +234,10 @@ class Fanout:
             c.token,  # the request's, for every hop: its replies and cancels carry it
         )
 
-    async def _deliver(self, branch: _Branch, msg: Call, tensors: dict) -> None:
+    async def _deliver(self, branch: Branch, msg: Call, tensors: dict) -> None:
         while True:
             try:
-                link = self.router.link(branch.record) if tensors else _NO_LINK
+                link = self.router.link(branch.record) if tensors else NO_LINK
                 await self.router.send(branch.record.endpoint, msg, tensors, link)
                 break
             except BaseException as e:
@@ -353,7 +260,7 @@ class Fanout:
                 branch.record = await self._repick(branch)
         self._sent(branch)
 
-    async def _repick(self, branch: _Branch) -> ActorRecord:
+    async def _repick(self, branch: Branch) -> ActorRecord:
         """Another replica for a branch of an idempotent role whose replica did not take
         it; with none, the same one again after a pause (restarting, or just restarted and
         not yet reconnected to), until the request's deadline."""
@@ -367,7 +274,7 @@ class Fanout:
         await self.router.view.wait_for(branch.role, until - time.time(), self.exclude_pids)
         return self._pick(branch.role)
 
-    def _sent(self, branch: _Branch) -> None:
+    def _sent(self, branch: Branch) -> None:
         self.addresses.add(branch.record.endpoint)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -407,12 +314,10 @@ class Fanout:
                 )
                 done.token = self.call.token
                 self.emitted += 1
-                link = client_link(self.call.reply_to) if tensors else _NO_LINK
+                link = client_link(self.call.reply_to) if tensors else NO_LINK
                 rest = self.router.send_now(self.call.reply_to, done, tensors, link)
                 return (
-                    rest
-                    if rest is None or not done.tensors
-                    else _revoke_if_unsent(rest, done, link)
+                    rest if rest is None or not done.tensors else revoke_if_unsent(rest, done, link)
                 )
             if not routes or any(route.edge.stream for route in routes):
                 # It goes out on its own first: an Emit, or chunks on streaming edges.
@@ -420,7 +325,7 @@ class Fanout:
             if missing := self._roles_without_replicas(routes):
                 return self._finish_when_ready(missing, credit, timings, usage, last_output)
             for branch in self._branches_for(routes, data):
-                _merge(branch.data, data)
+                merge(branch.data, data)
                 branch.tensors.update(tensors)
         if not self.branches:
             done = Done(self.call.request_id, self.src, credit, timings, usage)
@@ -463,7 +368,7 @@ class Fanout:
         """Each branch's last chunk, with its share of ``credit`` (the extra, the timings and
         the usage ride on the first); sent in order while the peers' queues take them."""
         share, extra = divmod(credit, len(self.branches))
-        closing: list[tuple[_Branch, Call, dict]] = []
+        closing: list[tuple[Branch, Call, dict]] = []
         for i, branch in enumerate(self.branches.values()):
             data, tensors = ({}, {}) if branch.stream else (branch.data, branch.tensors)
             if i == 0:
@@ -482,7 +387,7 @@ class Fanout:
             self.router.policies[branch.role].on_done(branch.record.actor_id)
         return None
 
-    def _try_deliver(self, branch: _Branch, msg: Call, tensors: dict) -> bool:
+    def _try_deliver(self, branch: Branch, msg: Call, tensors: dict) -> bool:
         """Export ``tensors`` for the branch's replica and send now if its queue takes it
         (no Task for a hop with tensors); else take the refs back, for ``_deliver`` to
         export afresh (it may retry elsewhere), and return False."""
@@ -501,29 +406,7 @@ class Fanout:
         msg.tensors = {}
         return False
 
-    async def _deliver_all(self, closing: list[tuple[_Branch, Call, dict]]) -> None:
+    async def _deliver_all(self, closing: list[tuple[Branch, Call, dict]]) -> None:
         for branch, msg, tensors in closing:
             await self._deliver(branch, msg, tensors)
             self.router.policies[branch.role].on_done(branch.record.actor_id)
-
-
-async def _revoke_if_unsent(send: Awaitable[None], msg: Any, link: Link) -> None:
-    """Await a send to the client; one that fails takes back the pool refs exported for it."""
-    try:
-        await send
-    except BaseException:
-        if msg.tensors:
-            revoke_tensors(msg.tensors.values(), link.pid)
-        raise
-
-
-def _merge(into: dict[str, Any], data: Mapping[str, Any]) -> None:
-    """Outputs merged for a plain edge: text concatenates, lists extend, the rest replaces."""
-    for key, value in data.items():
-        prev = into.get(key)
-        if isinstance(prev, str) and isinstance(value, str):
-            into[key] = prev + value
-        elif isinstance(prev, list) and isinstance(value, list):
-            into[key] = prev + value
-        else:
-            into[key] = value

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from omniflow.engine.figures import engine_description
 from omniflow.engine.llm_engine import EngineConfig, LLMEngine
 from omniflow.engine.protocol import EngineBackend, TokenDelta
 from omniflow.engine.sampling_params import SamplingParams
@@ -96,6 +97,22 @@ class AsyncEngine:
     @classmethod
     def from_path(cls, model_path: str | Path, config: EngineConfig | None = None) -> AsyncEngine:
         return cls(LLMEngine(model_path, config))
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The backend's counters; read them on the engine thread (in `call`) for a value
+        that no step is changing."""
+        return self.backend.stats
+
+    def lends_kv(self) -> bool:
+        """Whether KV this engine lent is still held by a borrower (a step reaps the
+        leases they let go)."""
+        book = self.backend.leases
+        return book is not None and bool(book.open)
+
+    def description(self) -> dict[str, Any]:
+        """What the backend loaded (dtype, device, KV pages, kernels), for logs."""
+        return engine_description(self.backend)
 
     async def generate(
         self,

@@ -5,9 +5,9 @@ calls per layer. Models and the scheduler never see which backend it is.
 
 - `torch`: the PyTorch reference path (paged_attention.py, latent_attention.py): any
   device and dtype; decode rows read gathered pages or the DecodeMirror's copies.
-- `cpu`: omniflow's CPU kernels (omniflow.kernels, a bf16 model on CPU): they write the new
-  K/V and run decode attention over the pages in place (no mirror, no masks) where they
-  take the heads, and the rest on the reference path's code.
+- `cpu`: omniflow's CPU kernels (omniflow.kernels, a bf16 model on CPU; cpu_attention.py):
+  they write the new K/V and run decode attention over the pages in place (no mirror, no
+  masks) where they take the heads, and the rest on the reference path's code.
 
 A GPU backend is one more class here with the same three members."""
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from omniflow.engine.cpu_attention import CpuLatentAttention, CpuPagedAttention
 from omniflow.engine.latent_attention import LatentPagedAttention
 from omniflow.engine.paged_attention import AttentionBatch, KVCache, PagedAttention
 from omniflow.kernels import CpuKernels
@@ -73,8 +74,8 @@ class CpuKernelAttention:
 
     def bind(self, batch: AttentionBatch) -> AttentionFn:
         if self.latent:
-            return LatentPagedAttention(self.cache, batch, self.scale, self.kernels)
-        return PagedAttention(self.cache, batch, self.scale, self.kernels)
+            return CpuLatentAttention(self.cache, batch, self.scale, self.kernels)
+        return CpuPagedAttention(self.cache, batch, self.scale, self.kernels)
 
 
 def create_attention_backend(

@@ -10,6 +10,7 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
+from omniflow.engine.flows import BlockStep, GuidedPair, MediaOutput
 from omniflow.engine.heads import BlockRows, Guidance
 from omniflow.engine.intake import Limits, check_block, check_length, checked_spans, checked_tokens
 from omniflow.engine.paged_attention import KVCache
@@ -76,7 +77,7 @@ class KeptContexts:
         follower = sequence.partner
         if unconditional is None or scale is None:
             if follower is not None:  # a kept pair continued without guidance: drop that half
-                sequence.partner = None
+                sequence.pair = follower.pair = None
                 self.scheduler.finish(follower, "abort")
             return
         rid = f"{sequence.request_id}/uncond"
@@ -85,10 +86,10 @@ class KeptContexts:
             follower = follower.continued(rid, tokens, sequence.params, spans)
         else:
             follower = Sequence(rid, tokens, sequence.params, spans)
-            follower.partner, follower.follows = sequence, True
-            sequence.partner = follower
-        follower.head = sequence.head
-        sequence.guidance_scale = follower.guidance_scale = float(scale)
+            sequence.pair = follower.pair = GuidedPair(sequence, follower)
+        assert sequence.pair is not None
+        sequence.pair.scale = float(scale)
+        follower.media = None if sequence.media is None else MediaOutput(sequence.media.head)
 
     def keep_context(
         self,
@@ -154,7 +155,8 @@ class KeptContexts:
             uncond_tokens, uncond_spans = checked[1]
             unconditional = ([] if views[1] else uncond_tokens, uncond_spans)
         self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
-        sequence.combine_halves = guidance is None or guidance.combine
+        if sequence.pair is not None and guidance is not None:
+            sequence.pair.combine = guidance.combine
         if sequence.partner is not None:
             sequence.partner.lent = views[1]
         for member in (sequence, sequence.partner):
@@ -218,10 +220,9 @@ class KeptContexts:
         del self.kept[context_id]
         block = BlockRows(rows.to(self.cache.keys.dtype), positions.to(torch.long), causal_rows)
         sequence = sequence.successor(request_id)
-        sequence.keep_as = context_id
-        for member in (sequence, sequence.partner):
-            if member is not None:
-                member.block = block
+        sequence.block_step = BlockStep(block, context_id)
+        if sequence.partner is not None:
+            sequence.partner.block_step = BlockStep(block, None)
         self.sequences[request_id] = sequence
         self.scheduler.requeue(sequence)
 

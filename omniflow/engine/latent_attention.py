@@ -9,36 +9,24 @@ host/SSD tiers (kv_pages.py) and KV leases; only attention reads them differentl
 Attention is MQA in the absorbed form (models/deepseek/mla.py): the query [rows, heads, D] scores
 against the whole latent vector and the output is the weighted latent [rows, heads, rank].
 With omniflow's CPU kernels (a bf16 model on CPU), decode rows read the pages in place on
-them (kernels/latent_attention.c) instead of gathering them.
+them (kernels/latent_attention.c) instead of gathering them: engine/cpu_attention.py.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from omniflow.engine.paged_attention import AttentionBatch, KVCache, PrefillSegment
 
-if TYPE_CHECKING:
-    from omniflow.kernels import CpuKernels
-
 
 class LatentPagedAttention:
     """The `AttentionFn` of an MLA decoder, bound to one step's AttentionBatch (no mirror;
-    built with decode masks unless `kernels` are given, which read tables and lengths)."""
+    built with decode masks): the PyTorch reference path."""
 
-    def __init__(
-        self,
-        cache: KVCache,
-        batch: AttentionBatch,
-        scale: float,
-        kernels: CpuKernels | None = None,
-    ):
+    def __init__(self, cache: KVCache, batch: AttentionBatch, scale: float):
         self.cache = cache
         self.batch = batch
         self.scale = scale
-        self.kernels = kernels
 
     def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """q [rows, heads, D]; k [rows, 1, D] the new latents; v [rows, 1, rank] a view of
@@ -53,29 +41,20 @@ class LatentPagedAttention:
         width = latents.shape[1]
         outputs = []
         decodes = batch.num_decode_rows
-        if decodes and self.kernels is not None:
-            assert batch.decode_pages is not None and batch.decode_lengths is not None
-            outputs.append(
-                self.kernels.latent_decode_attention(
-                    q[:decodes],
-                    self.cache.keys[layer_index, 0],
-                    self.cache.values[layer_index, 0],
-                    batch.decode_pages.view(decodes, -1),
-                    batch.decode_lengths,
-                    rank,
-                    self.scale,
-                )
-            )
-        elif decodes:
-            if batch.decode_pages is None or batch.decode_bias is None:
-                raise RuntimeError("latent decode rows need block tables and decode masks")
-            context = self._gather(layer_index, batch.decode_pages, width)
-            context = context.view(decodes, -1, width)  # [decodes, ctx, D]
-            outputs.append(self._attend(q[:decodes], context, rank, batch.decode_bias[:decodes]))
+        if decodes:
+            outputs.append(self._decode_rows(layer_index, q[:decodes], width, rank))
         for segment in batch.prefills:
             rows = slice(segment.row_start, segment.row_end)
             outputs.append(self._prefill(layer_index, segment, q[rows], latents[rows], rank))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _decode_rows(self, layer_index: int, q, width: int, rank: int) -> torch.Tensor:
+        batch = self.batch
+        if batch.decode_pages is None or batch.decode_bias is None:
+            raise RuntimeError("latent decode rows need block tables and decode masks")
+        context = self._gather(layer_index, batch.decode_pages, width)
+        context = context.view(q.shape[0], -1, width)  # [decodes, ctx, D]
+        return self._attend(q, context, rank, batch.decode_bias[: q.shape[0]])
 
     def _gather(self, layer_index: int, pages: torch.Tensor, width: int) -> torch.Tensor:
         """[len(pages) * page_size, D]: the latents of those pages, in order."""

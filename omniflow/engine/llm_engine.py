@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import torch
 
+from omniflow.engine.flows import Ending, MediaOutput
 from omniflow.engine.heads import CodesHead, Guidance
 from omniflow.engine.intake import Limits
 from omniflow.engine.kept import KeptContexts, close_lent
@@ -53,7 +54,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the config's max_position_embeddings
     enable_prefix_caching: bool = True
-    prefix_cache: str = "radix"  # the only kind (kv/radix.py); the llm role still passes it
     seed: int | None = None  # for requests without their own seed
     # KV tiers below the device (radix prefix cache only): evicted pages are copied to the
     # host page pool (the deployment's, or a private one), then to SSD, before being dropped.
@@ -108,7 +108,6 @@ class EngineConfig:
                 raise ValueError(f"engine config field backend 'sglang' needs {missing}")
 
 
-PREFIX_CACHES = ("radix",)
 PREFILL_SAMPLE_TOKENS = 16  # steps with fewer prompt tokens say little about prefill speed
 BACKENDS = ("torch", "sglang")
 FLOW_OPERATIONS = ("codes_heads", "guidance", "block_steps", "embeddings")
@@ -187,11 +186,6 @@ class LLMEngine(KeptContexts):
         kv_pool: PagePool | None = None,
     ):
         self.config = config = config or EngineConfig()
-        if config.prefix_cache not in PREFIX_CACHES:
-            raise ValueError(
-                f"engine config field prefix_cache must be one of {PREFIX_CACHES}, "
-                f"not {config.prefix_cache!r}"
-            )
         self.model, self.tokenizer, model_config, dtype, device, path = _load(
             model, config, tokenizer
         )
@@ -334,10 +328,11 @@ class LLMEngine(KeptContexts):
         else:
             del self.kept[str(continue_from)]
             sequence = kept.continued(request_id, tokens, params, spans)
-        sequence.lend_kv_to = lend_kv_to
-        sequence.head, sequence.keep = head, keep
+        sequence.ending = Ending(keep, lend_kv_to)
+        sequence.media = None if head is None else MediaOutput(head)
         self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
-        sequence.combine_halves = guidance is None or guidance.combine
+        if sequence.pair is not None and guidance is not None:
+            sequence.pair.combine = guidance.combine
         self.sequences[request_id] = sequence
         if sequence.status is SequenceStatus.KEPT:
             self.scheduler.requeue(sequence)
@@ -357,7 +352,7 @@ class LLMEngine(KeptContexts):
         sequence = self.sequences.pop(request_id, None)
         if sequence is None:
             return
-        if sequence.keep_as is not None:
+        if sequence.block_step is not None:
             delta = delta_of(sequence, 0)._replace(finish_reason="abort")
             self._park(sequence)
             self.pending_aborts.append(delta)
@@ -367,13 +362,13 @@ class LLMEngine(KeptContexts):
 
     def _park(self, sequence: Sequence) -> None:
         """A block step is done: its context is kept again, under its own id."""
-        assert sequence.keep_as is not None
+        step = sequence.block_step
+        assert step is not None and step.context_id is not None
         for member in (sequence, sequence.partner):
             if member is not None:
-                member.block = None
+                member.block_step = None
         self.scheduler.keep(sequence)
-        kept = sequence.successor(sequence.keep_as)
-        kept.keep_as = None
+        kept = sequence.successor(step.context_id)
         self.kept[kept.request_id] = kept
 
     def has_unfinished_requests(self) -> bool:
@@ -417,9 +412,9 @@ class LLMEngine(KeptContexts):
             check_stop(sequence, self.eos_token_ids, self.tokenizer, self.max_model_len)
             lease = None
             if sequence.finish_reason is not None:
-                if sequence.lend_kv_to is not None:
-                    lease = self._lend(sequence, sequence.lend_kv_to)
-                if sequence.keep:
+                if sequence.ending.lend_kv_to is not None:
+                    lease = self._lend(sequence, sequence.ending.lend_kv_to)
+                if sequence.ending.keep:
                     self.scheduler.keep(sequence)
                     self.kept[sequence.request_id] = sequence
                 else:

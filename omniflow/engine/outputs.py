@@ -33,9 +33,9 @@ def append_from_hidden(
     hidden = []
     for sequence in leaders:
         state = output.hidden[rows[id(sequence)]]
-        if sequence.partner is not None:
-            base = output.hidden[rows[id(sequence.partner)]]
-            state = guided(state, base, sequence.guidance_scale)
+        if sequence.pair is not None:
+            base = output.hidden[rows[id(sequence.pair.follower)]]
+            state = guided(state, base, sequence.pair.scale)
         hidden.append(state)
     states = torch.stack(hidden)
     text = [i for i, s in enumerate(leaders) if s.head is None]
@@ -65,10 +65,10 @@ def block_outputs(output: StepOutput) -> list[tuple[Sequence, torch.Tensor]]:
     for sequence, hidden in output.blocks:
         if sequence.follows:
             continue
-        if sequence.partner is not None:
-            uncond = by_sequence[id(sequence.partner)]
-            if sequence.combine_halves:
-                hidden = guided(hidden, uncond, sequence.guidance_scale)
+        if sequence.pair is not None:
+            uncond = by_sequence[id(sequence.pair.follower)]
+            if sequence.pair.combine:
+                hidden = guided(hidden, uncond, sequence.pair.scale)
             else:
                 hidden = torch.cat((hidden, uncond))
         done.append((sequence, hidden))
@@ -116,8 +116,8 @@ def delta_of(sequence: Sequence, num_new: int) -> TokenDelta:
     if sequence.params.logprobs is not None:
         tops = sequence.output_top_logprobs[start:]
     codes = None
-    if sequence.head is not None and num_new:
-        codes = torch.stack(sequence.output_codes[start:])
+    if sequence.media is not None and num_new:
+        codes = torch.stack(sequence.media.codes[start:])
     return TokenDelta(
         sequence.request_id,
         sequence.output_token_ids[start:],

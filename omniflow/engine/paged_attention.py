@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from omniflow.kernels import CpuKernels
     from omniflow.kv.share import KVLeaseView
 
 
@@ -239,56 +238,29 @@ def _decode_tables(
 
 
 class PagedAttention:
-    """The `AttentionFn` the decoder calls per layer, bound to one step's AttentionBatch."""
+    """The `AttentionFn` the decoder calls per layer, bound to one step's AttentionBatch:
+    the PyTorch reference path. The CPU kernels' path (engine/cpu_attention.py) overrides
+    the K/V write, the maskless decode and the prefill attention where the kernels fit."""
 
-    def __init__(
-        self,
-        cache: KVCache,
-        batch: AttentionBatch,
-        scale: float,
-        kernels: CpuKernels | None = None,
-    ):
-        """kernels: omniflow's CPU kernels, for a bf16 CPU cache: they write the new K/V, and
-        run decode attention over the pages in place where `decode_attention_supported`."""
+    def __init__(self, cache: KVCache, batch: AttentionBatch, scale: float):
         self.cache = cache
         self.batch = batch
         self.scale = scale
         # Decode attention's kernel, fixed by the cache (the mirror shares its dtype/device).
         self.sdpa_decode = sdpa_decode(cache.keys)
-        self.kernels = kernels
-        # Prefill attention on the kernels (_kernel_attention), once known.
-        self._on_kernels: bool | None = None
 
     def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         batch = self.batch
         layer_keys = self.cache.keys[layer_index]  # [kv_heads, pages, page_size, head_dim]
         layer_values = self.cache.values[layer_index]
-        kv_heads, pages, size, head_dim = layer_keys.shape
-        kernels = self.kernels
-        if kernels is not None:
-            kernels.kv_write(k, v, layer_keys, layer_values, batch.slot_mapping)
-        else:
-            flat = (kv_heads, pages * size, head_dim)
-            layer_keys.view(flat).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-            layer_values.view(flat).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+        self._write(k, v, layer_keys, layer_values)
         outputs = []
         decodes = batch.num_decode_rows
-        if decodes and batch.mirrored is not None:
+        if decodes:
+            rows = slice(0, decodes)
             outputs.append(
-                self._decode_mirrored(layer_index, q[:decodes], k[:decodes], v[:decodes])
+                self._decode_rows(layer_index, q[rows], k[rows], v[rows], layer_keys, layer_values)
             )
-        elif decodes and batch.decode_bias is None:
-            # Built without masks: the CPU kernel reads the block tables and lengths.
-            if kernels is None or batch.decode_pages is None or batch.decode_lengths is None:
-                raise RuntimeError("decode rows without masks need the CPU kernels and tables")
-            tables = batch.decode_pages.view(decodes, -1)
-            outputs.append(
-                kernels.decode_attention(
-                    q[:decodes], layer_keys, layer_values, tables, batch.decode_lengths, self.scale
-                )
-            )
-        elif decodes:
-            outputs.append(self._decode(q[:decodes], layer_keys, layer_values))
         for segment in batch.prefills:
             rows = slice(segment.row_start, segment.row_end)
             outputs.append(
@@ -298,15 +270,18 @@ class PagedAttention:
             )
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _kernel_attention(self, heads: int) -> CpuKernels | None:
-        """The kernels, where prefill attention runs on them for these heads (AMX tiles, or
-        AVX-512 BF16 without AMX)."""
-        if self._on_kernels is None:
-            kernels, keys = self.kernels, self.cache.keys
-            self._on_kernels = kernels is not None and kernels.context_attention_supported(
-                heads, keys.shape[1], keys.shape[-1]
-            )
-        return self.kernels if self._on_kernels else None
+    def _write(self, k, v, layer_keys: torch.Tensor, layer_values: torch.Tensor) -> None:
+        """The step's new K/V into their slots."""
+        kv_heads, pages, size, head_dim = layer_keys.shape
+        flat = (kv_heads, pages * size, head_dim)
+        slots = self.batch.slot_mapping
+        layer_keys.view(flat).index_copy_(1, slots, k.transpose(0, 1))
+        layer_values.view(flat).index_copy_(1, slots, v.transpose(0, 1))
+
+    def _decode_rows(self, layer_index: int, q, k, v, layer_keys, layer_values) -> torch.Tensor:
+        if self.batch.mirrored is not None:
+            return self._decode_mirrored(layer_index, q, k, v)
+        return self._decode(q, layer_keys, layer_values)
 
     def _decode(self, q, layer_keys, layer_values) -> torch.Tensor:
         decodes, heads, head_dim = q.shape
@@ -366,13 +341,6 @@ class PagedAttention:
         if segment.context_pages is None:
             return self._prefill_fresh(segment, q, k, v)
         kv_heads, _, _, head_dim = layer_keys.shape
-        kernels = None if segment.bidirectional else self._kernel_attention(q.shape[1])
-        if kernels is not None:
-            # Over the pages in place: no gathered copy of the context, no mask.
-            start = segment.context_len - q.shape[0]
-            return kernels.context_attention(
-                q, layer_keys, layer_values, segment.context_pages, start, self.scale
-            )
         shape = (kv_heads, -1, head_dim)
         keys = layer_keys.index_select(1, segment.context_pages).view(shape)
         values = layer_values.index_select(1, segment.context_pages).view(shape)
@@ -421,9 +389,6 @@ class PagedAttention:
 
     def _prefill_fresh(self, segment: PrefillSegment, q, k, v):
         chunks, tokens = segment.num_chunks, segment.context_len
-        kernels = self._kernel_attention(q.shape[1])
-        if kernels is not None:
-            return kernels.chunks_attention(q, k, v, chunks, self.scale)
         # [chunks * tokens, heads, dim] -> [chunks, heads, tokens, dim], as views.
         out = F.scaled_dot_product_attention(
             q.view(chunks, tokens, *q.shape[1:]).transpose(1, 2),

@@ -34,6 +34,10 @@ class TokenDelta(NamedTuple):
 
 
 class EngineBackend(Protocol):
+    # Counters: prompt_tokens_computed, rows_forwarded, steps (written by the engine thread).
+    stats: dict[str, int]
+    leases: Any  # the KV leases it lent (kv.share.LeaseBook), None when it cannot lend
+
     def add_request(
         self,
         request_id: str,

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from omniflow.engine.flows import BlockStep, Ending, GuidedPair, MediaOutput
 from omniflow.engine.heads import BlockRows, CodesHead, codes_key
 from omniflow.engine.sampling_params import SamplingParams
 
@@ -65,24 +66,17 @@ class Sequence:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[dict[int, float]] = []
         self.extra_keys: list[Hashable | None] | None = None
-        self.lend_kv_to: int | None = None  # a pid: lease this request's KV to it at the end
-        self.head: CodesHead | None = None  # None: text (lm_head + sampler)
-        self.output_codes: list[torch.Tensor] = []  # ids [K] per media token of this request
         # Input rows of generated media tokens, by position (they replace the placeholder's).
         self.input_rows: dict[int, torch.Tensor] = {}
-        # Guidance: the leader (conditional) and the follower (unconditional) point at each
-        # other; the scheduler admits, preempts and frees them together.
-        self.partner: Sequence | None = None
-        self.follows = False  # True on the unconditional sequence of a pair
-        self.guidance_scale = 1.0
-        self.block: BlockRows | None = None  # a pending block step over this prefix
-        self.combine_halves = True  # a guided block step: combine (else stack) the halves
         # A lent context: its prefix K/V are another process's pages (KVLeaseView), read by
         # block steps; the sequence itself holds no tokens, only its block rows' slots.
         self.lent: Any = None
-        self.keep = False  # at the end, hold the pages for a continuation (KEPT)
-        self.keep_as: str | None = None  # a block step's context id: kept under it again
         self.text_stream: Any = None  # the output's text so far, for stop strings (TextStream)
+        # The flows it takes part in (flows.py); None: not in that flow.
+        self.pair: GuidedPair | None = None
+        self.media: MediaOutput | None = None
+        self.block_step: BlockStep | None = None
+        self.ending = Ending()
         self._key_spans(self.embedding_spans)
 
     def _key_spans(self, spans: list[EmbeddingSpan]) -> None:
@@ -91,6 +85,26 @@ class Sequence:
         if self.extra_keys is None:
             self.extra_keys = [None] * len(self.token_ids)
         key_spans(self.extra_keys, spans)
+
+    @property
+    def partner(self) -> Sequence | None:
+        """The other half of its guided pair."""
+        return None if self.pair is None else self.pair.other(self)
+
+    @property
+    def follows(self) -> bool:
+        """Whether it is the unconditional half of a guided pair."""
+        return self.pair is not None and self.pair.follower is self
+
+    @property
+    def head(self) -> CodesHead | None:
+        """The codes head generating its tokens; None: text (lm_head + sampler)."""
+        return None if self.media is None else self.media.head
+
+    @property
+    def block(self) -> BlockRows | None:
+        """A pending block step's rows over this prefix."""
+        return None if self.block_step is None else self.block_step.rows
 
     @property
     def request_id(self) -> str:
@@ -104,9 +118,9 @@ class Sequence:
         and partner, which now point at the successor."""
         successor = Sequence.__new__(Sequence)
         successor.__dict__.update(self.__dict__, _request_id=request_id)
-        if self.partner is not None:
-            self.partner.partner = successor
-        self.partner, self.page_ids, self.lent = None, [], None
+        if self.pair is not None:
+            self.pair.replace(self, successor)
+        self.pair, self.page_ids, self.lent = None, [], None
         return successor
 
     def continued(
@@ -129,7 +143,7 @@ class Sequence:
         self.token_ids = self.token_ids + extra_token_ids
         self.prompt_token_ids = list(self.token_ids)
         self.output_token_ids, self.output_logprobs, self.output_top_logprobs = [], [], []
-        self.output_codes = []
+        self.media = None
         self.text_stream = None
         if self.extra_keys is not None:
             self.extra_keys = self.extra_keys + [None] * len(extra_token_ids)
@@ -138,9 +152,8 @@ class Sequence:
         self.params = params
         self.finish_reason = self.stop_reason = None
         self.num_cached_tokens = None
-        self.block = None
-        self.keep = False
-        self.keep_as = None
+        self.block_step = None
+        self.ending = Ending()
         if self.num_pending_tokens == 0 and self.num_computed_tokens:
             # Kept after block steps, nothing new: the last token runs again for its state.
             self.num_computed_tokens -= 1
@@ -178,6 +191,7 @@ class Sequence:
 
     def append_codes(self, head: CodesHead, ids: torch.Tensor, row: torch.Tensor) -> None:
         """One generated media token: ids [K], its input row [hidden]."""
+        assert self.media is not None, "codes of a sequence without a codes head"
         self.input_rows[len(self.token_ids)] = row
-        self.output_codes.append(ids)
+        self.media.codes.append(ids)
         self.append_token(head.placeholder_id, 0.0, None, codes_key(head, ids))

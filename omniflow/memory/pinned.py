@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +66,3 @@ def unregister_host(ptr: int) -> None:
             torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception as e:  # noqa: BLE001 - teardown: report, keep closing
         log.warning("cudaHostUnregister failed: %s", e)
-
-
-def staging_buffer(nbytes: int) -> Any:
-    """A pinned host buffer from cupy's pinned-memory pool (a memoryview-able object).
-
-    For device<->host copies of bytes that do not live in the page pool.
-    """
-    if _cupy is None or not cuda_available():
-        raise NotImplementedError("pinned staging buffers need cupy and a CUDA device")
-    return _cupy.cuda.alloc_pinned_memory(nbytes)

@@ -15,12 +15,12 @@ from safetensors import safe_open
 
 from omniflow.models.deepseek.config import MLA_ARCHITECTURES, MLAConfig
 from omniflow.models.deepseek.decoder import MLADecoderLM
-from omniflow.models.hunyuan_image3 import HunyuanImage3LM
-from omniflow.models.hunyuan_image3_config import (
+from omniflow.models.hunyuan_image3.config import (
     HUNYUAN_IMAGE3_ARCHITECTURES,
     HUNYUAN_IMAGE3_MODEL_TYPES,
     HunyuanImage3Config,
 )
+from omniflow.models.hunyuan_image3.model import HunyuanImage3LM
 from omniflow.models.layers.cpu_layouts import packed_weights_supported
 from omniflow.models.layers.rope import compute_inv_freq
 from omniflow.models.llama.config import DecoderConfig

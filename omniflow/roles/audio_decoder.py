@@ -1,11 +1,27 @@
 """``audio_decoder`` role: a stream of audio-code chunks → a stream of 24 kHz PCM chunks.
 
+``model_path`` is a published-layout LongCat-Next folder. The role reads the audio bridge's
+codebooks and ``proj_decoder`` (``model.audio_tokenizer.audio_bridge_model.``), every tensor
+under ``model.audio_tokenizer.audio_decoder.`` and ``...audio_flow_matching_decoder.``
+(``models/omni/next_audio_decoder.py``, ``next_flow_mel.py``), and the HiFT vocoder's
+``cosy24k_vocoder/hift.pt`` (``models/omni/next_hift.py``).
+
 Each input chunk (one Call of a streamed request) carries
-    tensors["audio_codes"]: int64 (or int32) [n, 8]     RVQ ids of n audio tokens
+    tensors["audio_codes"]: int64 (or int32) [n, 8]     RVQ ids of n audio tokens; a row whose
+                         level 0 is codebook_sizes[0] (the published end-of-audio flag)
+                         ends a segment: the runs between flags decode on their own
 and yields, as soon as it is decoded, one output
-    audio_chunk: bytes   raw PCM16 little-endian mono frames, n * 1920 samples at 24 kHz
+    audio_chunk: bytes   raw PCM16 little-endian mono frames at 24 kHz; with the tiny
+                         checkpoint's config n * 1920 samples (4 mel frames a token, hop 480)
     sample_rate: int     24000
     index:       int     0, 1, 2, ... per request, in arrival order
+
+The published decoder is not causal across a chunk (GroupNorm over time, a post-net that
+looks ahead, a flow decoder that attends in blocks of 100 frames), so each chunk is decoded on
+its own, as the published ``lazy_decode_and_save`` decodes each audio segment; the flow's
+start noise and the vocoder's source phases and noise are seeded by the chunk's index (option
+``noise_seed``), so a chunk decodes the same wherever it runs. The published cross-fade between
+segments is not applied.
 
 A client assembles the WAV by concatenating the ``audio_chunk`` bytes in ``index`` order and
 writing them with ``wave``: ``setnchannels(1)``, ``setsampwidth(2)``, ``setframerate(24000)``,
@@ -21,20 +37,22 @@ from typing import Any
 
 import torch
 
-from omniflow.models.omni import AudioDecoder, ensure_model, load_audio_decoder, to_pcm16
+from omniflow.models.omni.checkpoint import read_config
+from omniflow.models.omni.next_audio_decoder import NextAudioDecoder, load_next_audio_decoder
+from omniflow.models.omni.next_builder import ensure_next
+from omniflow.models.omni.next_hift import HiFTGenerator, load_hift, to_pcm16
 from omniflow.roles.base import ModelActor
 from omniflow.roles.options import AudioDecoderOptions, NoParams
 from omniflow.runtime.actor import BadRequest, Context, Request
 
 
 class _StreamState:
-    """Where one request's stream is: chunks emitted and tokens decoded so far."""
+    """Where one request's stream is: chunks emitted so far."""
 
-    __slots__ = ("index", "tokens")
+    __slots__ = ("index",)
 
     def __init__(self) -> None:
         self.index = 0
-        self.tokens = 0
 
 
 class AudioDecoderRole(ModelActor):
@@ -51,35 +69,45 @@ class AudioDecoderRole(ModelActor):
             weakref.WeakKeyDictionary()
         )
         self.start_model_thread()
-        self.model: AudioDecoder = await self._run(self._load)
-        self.sample_rate = self.model.config.sample_rate
+        self.model, self.vocoder, self.sample_rate = await self._run(self._load)
         # Warm-up: the first forward pays for allocator and kernel setup; do it before serving.
-        warm = torch.zeros(1, len(self.model.config.codebook_sizes), dtype=torch.int64)
-        await self._run(self._decode, warm, 0)
+        warm = torch.zeros(1, len(self.model.codebook_sizes), dtype=torch.int64)
+        await self._run(self._decode, [warm], 0)
 
-    def _load(self) -> AudioDecoder:
+    def _load(self) -> tuple[NextAudioDecoder, HiFTGenerator, int]:
         opts = self.options
         if opts.build_tiny:
-            ensure_model("audio_decoder", opts.model_path, opts.seed)
-        return load_audio_decoder(opts.model_path, opts.device)
+            ensure_next(opts.model_path, opts.seed)
+        role = self.role
+        config = read_config(opts.model_path, role)
+        model = load_next_audio_decoder(opts.model_path, role, opts.device)
+        vocoder = load_hift(opts.model_path, role, opts.device)
+        rate = int(config["audio_config"]["vocoder_config"]["sampling_rate"])
+        return model, vocoder, rate
 
     async def handle(self, request: Request, ctx: Context):
         codes = request.tensors.get("audio_codes")
         if codes is None and request.last and request.seq > 0:
             return  # a closing chunk without codes
-        codes = self._codes(codes)
-        if codes.shape[0] == 0:
+        segments = self._segments(self._codes(codes))
+        if not segments:
             return
         state = self._streams.setdefault(ctx, _StreamState())
-        offset = state.tokens
-        state.tokens += codes.shape[0]
-        pcm = await self._run(self._decode, codes, offset)
         index = state.index
         state.index += 1
+        pcm = await self._run(self._decode, segments, index)
         yield {"audio_chunk": pcm, "sample_rate": self.sample_rate, "index": index}
 
+    def _segments(self, codes: torch.Tensor) -> list[torch.Tensor]:
+        """The runs of codes between end-of-audio rows (level 0 = ``codebook_sizes[0]``, the
+        published end flag): each is decoded on its own, the flag rows are dropped."""
+        ends = (codes[:, 0] == self.model.codebook_sizes[0]).nonzero().view(-1).tolist()
+        bounds = [-1, *ends, codes.shape[0]]
+        runs = [codes[a + 1 : b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        return [run for run in runs if run.shape[0]]
+
     def _codes(self, codes: Any) -> torch.Tensor:
-        sizes = self.model.config.codebook_sizes
+        sizes = self.model.codebook_sizes
         if not torch.is_tensor(codes) or codes.dtype not in (torch.int64, torch.int32):
             got = "nothing" if codes is None else getattr(codes, "dtype", type(codes).__name__)
             raise BadRequest(
@@ -89,18 +117,40 @@ class AudioDecoderRole(ModelActor):
             raise BadRequest(
                 "audio_codes", f"expected shape [n, {len(sizes)}], got {list(codes.shape)}"
             )
-        if codes.shape[0] > self.max_chunk_tokens:
+        limit = min(self.max_chunk_tokens, self.model.max_tokens)
+        if codes.shape[0] > limit:
+            why = (
+                "option max_chunk_tokens"
+                if limit == self.max_chunk_tokens
+                else "the decoder's positional_embedding rows / avg_pooler"
+            )
             raise BadRequest(
                 "audio_codes",
-                f"{codes.shape[0]} tokens in one chunk exceeds the limit of "
-                f"{self.max_chunk_tokens} (option max_chunk_tokens)",
+                f"{codes.shape[0]} tokens in one chunk exceeds the limit of {limit} ({why})",
             )
+        flags = codes[:, 0] == sizes[0]  # end-of-audio rows: level 0 = codebook_sizes[0]
+        rows = codes[~flags]
         for level, size in enumerate(sizes):
-            if codes.shape[0] and (
-                int(codes[:, level].min()) < 0 or int(codes[:, level].max()) >= size
+            if rows.shape[0] and (
+                int(rows[:, level].min()) < 0 or int(rows[:, level].max()) >= size
             ):
-                raise BadRequest("audio_codes", f"level {level} ids must lie in [0, {size})")
+                raise BadRequest(
+                    "audio_codes",
+                    f"level {level} ids must lie in [0, {size}) (or level 0 = {sizes[0]}, "
+                    "the end-of-audio flag)",
+                )
+        flagged = codes[flags]  # the head has size + 1 classes a level: the flag row's may be size
+        if flagged.shape[0] and bool(((flagged < 0) | (flagged > torch.tensor(sizes))).any()):
+            raise BadRequest(
+                "audio_codes", f"an end-of-audio row's ids must lie in [0, size] for sizes {sizes}"
+            )
         return codes.to(torch.int64)
 
-    def _decode(self, codes: torch.Tensor, offset: int) -> bytes:
-        return to_pcm16(self.model.decode_chunk(codes, offset))
+    def _decode(self, segments: list[torch.Tensor], index: int) -> bytes:
+        noise = torch.Generator().manual_seed(self.options.noise_seed * 1_000_003 + index)
+        waves = []
+        for codes in segments:
+            mel = self.model.mel(codes, noise)
+            with torch.no_grad():
+                waves.append(self.vocoder(mel.t()[None], noise)[0])
+        return to_pcm16(torch.cat(waves).float().cpu())

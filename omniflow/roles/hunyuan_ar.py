@@ -12,7 +12,7 @@ Output (to diffusion):
 
 Everything runs in the engine over the backbone weights this role maps from the host pool
 (the diffusion role maps the same pages). The context is the release's sequence template
-(models/hunyuan_image3_template.py; ``sequence_template`` 'pretrain' or 'instruct', an
+(models/hunyuan_image3/template.py; ``sequence_template`` 'pretrain' or 'instruct', an
 optional system prompt) up to the ratio token:
 
     <bos> [system] [condition image: <timestep> + clean latent rows, ViT rows] prompt
@@ -33,7 +33,7 @@ import contextlib
 import functools
 import io
 import itertools
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import torch
@@ -41,9 +41,9 @@ from PIL import Image
 
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
 from omniflow.kv.share import revoke
-from omniflow.models.hunyuan_image3_config import generation_template
-from omniflow.models.hunyuan_image3_template import SequenceTemplate
-from omniflow.models.hunyuan_image3_tokens import ImageTokens, grid_of_ratio, ratio_of_size
+from omniflow.models.hunyuan_image3.config import generation_template
+from omniflow.models.hunyuan_image3.template import SequenceTemplate
+from omniflow.models.hunyuan_image3.tokens import ImageTokens, grid_of_ratio, ratio_of_size
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone, span_fields
 from omniflow.roles.hunyuan_prompt import Condition, condition_spans, encode_condition
@@ -106,8 +106,7 @@ class ARRole(ModelActor):
     async def _reap_leases(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            book = cast(LLMEngine, self.engine.backend).leases
-            if book is not None and book.open:
+            if self.engine.lends_kv():
                 await self.engine.call(lambda: None)  # a step follows, which reaps
 
     async def close(self) -> None:

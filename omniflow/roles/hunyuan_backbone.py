@@ -24,9 +24,9 @@ from omniflow.engine import EmbeddingSpan
 from omniflow.memory import PagePool
 from omniflow.memory.mappings import address_of, mapping_of
 from omniflow.memory.weights import SharedWeights
-from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts, load_image_parts
+from omniflow.models.hunyuan_image3.parts import HunyuanImage3Parts, load_image_parts
 from omniflow.models.loader import load_decoder, load_tokenizer
-from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.models.tiny.hunyuan_image3 import build_tiny_hunyuan_image3
 from omniflow.roles.options import BackboneOptions, WeightsOptions
 from omniflow.runtime.actor import BadRequest, Request
 

@@ -1,4 +1,4 @@
-"""HunyuanImage-3's denoising loop (models/hunyuan_image3_denoise.py) run on an engine: each
+"""HunyuanImage-3's denoising loop (models/hunyuan_image3/denoise.py) run on an engine: each
 step a block step over the kept context, on an `LLMEngine` that runs nothing else meanwhile
 (`denoise`) or an `AsyncEngine` (`denoise_async`)."""
 
@@ -8,8 +8,8 @@ import torch
 
 from omniflow.engine import AsyncEngine, LLMEngine
 from omniflow.models.flow_matching import DEFAULT_SHIFT
-from omniflow.models.hunyuan_image3_denoise import Denoising, Progress, denoise_steps
-from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts
+from omniflow.models.hunyuan_image3.denoise import Denoising, Progress, denoise_steps
+from omniflow.models.hunyuan_image3.parts import HunyuanImage3Parts
 
 
 def _hidden_of(deltas, request_id: str) -> torch.Tensor | None:

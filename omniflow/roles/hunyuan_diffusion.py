@@ -28,14 +28,14 @@ import contextlib
 import functools
 import itertools
 from collections.abc import AsyncGenerator, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from omniflow.engine import AsyncEngine, EngineConfig, Guidance, LLMEngine
 from omniflow.kv.share import KVLeaseView
-from omniflow.models.hunyuan_image3_config import generation_defaults
-from omniflow.models.hunyuan_image3_denoise import Denoising, denoise_steps
+from omniflow.models.hunyuan_image3.config import generation_defaults
+from omniflow.models.hunyuan_image3.denoise import Denoising, denoise_steps
 from omniflow.roles.base import ModelActor
 from omniflow.roles.hunyuan_backbone import Backbone, spans_of
 from omniflow.roles.image_params import ImageParams, image_params
@@ -176,7 +176,7 @@ class DiffusionRole(ModelActor):
 
     def _prompt_rows(self) -> int:
         """On the engine thread: the prompt rows it has forwarded so far."""
-        return int(cast(LLMEngine, self.engine.backend).stats["prompt_tokens_computed"])
+        return self.engine.stats["prompt_tokens_computed"]
 
     async def _denoise(
         self,

@@ -10,9 +10,9 @@ from typing import NamedTuple
 import torch
 
 from omniflow.engine.sequence import EmbeddingSpan
-from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts
-from omniflow.models.hunyuan_image3_template import ConditionImage, Layout, SequenceTemplate
-from omniflow.models.hunyuan_image3_tokens import ImageTokens, ratio_of_size
+from omniflow.models.hunyuan_image3.parts import HunyuanImage3Parts
+from omniflow.models.hunyuan_image3.template import ConditionImage, Layout, SequenceTemplate
+from omniflow.models.hunyuan_image3.tokens import ImageTokens, ratio_of_size
 
 
 class Condition(NamedTuple):

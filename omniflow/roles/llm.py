@@ -59,7 +59,6 @@ import torch
 
 from omniflow.content import SUMMARY_META, summary_key
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
-from omniflow.engine.figures import engine_description
 from omniflow.engine.heads import codes_key
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni.checkpoint import CheckpointError, is_next_folder
@@ -135,8 +134,6 @@ class LLMRole(PrefixPulls, ModelActor):
         config = EngineConfig(
             device=device,
             kv_cache_bytes=opts.kv_cache_mb << 20,
-            # The radix tree keys media positions by content hash, per turn and session.
-            prefix_cache=opts.prefix_cache,
             # Evicted KV pages go to the deployment's host pool, then to [cache] ssd_dir.
             host_kv_bytes=opts.host_kv_mb << 20,
             ssd_kv_dir=(cache.ssd_dir or None) if cache is not None and ssd_kv_mb else None,
@@ -369,7 +366,7 @@ class LLMRole(PrefixPulls, ModelActor):
         return meta
 
     def describe(self) -> dict[str, Any]:
-        return {"model": str(self.path), **engine_description(self.engine.backend)}
+        return {"model": str(self.path), **self.engine.description()}
 
     def _session(self, session_id: str) -> Session:
         if not session_id:

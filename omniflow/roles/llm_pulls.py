@@ -23,6 +23,8 @@ log = logging.getLogger("omniflow.roles.llm")
 class PrefixPulls:
     """Mixed into LLMRole: serving this replica's prefix pages and pulling others'."""
 
+    uses_kv_peers = True
+
     options: LLMOptions
     engine: AsyncEngine
     llm: LLMEngine

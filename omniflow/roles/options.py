@@ -117,9 +117,6 @@ class LLMOptions(WeightsOptions, kw_only=True):
         Meta(description="weights and KV dtype (auto: float32 on CPU, the checkpoint's on GPU)"),
     ] = "auto"
     max_num_seqs: Annotated[int, Meta(ge=1, description="requests batched at once")] = 128
-    prefix_cache: Annotated[
-        Literal["radix"], Meta(description="a radix tree keying media by content (the only kind)")
-    ] = "radix"
     host_kv_mb: Annotated[int, Meta(ge=0, description="evicted KV pages kept in the host pool")] = 0
     ssd_kv_mb: Annotated[int, Meta(ge=0, description="and below that in [cache] ssd_dir")] = 0
     share_kv: Annotated[
@@ -171,6 +168,9 @@ class AudioDecoderOptions(WeightsOptions, kw_only=True):
     max_chunk_tokens: Annotated[
         int, Meta(ge=1, description="largest chunk of audio tokens accepted")
     ] = 512
+    noise_seed: Annotated[
+        int, Meta(ge=0, description="seeds the flow decoder's start noise, with the chunk index")
+    ] = 0
 
 
 class BackboneOptions(WeightsOptions, kw_only=True):

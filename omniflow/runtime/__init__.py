@@ -26,7 +26,7 @@ _WHERE = {
     "RequestFailed": "omniflow.runtime.client",
     "Result": "omniflow.runtime.client",
     "Runtime": "omniflow.runtime.deployment",
-    "StartError": "omniflow.runtime.supervisor",
+    "StartError": "omniflow.runtime.replica",
     "Supervisor": "omniflow.runtime.supervisor",
     "connect": "omniflow.runtime.deployment",
     "find_deployment": "omniflow.runtime.deployment",
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
         connect,
         find_deployment,
     )
-    from omniflow.runtime.supervisor import StartError, Supervisor
+    from omniflow.runtime.replica import StartError
+    from omniflow.runtime.supervisor import Supervisor
 
 __getattr__ = exports(__name__, _WHERE)

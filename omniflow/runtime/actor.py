@@ -35,6 +35,8 @@ from omniflow.runtime.tables import decode
 if TYPE_CHECKING:
     import torch
 
+    from omniflow.runtime.kv_peers import KVPeers
+
 
 class BadRequest(ValueError):
     """The request's input is wrong; ``field`` names what."""
@@ -150,6 +152,9 @@ class Actor:
     # (and /v1/images/generations) only where a role of the deployment makes them (a
     # deployment where no role says: text alone).
     Makes: ClassVar[tuple[str, ...]] = ()
+    # Serves and pulls prefix KV pages across replicas (the llm role): the worker then gives
+    # it a KVPeers (`use_kv_peers`) before it registers.
+    uses_kv_peers: ClassVar[bool] = False
 
     def __init__(self, role: str, replica: int, options: Mapping[str, Any] | None = None) -> None:
         self.role = role
@@ -162,6 +167,9 @@ class Actor:
 
     async def setup(self) -> None:
         """Load weights and warm up; the actor registers only after this returns."""
+
+    async def use_kv_peers(self, peers: KVPeers) -> None:
+        """With ``uses_kv_peers``: the replica's KV page server and puller, after setup."""
 
     async def reserve(self, budget: MemoryBudget) -> None:
         """Size memory pools (KV) from ``budget``; called after every co-located role

@@ -30,7 +30,8 @@ from omniflow.runtime.client import Client, Output, Result
 from omniflow.runtime.config import Config, from_json, load
 from omniflow.runtime.request_check import check_request
 from omniflow.runtime.rundir import UntrustedPath, check_private, holds_run_dir, run_root_of
-from omniflow.runtime.supervisor import Supervisor, default_run_dir
+from omniflow.runtime.supervisor import Supervisor
+from omniflow.runtime.supervisor_dir import default_run_dir
 
 
 class DeploymentNotFound(LookupError):

@@ -1,6 +1,6 @@
 """KV pages between the replicas of one role, for an actor that keeps a prefix cache.
 
-The worker hands a ``KVPeers`` to an actor that has ``use_kv_peers`` (the llm role), before
+The worker hands a ``KVPeers`` to an actor with ``uses_kv_peers`` (the llm role), before
 it registers. The actor serves its engine's pages (``serve``: a KV pull server on an
 endpoint of its own, published in its registry record under ``KV_PULL_META``), asks who
 holds a prefix (``holders``: the replicas whose routing summary names it, the same summary

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import hashlib
-import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,84 +29,31 @@ from omniflow.control.discovery import (
     Registry,
     RegistryError,
     actor_key,
-    decode_record,
     open_registry,
 )
-from omniflow.control.graph import INPUT, Plan
-from omniflow.memory import pid_alive, unlink_pool
-from omniflow.messages import Code, Fail, Hello, Ready, SetupFailed, Shutdown
+from omniflow.memory import unlink_pool
+from omniflow.messages import Hello, Ready, SetupFailed, Shutdown
 from omniflow.runtime import preload
-from omniflow.runtime.config import Config, to_json
+from omniflow.runtime.config import Config
+from omniflow.runtime.drain import stop_replicas
 from omniflow.runtime.gpus import placement_env
-from omniflow.runtime.holding import holding_path, read_held
 from omniflow.runtime.hosts import HostRecord, HostShare, is_multi_host
-from omniflow.runtime.rundir import run_root_of
-from omniflow.transport.codec import MAX_HEADER_BYTES, BadMessage, decode, decoder_for, encode
-from omniflow.transport.endpoint import Inbox, Outbox, private_dir
+from omniflow.runtime.replica import Replica, StartError, retrieve
+from omniflow.runtime.supervisor_dir import (
+    check_run_dir,
+    clean_run_dir,
+    lock_run_dir,
+    run_dir_for,
+    write_state,
+)
+from omniflow.transport.codec import MAX_HEADER_BYTES, BadMessage, decode, decoder_for
+from omniflow.transport.endpoint import Inbox, Outbox
 
 if TYPE_CHECKING:
     from omniflow.memory import PagePool
 
 log = logging.getLogger("omniflow.runtime.supervisor")
 _control_decoder = decoder_for(Hello | Ready | SetupFailed | Shutdown)
-
-
-class StartError(RuntimeError):
-    """The deployment could not start; the message names the replica and why."""
-
-
-def default_run_dir(name: str, host_id: str = "") -> Path:
-    """RUN_ROOT/NAME, or RUN_ROOT/NAME@HOST for one host's share of a multi-host deployment
-    (network namespaces, containers sharing /tmp: each host holds its own run dir's lock)."""
-    base = os.environ.get("OMNIFLOW_RUN_ROOT") or f"/tmp/omniflow-{os.getuid()}"
-    return Path(base) / (f"{name}@{host_id}" if host_id else name)
-
-
-def run_dir_for(config: Config) -> Path:
-    if config.runtime.run_dir:
-        return Path(config.runtime.run_dir)
-    return default_run_dir(config.name, config.runtime.host_id if is_multi_host(config) else "")
-
-
-def stop_order(plan: Plan) -> list[set[str]]:
-    """The roles in the order a drain stops them: by their longest distance from the
-    input, so every role stops after all that feed it (loop edges aside: without them
-    the graph has no cycle)."""
-    depth: dict[str, int] = {}
-
-    def of(role: str) -> int:
-        if role not in depth:
-            feeds = [e.src for e in plan.in_edges.get(role, []) if not e.max_iters]
-            depth[role] = 1 + max((of(src) for src in feeds if src != INPUT), default=0)
-        return depth[role]
-
-    levels: dict[int, set[str]] = {}
-    for role in plan.roles:
-        levels.setdefault(of(role), set()).add(role)
-    return [levels[d] for d in sorted(levels)]
-
-
-class Replica:
-    def __init__(self, role: str, index: int) -> None:
-        self.role = role
-        self.index = index
-        self.proc: subprocess.Popen | None = None
-        self.pidfd: int | None = None
-        self.state = "stopped"  # spawned -> setup -> ready; restarting; failed
-        self.restarts = 0
-        self.backoff_step = 0  # restarts since it last served for a while (the backoff's)
-        self.ready_at = 0.0  # time.monotonic() it last became ready
-        self.ready: asyncio.Future | None = None
-        self.exited: asyncio.Future | None = None
-        self.endpoint = ""
-        # At its last death: the requests already failed from its holding file, and whether
-        # that file named all it held (then the heartbeat's list adds nothing).
-        self.failed_at_death: set[str] = set()
-        self.holding_complete = False
-
-    @property
-    def actor_id(self) -> str:
-        return f"{self.role}/{self.index}"
 
 
 class Supervisor:
@@ -221,47 +165,18 @@ class Supervisor:
         await self.share.announce(record)
         self.share.on_down(self.request_stop)
 
-    def _lock_run_dir(self) -> None:
-        """Hold the run dir's lock for this supervisor's life: a second start of the same
-        deployment fails here, before it can touch the first one's sockets, pool or state."""
-        private_dir(self.run_dir, run_root_of(self.run_dir))  # ours from the run root down
-        fd = os.open(self.run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StartError(
-                f"deployment {self.config.name!r} is already running or starting "
-                f"(run dir {self.run_dir}); stop it with `omniflow down`"
-            ) from None
-        self._lock_fd = fd
-
     def _unlock_run_dir(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # the lock goes with its last descriptor
             self._lock_fd = None
 
     def _prepare_run_dir(self) -> None:
-        self._lock_run_dir()
+        self._lock_fd = lock_run_dir(self.run_dir, self.config.name)
         try:
-            self._check_run_dir()
+            check_run_dir(self.run_dir, self.config)
         except BaseException:
             self._unlock_run_dir()
             raise
-
-    def _check_run_dir(self) -> None:
-        if self.state_path.exists():
-            state = json.loads(self.state_path.read_text())
-            if pid_alive(state.get("pid", 0)):
-                raise StartError(
-                    f"deployment {self.config.name!r} is already running (pid {state['pid']}, "
-                    f"run dir {self.run_dir}); stop it with `omniflow down`"
-                )
-        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        (self.run_dir / "logs").mkdir(exist_ok=True)
-        if len(f"ipc://{self.run_dir}/") + 40 > 107:
-            raise StartError(f"run dir {self.run_dir} is too long for ipc:// socket paths")
-        (self.run_dir / "deployment.json").write_bytes(to_json(self.config))
 
     def _spawn(self, replica: Replica) -> None:
         assert self.control is not None
@@ -299,7 +214,7 @@ class Supervisor:
         replica.ready = asyncio.get_running_loop().create_future()
         # A start aborted by another replica's failure never awaits this one's: retrieved
         # here, so no "Future exception was never retrieved" at exit.
-        replica.ready.add_done_callback(_retrieve)
+        replica.ready.add_done_callback(retrieve)
         replica.exited = asyncio.get_running_loop().create_future()
         replica.pidfd = os.pidfd_open(replica.proc.pid)
         asyncio.get_running_loop().add_reader(replica.pidfd, self._on_exit, replica)
@@ -367,7 +282,7 @@ class Supervisor:
         # Take back what the dead process held in the pool before its pid can be reused.
         if self.pool is not None:
             self.pool.reclaim({replica.proc.pid})
-        self._fail_what_it_was_holding(replica)
+        replica.fail_what_it_was_holding(self.run_dir, self.outbox)
         code = replica.proc.wait()
         preload.forget(replica.proc.pid)  # Intel OpenMP's registration file, after a kill -9
         if replica.exited is not None and not replica.exited.done():
@@ -407,7 +322,7 @@ class Supervisor:
         if self._registry is not None and self.forget_dead:
             key = actor_key(self.config.name, replica.role, replica.index)
             with contextlib.suppress(Exception):
-                await self._fail_what_it_held(replica, key)
+                await replica.fail_what_it_held(self._registry, key, self.outbox)
             with contextlib.suppress(Exception):
                 await self._registry.delete(key)
         step = replica.backoff_step
@@ -422,61 +337,6 @@ class Supervisor:
             log.error("restart of %s failed: %s", replica.actor_id, e)
         else:
             self._write_state()
-
-    def _fail_what_it_was_holding(self, replica: Replica) -> None:
-        """Fail at once every request the dead replica held when it died (its holding
-        file: the heartbeat's list misses those taken since the last beat)."""
-        assert replica.proc is not None
-        path = holding_path(self.run_dir, replica.role, replica.index)
-        try:
-            held, complete, tokens = read_held(path, replica.proc.pid)
-        except (OSError, ValueError) as e:
-            log.warning("could not read what %s held: %s", replica.actor_id, e)
-            held, complete, tokens = [], False, {}
-        replica.failed_at_death = set()
-        replica.holding_complete = complete
-        for request_id, reply_to in held:
-            self._post_unavailable(replica, request_id, reply_to, tokens.get(request_id, b""))
-        path.unlink(missing_ok=True)
-
-    def _post_unavailable(
-        self, replica: Replica, request_id: str, reply_to: str, token: bytes = b""
-    ) -> None:
-        """One terminal Fail per request and death, whichever list names it (``token``: the
-        request's; a heartbeat's list has none, and the client drops such a notice, moving
-        the request on itself once the replica leaves its view)."""
-        if request_id in replica.failed_at_death:
-            return
-        replica.failed_at_death.add(request_id)
-        fail = Fail(
-            Code.UNAVAILABLE.value,
-            f"{replica.actor_id} died while handling it",
-            replica.role,
-            request_id,
-            replica.actor_id,
-            token,
-        )
-        with contextlib.suppress(Exception):
-            self.outbox.post(reply_to, [encode(fail)])
-
-    async def _fail_what_it_held(self, replica: Replica, key: str) -> None:
-        """Fail the requests a dead replica held at its last heartbeat, at once, when its
-        holding file did not name them all (those that did not fit there).
-
-        Their branch is lost; without this the clients would wait out their deadlines.
-        A request it finished after the beat may be failed too: the price of not waiting.
-        """
-        assert self._registry is not None
-        if replica.holding_complete:
-            return  # the file named exactly what it held; the beat may name ended ones
-        for found, value in await self._registry.list(key):
-            if found != key:
-                continue  # "reverse/1" is a prefix of "reverse/10"
-            record = decode_record(value)
-            if record.pid != (replica.proc.pid if replica.proc else -1):
-                continue  # a record of an earlier incarnation
-            for request_id, reply_to in record.holding:
-                self._post_unavailable(replica, request_id, reply_to)
 
     # ------------------------------------------------------------------ stop
 
@@ -504,8 +364,10 @@ class Supervisor:
         for task in list(self._tasks):
             if task is not asyncio.current_task():
                 task.cancel()
-        await self._stop_replicas(
-            self.config.runtime.drain_timeout_s + 2.0 if timeout is None else timeout
+        await stop_replicas(
+            self.replicas,
+            self.config.plan(),
+            self.config.runtime.drain_timeout_s + 2.0 if timeout is None else timeout,
         )
         for r in self.replicas:
             if r.pidfd is not None:
@@ -528,55 +390,9 @@ class Supervisor:
             self.pool.unlink()
             self.pool.close()
             self.pool = None
-        self._clean_run_dir()
+        clean_run_dir(self.run_dir)
         self._unlock_run_dir()
         self.stopped.set()
-
-    def _live(self, roles: Collection[str] | None = None) -> list[Replica]:
-        return [
-            r
-            for r in self.replicas
-            if r.proc is not None and r.proc.poll() is None and (roles is None or r.role in roles)
-        ]
-
-    @staticmethod
-    def _signal(replicas: list[Replica], sig: int) -> None:
-        for r in replicas:
-            assert r.proc is not None
-            with contextlib.suppress(ProcessLookupError):
-                r.proc.send_signal(sig)
-
-    async def _stop_replicas(self, budget: float) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + budget
-        # Workers refuse new requests but stay registered: later hops still find them.
-        # Only to replicas past Hello: one still importing would die of SIGUSR1 (-10).
-        self._signal([r for r in self._live() if r.state in ("setup", "ready")], signal.SIGUSR1)
-        for roles in stop_order(self.config.plan()):
-            level = self._live(roles)
-            self._signal(level, signal.SIGTERM)  # each drains what it holds, then exits
-            exits = [r.exited for r in level if r.exited is not None]
-            if exits and until > loop.time():
-                await asyncio.wait(exits, timeout=until - loop.time())
-        late = self._live()
-        self._signal(late, signal.SIGTERM)
-        late_exits = [r.exited for r in late if r.exited is not None]
-        if late_exits:
-            await asyncio.wait(late_exits, timeout=2.0)
-        for r in self._live():
-            log.warning("%s did not stop in time; killing it", r.actor_id)
-            assert r.proc is not None
-            with contextlib.suppress(ProcessLookupError):
-                r.proc.kill()
-        killed = [r.exited for r in self.replicas if r.exited is not None and not r.exited.done()]
-        if killed:
-            await asyncio.wait(killed, timeout=5.0)
-
-    def _clean_run_dir(self) -> None:
-        leftovers = [*self.run_dir.glob("*.sock"), *self.run_dir.glob("*.holding")]
-        for path in [*leftovers, self.state_path]:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
 
     # ------------------------------------------------------------------ state
 
@@ -603,11 +419,4 @@ class Supervisor:
                 for r in self.replicas
             ],
         }
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(self.state_path)
-
-
-def _retrieve(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
+        write_state(self.run_dir, state)

@@ -229,7 +229,7 @@ class Worker:
 
     async def _kv_peers(self, actor: Actor, view: RegistryView, keys: Any) -> KVPeers | None:
         """Serve and pull prefix KV pages, for the roles that do (the llm role)."""
-        if not hasattr(actor, "use_kv_peers"):
+        if not actor.uses_kv_peers:
             return None
         cfg = self.config
         kv_peers = KVPeers(

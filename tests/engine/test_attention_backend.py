@@ -10,6 +10,7 @@ from omniflow.engine.attention_backend import (
     TorchAttention,
     create_attention_backend,
 )
+from omniflow.engine.cpu_attention import CpuPagedAttention
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.engine.paged_attention import DecodeSpec, PagedAttention, build_attention_batch
 from omniflow.kernels import cpu_kernels
@@ -41,6 +42,15 @@ def test_bf16_on_cpu_kernels_reads_pages_in_place_and_off_they_fall_back(llama_p
     # decode rows read the pages in place where the kernel takes the heads, else masks
     assert backend.decodes_in_place == in_place == (not backend.decode_masks)
     assert on.runner.kernel_decode == in_place
+    step = build_attention_batch(
+        on.cache,
+        [DecodeSpec([1], 2)],
+        [],
+        on.cache.keys.device,
+        torch.bfloat16,
+        decode_masks=backend.decode_masks,
+    )
+    assert isinstance(backend.bind(step), CpuPagedAttention)
     assert (on.runner.mirror.max_bytes == 0) == in_place
     assert isinstance(off.runner.attention, TorchAttention) and off.runner.kernels is None
     assert off.runner.fused_decode is None
@@ -59,7 +69,7 @@ def test_a_backend_binds_the_step_metadata_it_asked_for(llama_path):
         cache, [DecodeSpec([1, 2], 6)], [], cache.keys.device, cache.keys.dtype
     )
     bound = backend.bind(batch)
-    assert isinstance(bound, PagedAttention) and bound.batch is batch and bound.kernels is None
+    assert type(bound) is PagedAttention and bound.batch is batch  # the reference, no kernels
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     q = torch.randn(1, heads, dim)
     k, v = torch.randn(1, kv_heads, dim), torch.randn(1, kv_heads, dim)

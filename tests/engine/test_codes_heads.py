@@ -129,7 +129,7 @@ def test_abort_and_preemption_free_both_halves_of_a_pair(llama_path):
 def test_kept_media_tokens_are_a_prefix_cache_hit_for_the_next_turn(llama_path):
     """A turn: text, then media tokens continuing it (no recompute); the next turn's prompt
     repeats all of it, the media tokens keyed by their ids, and is served from the cache."""
-    engine = LLMEngine(llama_path, EngineConfig(page_size=4, num_pages=128, prefix_cache="radix"))
+    engine = LLMEngine(llama_path, EngineConfig(page_size=4, num_pages=128))
     head = GreedyHead(engine.model.config.hidden_size)
     prompt = random_prompts([10], seed=10)[0]
     engine.add_request(

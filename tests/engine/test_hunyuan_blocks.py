@@ -15,14 +15,14 @@ from omniflow.engine.heads import Guidance
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.memory import PagePool
 from omniflow.models import load_decoder, load_tokenizer
-from omniflow.models.hunyuan_image3_parts import load_image_parts
-from omniflow.models.hunyuan_image3_tokens import (
+from omniflow.models.hunyuan_image3.parts import load_image_parts
+from omniflow.models.hunyuan_image3.tokens import (
     ImageTokens,
     context_ids,
     image_block,
     unconditional_ids,
 )
-from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.models.tiny.hunyuan_image3 import build_tiny_hunyuan_image3
 from omniflow.roles.hunyuan_denoise import denoise, denoise_async
 from omniflow.roles.hunyuan_prompt import condition_image_prompt
 

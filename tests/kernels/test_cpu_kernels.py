@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.engine import LLMEngine, SamplingParams
+from omniflow.engine.cpu_attention import CpuPagedAttention
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.engine.paged_attention import KVCache, PagedAttention, build_attention_batch
 from omniflow.kernels import build, cpu, cpu_kernels, unavailable_reason
@@ -298,7 +299,11 @@ def test_paged_attention_on_the_kernels_equals_sdpa():
             cache, decodes, [], cache.keys.device, BF16, decode_masks=not use_kernels
         )
         assert (batch.decode_bias is None) == use_kernels
-        attention = PagedAttention(cache, batch, dim**-0.5, kernels if use_kernels else None)
+        attention = (
+            CpuPagedAttention(cache, batch, dim**-0.5, kernels)
+            if use_kernels
+            else PagedAttention(cache, batch, dim**-0.5)
+        )
         outputs.append(attention(0, q, k, v))
         caches.append(cache)
     assert torch.equal(caches[0].keys, caches[1].keys)  # the same new K/V, at the same slots

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from omniflow.engine import LLM, SamplingParams
+from omniflow.engine.cpu_attention import CpuLatentAttention
 from omniflow.engine.latent_attention import LatentPagedAttention
 from omniflow.engine.paged_attention import KVCache, build_attention_batch
 from omniflow.kernels import cpu_kernels, unavailable_reason
@@ -115,7 +116,11 @@ def test_engine_latent_attention_on_kernels_equals_its_pytorch_path():
         batch = build_attention_batch(
             layer, decodes, [], torch.device("cpu"), BF16, decode_masks=use is None
         )
-        attention = LatentPagedAttention(layer, batch, 0.2, use)
+        attention = (
+            LatentPagedAttention(layer, batch, 0.2)
+            if use is None
+            else CpuLatentAttention(layer, batch, 0.2, use)
+        )
         outs.append(attention(0, q, latents, latents[..., :rank]).float())
     # Both write the new latents first; the kernel keeps float32 where PyTorch rounds scores
     # and probabilities to bf16, so they agree to a few bf16 steps.

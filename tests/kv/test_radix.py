@@ -4,8 +4,6 @@ import random
 
 import pytest
 
-from omniflow.engine import LLMEngine
-from omniflow.engine.llm_engine import EngineConfig
 from omniflow.kv import OutOfPages, PrefixMatch, RadixPrefixCache, Residency
 from tests.helpers import assert_leaves_queued
 
@@ -166,11 +164,6 @@ def test_random_workload_keeps_the_books_balanced():
     for pages in held:
         cache.free(pages)
     assert cache.usage().free_pages == 12
-
-
-def test_engine_names_the_field_for_an_unknown_prefix_cache():
-    with pytest.raises(ValueError, match="prefix_cache.*'lru'"):
-        LLMEngine("never-loaded", EngineConfig(prefix_cache="lru"))
 
 
 def test_a_growing_sequence_keys_only_its_new_pages(monkeypatch):

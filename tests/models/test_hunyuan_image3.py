@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from omniflow.models import load_decoder, load_tokenizer
 from omniflow.models.flow_matching import euler_step, shifted_sigmas
-from omniflow.models.hunyuan_image3 import HunyuanImage3LM
-from omniflow.models.hunyuan_image3_parts import load_image_parts
-from omniflow.models.hunyuan_image3_tokens import (
+from omniflow.models.hunyuan_image3.model import HunyuanImage3LM
+from omniflow.models.hunyuan_image3.parts import load_image_parts
+from omniflow.models.hunyuan_image3.tokens import (
     NUM_RATIOS,
     ImageTokens,
     context_ids,
@@ -26,7 +26,7 @@ from omniflow.models.hunyuan_image3_tokens import (
 )
 from omniflow.models.llama.decoder import causal_attention
 from omniflow.models.loader import checkpoint_files
-from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.models.tiny.hunyuan_image3 import build_tiny_hunyuan_image3
 
 
 @pytest.fixture(scope="module")

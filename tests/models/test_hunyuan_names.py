@@ -16,7 +16,7 @@ import pytest
 from safetensors import safe_open
 
 from omniflow.models.loader import checkpoint_files
-from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.models.tiny.hunyuan_image3 import build_tiny_hunyuan_image3
 
 
 def linear(names, prefix, out, into, bias=True):
@@ -209,7 +209,7 @@ VAE_TWO_BLOCKS = {"layers_per_block": 2, "block_out_channels": [32, 32, 64, 64, 
 )
 def test_the_builder_writes_the_published_names_and_shapes(tmp_path, overrides):
     if "vae" in overrides:
-        from omniflow.models.tiny_hunyuan_image3 import TINY_HUNYUAN_IMAGE3
+        from omniflow.models.tiny.hunyuan_image3 import TINY_HUNYUAN_IMAGE3
 
         overrides = {"vae": TINY_HUNYUAN_IMAGE3["vae"] | overrides["vae"]}
     folder = build_tiny_hunyuan_image3(tmp_path / "tiny", seed=1, **overrides)
@@ -228,7 +228,7 @@ def test_the_vae_decoder_role_reads_the_decoder_alone(tmp_path):
     parts do; a bad tensor elsewhere is not its to report."""
     import torch
 
-    from omniflow.models.hunyuan_image3_parts import load_image_parts
+    from omniflow.models.hunyuan_image3.parts import load_image_parts
 
     folder = build_tiny_hunyuan_image3(tmp_path / "tiny", seed=4)
     alone = load_image_parts(folder, decoder_only=True)

@@ -10,16 +10,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omniflow.models.flow_matching import model_time, shifted_sigmas
-from omniflow.models.hunyuan_image3 import backbone_checkpoint_names
-from omniflow.models.hunyuan_image3_config import (
+from omniflow.models.hunyuan_image3.config import (
     RELEASE_GENERATION,
     HunyuanImage3Config,
     generation_defaults,
 )
-from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts
-from omniflow.models.hunyuan_image3_tokens import SPECIAL_TOKENS
+from omniflow.models.hunyuan_image3.model import backbone_checkpoint_names
+from omniflow.models.hunyuan_image3.parts import HunyuanImage3Parts
+from omniflow.models.hunyuan_image3.tokens import SPECIAL_TOKENS
 from omniflow.models.loader import checkpoint_files
-from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.models.tiny.hunyuan_image3 import build_tiny_hunyuan_image3
 from omniflow.roles.hunyuan_backbone import Backbone, image_parts
 from omniflow.roles.options import HunyuanAROptions, VAEDecoderOptions
 
@@ -193,7 +193,7 @@ def test_schedule_matches_diffusers_flow_match_euler(steps, shift):
 
 def test_vit_matches_transformers_siglip2_vision_model(folder):
     transformers = pytest.importorskip("transformers")
-    from omniflow.models.hunyuan_image3_parts import load_image_parts
+    from omniflow.models.hunyuan_image3.parts import load_image_parts
 
     raw = json.loads((folder / "config.json").read_text())
     parts = load_image_parts(folder)
@@ -239,7 +239,7 @@ def test_vit_grid_matches_siglip2_image_processor():
     siglip2 = pytest.importorskip("transformers.models.siglip2.image_processing_pil_siglip2")
     get_image_size_for_max_num_patches = siglip2.get_image_size_for_max_num_patches
 
-    from omniflow.models.hunyuan_image3_vit import grid_size
+    from omniflow.models.hunyuan_image3.vit import grid_size
 
     for height, width in ((64, 64), (100, 37), (17, 300), (8, 8), (1024, 768)):
         for patches in (16, 256, 1024):
@@ -340,7 +340,7 @@ def reference_vae_decode(t, cfg, latent):
 
 
 def test_vae_matches_the_release_equations(folder):
-    from omniflow.models.hunyuan_image3_parts import load_image_parts
+    from omniflow.models.hunyuan_image3.parts import load_image_parts
 
     cfg = json.loads((folder / "config.json").read_text())["vae"]
     assert (cfg["latent_channels"], cfg["ffactor_spatial"], cfg["ffactor_temporal"]) == (32, 16, 4)

@@ -9,10 +9,10 @@ import itertools
 import pytest
 import torch
 
-from omniflow.models.hunyuan_image3_template import ConditionImage, SequenceTemplate
-from omniflow.models.hunyuan_image3_tokens import ImageTokens
+from omniflow.models.hunyuan_image3.template import ConditionImage, SequenceTemplate
+from omniflow.models.hunyuan_image3.tokens import ImageTokens
+from omniflow.models.tiny.hunyuan_image3 import build_tiny_hunyuan_image3
 from omniflow.models.tiny.tokenizer import BOS
-from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
 
 
 @pytest.fixture(scope="module")

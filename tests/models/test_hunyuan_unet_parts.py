@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from diffusers.models.embeddings import TimestepEmbedding, get_timestep_embedding
 from diffusers.models.resnet import ResnetBlock2D
 
-from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
-from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts, load_image_parts
-from omniflow.models.tiny_hunyuan_image3 import TINY_HUNYUAN_IMAGE3, build_tiny_hunyuan_image3
+from omniflow.models.hunyuan_image3.config import HunyuanImage3Config
+from omniflow.models.hunyuan_image3.parts import HunyuanImage3Parts, load_image_parts
+from omniflow.models.tiny.hunyuan_image3 import TINY_HUNYUAN_IMAGE3, build_tiny_hunyuan_image3
 
 TIMES = torch.tensor([0.0, 1.0, 37.5, 999.0])
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from omniflow.models.hunyuan_image3_parts import load_image_parts
-from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.models.hunyuan_image3.parts import load_image_parts
+from omniflow.models.tiny.hunyuan_image3 import build_tiny_hunyuan_image3
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (2, 7), (4, 4)])

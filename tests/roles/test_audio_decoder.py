@@ -8,11 +8,12 @@ import wave
 import pytest
 import torch
 
+from omniflow.models.omni.next_builder import tiny_config
 from omniflow.roles.audio_decoder import AudioDecoderRole
 from omniflow.runtime.actor import BadRequest
 from tests.roles.media import drive, make_ctx, make_request, run
 
-SIZES = [8192, 4096, 2048] + [1024] * 5
+SIZES = tiny_config()["audio_config"]["vq_config"]["codebook_sizes"]  # published: 8192, ...
 
 
 def _codes(n, seed=0):
@@ -21,7 +22,7 @@ def _codes(n, seed=0):
 
 
 def _actor(models_root, **options):
-    options.setdefault("model_path", str(models_root / "audio_decoder"))
+    options.setdefault("model_path", str(models_root / "next"))
     options.setdefault("build_tiny", True)
     return AudioDecoderRole("audio_decoder", 0, options)
 
@@ -90,8 +91,9 @@ def test_empty_chunk_yields_nothing(models_root):
         torch.zeros(2, 7, dtype=torch.int64),
         torch.full((1, 8), 9000, dtype=torch.int64),
         _codes(600),
+        torch.tensor([[SIZES[0], 0, 0, SIZES[3] + 1, 0, 0, 0, 0]]),
     ],
-    ids=["missing", "dtype", "levels", "range", "too-long"],
+    ids=["missing", "dtype", "levels", "range", "too-long", "flag-row-range"],
 )
 def test_bad_chunks_name_the_field(models_root, codes):
     async def main():
@@ -109,3 +111,40 @@ def test_bad_chunks_name_the_field(models_root, codes):
 
     (out,) = run(main())
     assert out["index"] == 0 and len(out["audio_chunk"]) == 1920 * 2
+
+
+def test_end_of_audio_rows_split_the_chunk_and_are_dropped(models_root):
+    """Level 0 = codebook_sizes[0] is the published end-of-audio flag: the runs on either side
+    decode on their own (as lazy_decode_and_save splits at it) and the flag makes no sound."""
+    flag = torch.tensor([[SIZES[0]] + [0] * 7])
+    first, second = _codes(3, seed=1), _codes(2, seed=2)
+    (split,), (alone,), flags_only = _stream(
+        models_root, [torch.cat([first, flag, second]), first, torch.cat([flag, flag])]
+    )
+    assert flags_only == []
+    assert [split["index"], alone["index"]] == [0, 1]
+    assert len(split["audio_chunk"]) == (3 + 2) * 1920 * 2
+    assert len(alone["audio_chunk"]) == 3 * 1920 * 2
+    # a stream's chunk 0 decodes `first` first under the same noise seed: the same samples
+    again = _stream(models_root, [first], closing_marker=False)[0][0]["audio_chunk"]
+    assert split["audio_chunk"][: 3 * 1920 * 2] == again
+
+
+def test_a_chunk_longer_than_the_positions_is_refused_by_name(models_root):
+    """With max_chunk_tokens above it, the decoder's own limit (positional_embedding rows /
+    avg_pooler: 3000 / 4 tokens in the tiny config) still answers 400, not a model error."""
+
+    async def main():
+        actor = _actor(models_root, max_chunk_tokens=1000)
+        await actor.setup()
+        try:
+            with pytest.raises(BadRequest) as error:
+                request = make_request(tensors={"audio_codes": _codes(751)})
+                await drive(actor, request, make_ctx("audio_decoder"))
+            return error.value
+        finally:
+            await actor.close()
+
+    error = run(main())
+    assert error.field == "audio_codes" and "limit of 750" in str(error)
+    assert "positional_embedding" in str(error)

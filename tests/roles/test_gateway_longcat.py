@@ -170,7 +170,8 @@ def test_send_checks_params_against_what_the_longcat_roles_declare(client, tmp_p
     assert "--param max_token: no role of lcgw reads it (did you mean max_tokens?)" in typo.stderr
     wrong = send("-t", "hi", "--want", "image", "-p", "cfg_scale=abc")
     assert wrong.returncode == 2 and '--param cfg_scale="abc"' in wrong.stderr
-    assert send("-t", "hi", "--size", "64x64").returncode == 2  # longcat sizes by image_grid
+    odd = send("-t", "hi", "--want", "image", "--size", "60x64")  # 60 px is no longcat side
+    assert odd.returncode == 2 and "60 px is not a longcat image side" in odd.stderr
     grid = send("-t", "hi", "--want", "image", "-p", "image_grid=[2,40]")
     assert grid.returncode == 2  # the range is the llm's to check: bad_request, exit 2
     assert "[bad_request] llm: params.image_grid[1]: Expected `int` <= 32" in grid.stderr

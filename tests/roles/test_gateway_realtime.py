@@ -170,7 +170,13 @@ def test_barge_in_cancels_the_response_in_every_role(deployment):
             await ws.send(json.dumps({"type": "response.create"}))
             created = await until(events, "response.created")
             await until(events, "response.output_audio.delta")
+            # records carry inflight from heartbeats (every heartbeat_s): wait for the
+            # llm's to show the request it is still generating
+            deadline = time.monotonic() + 3
             busy = await asyncio.to_thread(_llm_inflight, state)
+            while not busy and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                busy = await asyncio.to_thread(_llm_inflight, state)
             await ws.send(json.dumps({"type": "response.cancel"}))
             seen: list = []
             done = await until(events, "response.done", seen)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.models.tiny.hunyuan_image3 import build_tiny_hunyuan_image3
 from tests.helpers import cli
 
 SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "hunyuan_image3.toml"

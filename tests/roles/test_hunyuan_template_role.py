@@ -15,10 +15,10 @@ import pytest
 from tokenizers import Tokenizer
 
 import omniflow
-from omniflow.models.hunyuan_image3_config import generation_template
-from omniflow.models.hunyuan_image3_template import SequenceTemplate
-from omniflow.models.hunyuan_image3_tokens import ImageTokens
-from omniflow.models.tiny_hunyuan_image3 import build_tiny_hunyuan_image3
+from omniflow.models.hunyuan_image3.config import generation_template
+from omniflow.models.hunyuan_image3.template import SequenceTemplate
+from omniflow.models.hunyuan_image3.tokens import ImageTokens
+from omniflow.models.tiny.hunyuan_image3 import build_tiny_hunyuan_image3
 from omniflow.runtime.config import parse
 
 ROOT = Path(__file__).resolve().parents[2]

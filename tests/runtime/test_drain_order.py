@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import omniflow
+from omniflow.runtime.drain import stop_order
 from omniflow.runtime.holding import read_holding
-from omniflow.runtime.supervisor import stop_order
 from tests.helpers import echo_config, expected_echo
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import omniflow
-from omniflow.runtime.supervisor import StartError
+from omniflow.runtime.replica import StartError
 from tests.helpers import echo_config, expected_echo
 
 

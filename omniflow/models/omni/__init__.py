@@ -1,45 +1,37 @@
-"""LongCat-Next parts: the published-layout tokenizers (next_*.py, checkpoint.py) and our
-stand-in depth head, code embedder and audio decoder ({"kind": ...} folders); the image
-decoder is the published one (next_image_decoder.py)."""
+"""LongCat-Next parts: the published-layout tokenizers, image decoder and audio decoder
+(next_*.py, checkpoint.py) and our stand-in depth head and code embedder ({"kind": ...}
+folders)."""
 
-from omniflow.models.omni.audio_decoder import AudioDecoder, AudioDecoderConfig, to_pcm16
 from omniflow.models.omni.depth_head import DepthHead, DepthHeadConfig
 from omniflow.models.omni.embedder import CodeEmbedder
 from omniflow.models.omni.loader import (
     KINDS,
     ModelFormatError,
     build_tiny,
-    build_tiny_audio_decoder,
     build_tiny_depth_head,
     ensure_model,
     has_model,
-    load_audio_decoder,
     load_depth_head,
     load_model,
     save_model,
 )
 from omniflow.models.omni.mel import LogMel, mel_filterbank
+from omniflow.models.omni.next_hift import to_pcm16
 from omniflow.models.omni.rvq import ResidualVQ, check_ids
-from omniflow.models.omni.vocoder import Vocoder
 
 __all__ = [
     "KINDS",
-    "AudioDecoder",
-    "AudioDecoderConfig",
     "CodeEmbedder",
     "DepthHead",
     "DepthHeadConfig",
     "LogMel",
     "ModelFormatError",
     "ResidualVQ",
-    "Vocoder",
     "build_tiny",
-    "build_tiny_audio_decoder",
     "build_tiny_depth_head",
     "check_ids",
     "ensure_model",
     "has_model",
-    "load_audio_decoder",
     "load_depth_head",
     "load_model",
     "mel_filterbank",

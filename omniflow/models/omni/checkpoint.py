@@ -147,11 +147,13 @@ def write_checkpoint(
     files: dict[str, str],
     shards: int = 2,
     extra_tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
+    torch_files: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write ``tensors`` as ``shards`` safetensors files + index, and text ``files``, atomically.
 
     ``extra_tensor_files`` maps a relative path (``image_decoder/image_decoder.safetensors``)
-    to tensors stored outside the index, as the published checkpoint does for some parts.
+    to tensors stored outside the index, as the published checkpoint does for some parts;
+    ``torch_files`` likewise, as ``torch.save`` state dicts (the published ``hift.pt``).
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -176,6 +178,9 @@ def write_checkpoint(
             save_file(
                 {n: t.detach().contiguous().cpu() for n, t in part.items()}, str(staging / rel)
             )
+        for rel, part in (torch_files or {}).items():
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            torch.save({n: t.detach().contiguous().cpu() for n, t in part.items()}, staging / rel)
         for rel, text in files.items():
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             (staging / rel).write_text(text)

@@ -1,5 +1,4 @@
-"""Save, load and build our stand-in omni models (depth heads, code embedders, the audio
-decoder): a folder with ``config.json`` + ``model.safetensors``. The vision and audio tokenizers are read
+"""Save, load and build our stand-in omni models (depth heads, code embedders): a folder with ``config.json`` + ``model.safetensors``. The vision and audio tokenizers are read
 from the published LongCat-Next layout instead (``checkpoint.py``, ``next_*.py``).
 
 ``config.json`` holds ``{"kind": ..., <the model's config fields>}``; the weights are a flat
@@ -23,7 +22,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from omniflow.models.omni.audio_decoder import AudioDecoder, AudioDecoderConfig
 from omniflow.models.omni.depth_head import DepthHead, DepthHeadConfig
 from omniflow.models.omni.embedder import CodeEmbedder
 
@@ -49,7 +47,6 @@ class StoredCodeEmbedder(CodeEmbedder):
 KINDS: dict[str, tuple[type, type[nn.Module]]] = {
     "code_embedder": (CodeEmbedderConfig, StoredCodeEmbedder),
     "depth_head": (DepthHeadConfig, DepthHead),
-    "audio_decoder": (AudioDecoderConfig, AudioDecoder),
 }
 
 
@@ -151,10 +148,6 @@ def build_tiny_depth_head(path: str | Path, seed: int = 0, **overrides: Any) -> 
     return build_tiny("depth_head", path, seed, **overrides)
 
 
-def build_tiny_audio_decoder(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
-    return build_tiny("audio_decoder", path, seed, **overrides)
-
-
 def _load_as(kind: str, cls: type[Any], path: str | Path, device: str | torch.device) -> Any:
     model = load_model(kind, path, device)
     if not isinstance(model, cls):
@@ -165,8 +158,3 @@ def _load_as(kind: str, cls: type[Any], path: str | Path, device: str | torch.de
 def load_depth_head(path: str | Path, device: str | torch.device = "cpu") -> DepthHead:
     head: DepthHead = _load_as("depth_head", DepthHead, path, device)
     return head
-
-
-def load_audio_decoder(path: str | Path, device: str | torch.device = "cpu") -> AudioDecoder:
-    decoder: AudioDecoder = _load_as("audio_decoder", AudioDecoder, path, device)
-    return decoder

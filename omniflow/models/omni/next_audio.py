@@ -209,7 +209,13 @@ def load_next_audio(folder: str | Path, device: str = "cpu") -> NextAudioTokeniz
     model = NextAudioTokenizer(read_config(folder, role))
     load_part(model.audio_model, folder, PREFIX + "audio_model.", role)
     load_part(model.audio_bridge_model, folder, PREFIX + "audio_bridge_model.", role)
-    parts = ("audio_model.", "audio_bridge_model.")
+    # the audio decoder role's parts (next_audio_decoder.py) may sit beside them
+    parts = (
+        "audio_model.",
+        "audio_bridge_model.",
+        "audio_decoder.",
+        "audio_flow_matching_decoder.",
+    )
     for name in read_index(folder, role):
         if name.startswith(PREFIX) and not name[len(PREFIX) :].startswith(parts):
             raise CheckpointError(f"role {role}: unexpected tensor {name} in {folder}")

@@ -5,7 +5,7 @@ keys + ``vq_config``, ``audio_config`` = Whisper keys + ``vq_config``, the vocab
 ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` with the published
 tensor names of the parts implemented here (vision tokenizer, audio tokenizer, the word
 embedding, the LLM's LongCat-Flash decoder layers, final norm and ``lm_head``, the n-gram
-embedding, the depth heads), ``image_decoder/image_decoder.safetensors`` (the ViT decoder's
+embedding, the depth heads), ``cosy24k_vocoder/hift.pt`` (the HiFT vocoder's state dict, narrow), ``image_decoder/image_decoder.safetensors`` (the ViT decoder's
 ``image_decoder.*`` and the refiner's ``image_refiner.{base_transformer,vae,cond_proj}.*``), ``tokenizer.json`` (the tiny BPE + the multimodal specials),
 ``generation_config.json`` and ``tokenizer_config.json`` naming the multimodal special tokens at their published ids relative to ``text_vocab_size``.
 """
@@ -22,7 +22,9 @@ from tokenizers import AddedToken, Tokenizer
 from omniflow.models.omni.checkpoint import has_checkpoint, write_checkpoint
 from omniflow.models.omni.next_audio import PREFIX as AUDIO_PREFIX
 from omniflow.models.omni.next_audio import NextAudioTokenizer
+from omniflow.models.omni.next_audio_decoder import NextAudioDecoder
 from omniflow.models.omni.next_heads import NGRAM_PREFIX, NgramEmbedding, head_for
+from omniflow.models.omni.next_hift import HIFT_PATH, tiny_hift_state
 from omniflow.models.omni.next_image import WEIGHT_PATH, tiny_visual_decoder_config
 from omniflow.models.omni.next_image_decoder import tiny_image_decoder_tensors
 from omniflow.models.omni.next_vision import EMBED, NextVisionTokenizer
@@ -150,6 +152,59 @@ def _audio_config(ids: dict[str, int], sizes: list[int]) -> dict[str, Any]:
         "audio_head_transformer_ffn_scale": 2,
         **{f"{n}_token_id": ids[f"<longcat_{n}>"] for n in named},
         "vq_config": {"codebook_sizes": sizes},
+        **_audio_decoder_config(),
+    }
+
+
+def _audio_decoder_config() -> dict[str, Any]:
+    """The decoder keys ``modular_longcat_next_audio.py`` reads (published dims unknown: the
+    layer counts of the published index are 8 decoder layers, 4 post_net stages, 12 prenet
+    layers, one U-Net level of 4 blocks and 12 mid blocks)."""
+    return {
+        "max_audio_seconds": 30,
+        "hop_length": 160,
+        "decoder_layers": 2,
+        "decoder_attention_heads": 2,
+        "decoder_ffn_dim": 64,
+        "decoder_kernel_size": 4,
+        "decoder_stride_size": 2,
+        "vocoder_config": {
+            "num_mel_bins": 80,
+            "channels": [16] * 5,
+            "sampling_rate": 24000,
+            "hop_length": 480,
+        },
+        "flow_matching_config": {
+            "in_channels": 80,
+            "spk_emb_dim": 0,
+            "diffusion_steps": 3,
+            "cal_mel_mae": False,
+            "prenet_in_dim": 32,
+            "prenet_out_dim": 80,
+            "prenet_d_model": 32,
+            "prenet_attention_heads": 2,
+            "prenet_ffn_dim": 64,
+            "prenet_nlayers": 2,
+            "prenet_activation_function": "gelu",
+            "prenet_max_source_positions": 1000,
+            "prenet_target_mel_length_scale_ratio": 1.0,
+            "channels": [32],
+            "dropout": 0.0,
+            "attention_head_dim": 16,
+            "n_blocks": 1,
+            "num_mid_blocks": 2,
+            "num_heads": 2,
+            "act_fn": "gelu",
+            "use_hidden_states_before_dconv2": True,
+            "cfm_params": {
+                "solver": "euler",
+                "sigma_min": 1e-6,
+                "t_scheduler": "cosine",
+                "training_cfg_rate": 0.2,
+                "inference_cfg_rate": 0.7,
+            },
+        },
+        "cosy24kvocoder_config": {"weight_path": "cosy24k_vocoder/hift.pt"},
     }
 
 
@@ -159,6 +214,7 @@ def tiny_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tenso
         torch.manual_seed(seed)
         vision = NextVisionTokenizer(config)
         audio = NextAudioTokenizer(config)
+        audio_decoder = NextAudioDecoder(config)
         embed = torch.randn(config["vocab_size"], config["hidden_size"]) * 0.02
         parts = {
             NGRAM_PREFIX: NgramEmbedding(config),
@@ -174,6 +230,9 @@ def tiny_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tenso
             tensors[f"{VISION_PREFIX}{part}.{name}"] = t
     for part in ("audio_model", "audio_bridge_model"):
         for name, t in getattr(audio, part).state_dict().items():
+            tensors[f"{AUDIO_PREFIX}{part}.{name}"] = t
+    for part in ("audio_decoder", "audio_flow_matching_decoder"):
+        for name, t in getattr(audio_decoder, part).state_dict().items():
             tensors[f"{AUDIO_PREFIX}{part}.{name}"] = t
     return tensors
 
@@ -277,7 +336,12 @@ def build_tiny_next(
     files = _text_files(config, tiny_tokenizer(config))
     image_decoder = {WEIGHT_PATH: tiny_image_decoder_tensors(config, seed + 11)}
     return write_checkpoint(
-        folder, tiny_tensors(config, seed), files, shards=3, extra_tensor_files=image_decoder
+        folder,
+        tiny_tensors(config, seed),
+        files,
+        shards=3,
+        extra_tensor_files=image_decoder,
+        torch_files={HIFT_PATH: tiny_hift_state(seed + 13)},
     )
 
 

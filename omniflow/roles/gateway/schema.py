@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from omniflow.runtime.image_grid import DEFAULT_GRID, SizeError, longcat_grid
+
 # What msgpack and the roles take: 64-bit integers (a seed leaves room for n choices).
 Tokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
@@ -332,35 +334,17 @@ def _sampling(
     return params
 
 
-# LongCat-Next's image sizes: a side of n tokens is max(16, ceil(28 n / 16) * 16) pixels
-# (the ViT decoder's 28 px a token, rounded up to the refiner's 16), n = 1..32.
-LONGCAT_SIDES = {max(16, -(-28 * n // 16) * 16): n for n in range(1, 33)}
-
-
 def image_params(req: ImageRequest, sized: bool = False) -> dict[str, Any]:
     """The sampling knobs, and ``size``: passed on as is where the roles read ``size``
-    (``sized``), else ("WxH", each side one of ``LONGCAT_SIDES``) as longcat's token grid."""
+    (``sized``), else ("WxH", each side a LongCat side) as longcat's token grid."""
     params: dict[str, Any] = {"want": "image"}
     if sized:
         params["size"] = req.size or "128x128"
         return _knobs(req, params)
-    if req.size is None:
-        params["image_grid"] = [4, 4]
-        return _knobs(req, params)
-    match = re.fullmatch(r"(\d+)x(\d+)", req.size)
-    if not match:
-        raise ApiError(400, f"expected WIDTHxHEIGHT, got {req.size!r}", "size")
-    width, height = int(match.group(1)), int(match.group(2))
-    for side in (width, height):
-        if side not in LONGCAT_SIDES:
-            near = sorted(LONGCAT_SIDES, key=lambda s: abs(s - side))[:2]
-            raise ApiError(
-                400,
-                f"{side} px is not a longcat image side (a side of n tokens is "
-                f"max(16, ceil(28n/16)*16) px, n = 1..32; nearest: {sorted(near)})",
-                "size",
-            )
-    params["image_grid"] = [LONGCAT_SIDES[height], LONGCAT_SIDES[width]]
+    try:
+        params["image_grid"] = list(DEFAULT_GRID) if req.size is None else longcat_grid(req.size)
+    except SizeError as e:
+        raise ApiError(400, str(e), "size") from None
     return _knobs(req, params)
 
 

@@ -23,6 +23,9 @@ from omniflow.models.omni.checkpoint import INDEX_FILE, CheckpointError, read_co
 from omniflow.models.omni.next_audio import load_next_audio
 from omniflow.models.omni.next_builder import build_tiny_next
 from omniflow.models.omni.next_vision import load_next_vision
+from tests.models.omni.test_next_audio_decoder import (
+    published_names as published_audio_decoder_names,
+)
 
 V = "model.visual_tokenizer."
 A = "model.audio_tokenizer."
@@ -71,6 +74,7 @@ def _published_names(config) -> set[str]:
         names |= {
             f"{bridge}vq_list.{i}.codebook.{t}" for t in ("embed", "embed_avg", "cluster_size")
         }
+    names |= set(published_audio_decoder_names(config))
     names |= _llm_names(config)
     for i in range(config["emb_split_num"] * (config["emb_neighbor_num"] - 1)):
         names |= {f"model.ngram_embeddings.{t}.{i}.weight" for t in ("embedders", "post_projs")}

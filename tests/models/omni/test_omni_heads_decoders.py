@@ -1,4 +1,4 @@
-"""Depth head, audio decoder (chunked) and vocoder (our stand-ins)."""
+"""Depth head (our stand-in) and the PCM16 packing of the audio decoder role."""
 
 from __future__ import annotations
 
@@ -39,31 +39,6 @@ def test_depth_head_sampling_is_seeded(models):
     assert torch.equal(first, sample(7))
     for level, size in enumerate(head.config.codebook_sizes):
         assert int(first[:, level].max()) < size
-
-
-def _audio_codes(decoder, n, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    columns = [
-        torch.randint(0, size, (n,), generator=generator) for size in decoder.config.codebook_sizes
-    ]
-    return torch.stack(columns, dim=1)
-
-
-def test_audio_decoder_chunk_lengths_add_up(models):
-    decoder = models["audio_decoder"]
-    per_token = decoder.config.samples_per_token
-    assert per_token == 1920 and decoder.config.sample_rate == 24000
-    codes = _audio_codes(decoder, 10)
-    whole = decoder.decode_chunk(codes)
-    assert whole.shape == (10 * per_token,)
-    assert whole.abs().max() <= 1.0
-    pieces, offset = [], 0
-    for size in (3, 4, 3):
-        pieces.append(decoder.decode_chunk(codes[offset : offset + size], offset))
-        offset += size
-    assert [p.numel() for p in pieces] == [3 * per_token, 4 * per_token, 3 * per_token]
-    assert sum(p.numel() for p in pieces) == whole.numel()
-    assert torch.equal(pieces[0], decoder.decode_chunk(codes[:3], 0))
 
 
 def test_pcm16_is_little_endian_mono():

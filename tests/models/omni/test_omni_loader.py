@@ -58,7 +58,7 @@ def test_ensure_model_keeps_an_existing_model(tmp_path):
 def test_wrong_kind_missing_folder_unknown_field(tmp_path):
     path = build_tiny("depth_head", tmp_path / "v")
     with pytest.raises(ModelFormatError, match="holds a 'depth_head' model"):
-        load_model("audio_decoder", path)
+        load_model("code_embedder", path)
     with pytest.raises(ModelFormatError, match="config.json"):
         load_model("depth_head", tmp_path / "nothing")
     with pytest.raises(ModelFormatError, match="unknown model kind"):

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from omniflow.models.hunyuan_image3_tokens import ImageTokens, image_positions
+from omniflow.models.hunyuan_image3.tokens import ImageTokens, image_positions
 
 TEMPLATES = ("pretrain", "instruct")
 RECAPTION = ("<recaption>", "</recaption>")

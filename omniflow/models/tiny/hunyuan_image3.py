@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from omniflow.models.hunyuan_image3 import qkv_to_groups
-from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
-from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts
-from omniflow.models.hunyuan_image3_tokens import SPECIAL_TOKENS
+from omniflow.models.hunyuan_image3.config import HunyuanImage3Config
+from omniflow.models.hunyuan_image3.model import qkv_to_groups
+from omniflow.models.hunyuan_image3.parts import HunyuanImage3Parts
+from omniflow.models.hunyuan_image3.tokens import SPECIAL_TOKENS
 from omniflow.models.tiny.builder import save_safetensors
 from omniflow.models.tiny.tokenizer import (
     BOS,

@@ -27,8 +27,8 @@ from omniflow.models.flow_matching import (
     model_time,
     shifted_sigmas,
 )
-from omniflow.models.hunyuan_image3_parts import HunyuanImage3Parts
-from omniflow.models.hunyuan_image3_tokens import image_block
+from omniflow.models.hunyuan_image3.parts import HunyuanImage3Parts
+from omniflow.models.hunyuan_image3.tokens import image_block
 
 Progress = Callable[[int, int], None]  # (steps done, steps in all)
 

@@ -8,7 +8,7 @@ engine running text with 1D positions computes exactly the K/V of the 2D model.
 
 `HunyuanImage3LM` is a `DecoderLM` (same forward, heads, embedding overrides, packing) with
 its own layers, rotary and checkpoint names; `load_decoder` loads the backbone's tensors
-from a HunyuanImage-3 folder and leaves the image parts (hunyuan_image3_parts.py) alone.
+from a HunyuanImage-3 folder and leaves the image parts (parts.py) alone.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 
 from omniflow.models.deepseek.config import MLAConfig
 from omniflow.models.deepseek.moe import MoE, MoEDecoderLM
-from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
+from omniflow.models.hunyuan_image3.config import HunyuanImage3Config
 from omniflow.models.layers.rope import RotaryEmbedding, apply_rotary
 from omniflow.models.llama.config import DecoderConfig
 from omniflow.models.llama.decoder import (

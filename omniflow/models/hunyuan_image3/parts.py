@@ -3,9 +3,9 @@
 - `TimestepEmbedder`: a diffusion time t -> a row (sinusoidal features through an MLP).
 - `patch_embed` (UNetDown): latent [C, H, W] + time -> image token rows [h*w, hidden].
 - `final_layer` (UNetUp): image tokens' hidden states + time -> velocity [C, H, W].
-- the VAE (AutoencoderKLConv3D, hunyuan_image3_vae.py): a condition image's clean latent,
+- the VAE (AutoencoderKLConv3D, vae.py): a condition image's clean latent,
   and the decoder to RGB uint8
-- the ViT (SigLIP2, hunyuan_image3_vit.py) and its aligner: a condition image -> rows.
+- the ViT (SigLIP2, vit.py) and its aligner: a condition image -> rows.
 
 The timestep embedders, patch_embed and final_layer follow the reference's modules and
 checkpoint names (timestep-conditioned ResBlocks with adaptive group norm), the VAE, the
@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omniflow.models.hunyuan_image3 import IMAGE_PART_PREFIXES
-from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
-from omniflow.models.hunyuan_image3_vae import AutoencoderKLConv3D
-from omniflow.models.hunyuan_image3_vit import LightProjector, Siglip2Vision
+from omniflow.models.hunyuan_image3.config import HunyuanImage3Config
+from omniflow.models.hunyuan_image3.model import IMAGE_PART_PREFIXES
+from omniflow.models.hunyuan_image3.vae import AutoencoderKLConv3D
+from omniflow.models.hunyuan_image3.vit import LightProjector, Siglip2Vision
 from omniflow.models.loader import iter_checkpoint_tensors
 
 

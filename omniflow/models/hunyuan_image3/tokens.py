@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from omniflow.models.hunyuan_image3_config import HunyuanImage3Config
+from omniflow.models.hunyuan_image3.config import HunyuanImage3Config
 
 NUM_RATIOS = 33
 BASE_SIZES = (256, 512, 1024)  # <img_size_*> tokens the tokenizer holds
