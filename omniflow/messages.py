@@ -25,6 +25,13 @@ _Dim = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
 Shape = Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=MAX_DIMS)]
 _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
+# A request's token: random bytes the client draws for it (``secrets.token_bytes``) and
+# sends in its Call. Every hop carries it on; an Emit, Done, Fail or Cancel of that
+# request counts only with the same token, so a peer that never saw the Call cannot
+# answer it in the client's stead nor cancel it (a wrong or missing one is dropped).
+TOKEN_BYTES = 16
+Token = Annotated[bytes, msgspec.Meta(max_length=TOKEN_BYTES)]
+
 
 class Code(enum.StrEnum):
     """Failure codes carried by ``Fail.code``."""
@@ -136,6 +143,7 @@ class Call(msgspec.Struct, tag="call", **_WIRE):
     hops: int = 0  # roles this branch went through
     loops: dict[str, int] = {}  # times each loop edge ("src>dst") was taken on this path
     trace: str = ""  # a W3C traceparent: the span this hop hangs under ("": untraced)
+    token: Token = b""  # the request's (TOKEN_BYTES); an actor refuses a Call without one
 
 
 class Emit(msgspec.Struct, tag="emit", **_WIRE):
@@ -146,6 +154,7 @@ class Emit(msgspec.Struct, tag="emit", **_WIRE):
     seq: int
     data: dict[str, Any] = {}
     tensors: dict[str, TensorRef] = {}
+    token: Token = b""  # the request's: the client drops an Emit without it
 
 
 class Done(msgspec.Struct, tag="done", **_WIRE):
@@ -163,6 +172,7 @@ class Done(msgspec.Struct, tag="done", **_WIRE):
     seq: int = -1  # >= 0: this Done carries the output chunk ``seq``
     data: dict[str, Any] = {}
     tensors: dict[str, TensorRef] = {}
+    token: Token = b""  # the request's: the client drops a Done without it
 
 
 class Fail(msgspec.Struct, tag="fail", **_WIRE):
@@ -175,6 +185,7 @@ class Fail(msgspec.Struct, tag="fail", **_WIRE):
     # The actor id of a replica that died holding it (a death notice), or that did not
     # take its next hop (most likely dead): the client may move the request on.
     replica: str = ""
+    token: Token = b""  # the request's: the client drops a Fail without it
 
 
 class Cancel(msgspec.Struct, tag="cancel", **_WIRE):
@@ -182,6 +193,7 @@ class Cancel(msgspec.Struct, tag="cancel", **_WIRE):
 
     request_id: str
     reason: str = Code.CANCELLED.value
+    token: Token = b""  # the request's: an actor ignores a Cancel without it
 
 
 # ---------------------------------------------------------------- KV pull

@@ -38,6 +38,11 @@ class JoinBuffer:
     def holds(self, request_id: str) -> bool:
         return request_id in self._parts
 
+    def token(self, request_id: str) -> bytes | None:
+        """The token of the request's first buffered part (None: none buffered)."""
+        parts = self._parts.get(request_id)
+        return parts[0][0].token if parts else None
+
     def waiting(self) -> list[tuple[str, str]]:
         """(request id, reply address) of every request with parts still buffered."""
         return [(rid, parts[0][0].reply_to) for rid, parts in self._parts.items() if parts]

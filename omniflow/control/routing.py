@@ -63,7 +63,7 @@ class Fanout:
         if missing := self._roles_without_replicas(routes):
             await self._wait_for_replicas(missing)
         if not routes:
-            emit = Emit(self.call.request_id, self.src, self.emitted, data)
+            emit = Emit(self.call.request_id, self.src, self.emitted, data, token=self.call.token)
             self.emitted += 1
             link = client_link(self.call.reply_to) if tensors else NO_LINK
             rest = self.router.send_now(self.call.reply_to, emit, tensors, link)
@@ -231,6 +231,7 @@ class Fanout:
             c.hops + 1,
             branch.loops,
             self.trace,
+            c.token,  # the request's, for every hop: its replies and cancels carry it
         )
 
     async def _deliver(self, branch: Branch, msg: Call, tensors: dict) -> None:
@@ -311,6 +312,7 @@ class Fanout:
                 done = Done(
                     self.call.request_id, self.src, credit, timings, usage, self.emitted, data
                 )
+                done.token = self.call.token
                 self.emitted += 1
                 link = client_link(self.call.reply_to) if tensors else NO_LINK
                 rest = self.router.send_now(self.call.reply_to, done, tensors, link)
@@ -327,6 +329,7 @@ class Fanout:
                 branch.tensors.update(tensors)
         if not self.branches:
             done = Done(self.call.request_id, self.src, credit, timings, usage)
+            done.token = self.call.token
             return self.router.send_now(self.call.reply_to, done, {})
         return self._close_branches(credit, timings, usage)
 

@@ -31,6 +31,7 @@ _WHERE = {
     "SsdStore": "omniflow.memory.ssd",
     "StaleLease": "omniflow.memory.errors",
     "TieredCache": "omniflow.memory.tiers",
+    "host_share": "omniflow.memory.ssd_share",
     "format_size": "omniflow.memory.config",
     "mapping_at": "omniflow.memory.mappings",
     "mapping_of": "omniflow.memory.mappings",
@@ -59,6 +60,7 @@ __all__ = [
     "StaleLease",
     "TieredCache",
     "format_size",
+    "host_share",
     "mapping_at",
     "mapping_of",
     "parse_size",
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
     from omniflow.memory.pool import Lease, PagePool, PoolStats, PoolTensor, Reclaimed
     from omniflow.memory.segment import unlink_pool
     from omniflow.memory.ssd import SsdBlock, SsdStore
+    from omniflow.memory.ssd_share import host_share
     from omniflow.memory.tiers import TieredCache
     from omniflow.memory.weights import SharedWeights, share_checkpoint
 

@@ -32,12 +32,16 @@ from omniflow.memory import (
     SsdError,
     SsdStore,
     TieredCache,
+    host_share,
     pid_alive,
 )
 from omniflow.roles.base import ModelActor
 from omniflow.runtime.actor import Context
 
 log = logging.getLogger(__name__)
+# The SSD tier files of every role's encoder cache start so (``role_cache``'s names): the
+# processes whose files share one cache.ssd_capacity per host.
+SHARE_PREFIX = "encoder-"
 
 
 class _Entry:
@@ -208,7 +212,7 @@ def role_cache(actor: Any) -> EncoderOutputCache:
         opts.cache_mb << 20,
         actor.pool,
         actor.cache_config,
-        name=f"encoder-{actor.role}-{actor.replica}",
+        name=f"{SHARE_PREFIX}{actor.role}-{actor.replica}",
     )
 
 
@@ -218,13 +222,22 @@ def _ssd_tier(
     if not config.ssd_dir:
         return None
     page = pool.page_size
-    # Slots for everything the cache may hold, never more than the tier's capacity.
-    want = (max_bytes + page - 1) // page + 2 * max_entries
-    slots = min(config.ssd_capacity_bytes // page, want)
-    if slots < 1:
-        return None
     _remove_orphans(Path(config.ssd_dir), name)
-    return SsdStore(config.ssd_dir, slots * page, page, name=f"{name}-{os.getpid()}")
+    # Slots for everything the cache may hold, never more than the share of the per-host
+    # capacity the other encoder processes there leave (memory/ssd_share.py).
+    want = ((max_bytes + page - 1) // page + 2 * max_entries) * page
+    with host_share(config.ssd_dir, config.ssd_capacity_bytes, want, SHARE_PREFIX) as share:
+        slots = share // page
+        if slots < 1:
+            log.warning(
+                "%s: no SSD tier: the other encoders on this host hold all of "
+                "cache.ssd_capacity (%d bytes) in %s",
+                name,
+                config.ssd_capacity_bytes,
+                config.ssd_dir,
+            )
+            return None
+        return SsdStore(config.ssd_dir, slots * page, page, name=f"{name}-{os.getpid()}")
 
 
 def _remove_orphans(directory: Path, name: str) -> None:

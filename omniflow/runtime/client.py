@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import logging
 import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Collection, Mapping
@@ -28,6 +30,7 @@ from omniflow.control.graph import INPUT
 from omniflow.control.routing import FULL_CREDIT, Fanout, RouteError, Router
 from omniflow.messages import (
     LEAVING,
+    TOKEN_BYTES,
     ActorRecord,
     Call,
     Cancel,
@@ -53,6 +56,7 @@ from omniflow.transport.codec import (
 )
 from omniflow.transport.endpoint import Inbox, Outbox, PeerUnavailable
 from omniflow.transport.links import attach_pool, attached_pool, detach_pool, pool_client_address
+from omniflow.transport.throttle import Throttled
 
 log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
@@ -120,6 +124,7 @@ class _Pending:
         "text_done",
         "heard",
         "migratable",
+        "token",
     )
 
     def __init__(
@@ -146,6 +151,8 @@ class _Pending:
         self.heard = False  # anything came back for the current attempt
         # False with migration off: nothing above is kept for a resend (inputs, tokens).
         self.migratable = migratable
+        # Drawn for this request and sent in its Call: what comes back must show it.
+        self.token = secrets.token_bytes(TOKEN_BYTES)
 
     def deliver(self, output: Output) -> None:
         """Hand one output to the caller, once: after a migration, what the new attempt
@@ -204,6 +211,10 @@ class Client:
         self._ids = itertools.count()
         self._sweeper: asyncio.TimerHandle | None = None
         self._migrating: set[asyncio.Task] = set()
+        # Messages for a request in flight that lack its token: dropped, warned about.
+        self._forged = Throttled(
+            log, "client: dropped a %s for request %s: not a reply with its token"
+        )
 
     async def start(self) -> None:
         self.ctx = zmq.Context()
@@ -275,6 +286,10 @@ class Client:
         except BadMessage:
             return
         pending = self._pending.get(getattr(msg, "request_id", ""))
+        if pending is not None and not _shows_token(msg, pending.token):
+            # Not from the roles the request went to: it never answers nor ends it.
+            self._forged.note(type(msg).__name__, msg.request_id)
+            pending = None
         try:
             check_parts(msg, parts)
         except BadMessage as e:
@@ -433,7 +448,7 @@ class Client:
         addresses = set(pending.fanout.addresses) if pending.fanout is not None else set()
         for role in self.router.plan.downstream(dead):
             addresses.update(record.endpoint for record in self.view.replicas(role))
-        cancel = [encode(Cancel(pending.attempt, Code.UNAVAILABLE.value))]
+        cancel = [encode(Cancel(pending.attempt, Code.UNAVAILABLE.value, pending.token))]
         for address in addresses:
             with contextlib.suppress(Exception):
                 self.outbox.post(address, cancel)
@@ -470,6 +485,7 @@ class Client:
             session=session,
             origin="client",
             trace=pending.fanout.call.trace if pending.fanout is not None else "",
+            token=pending.token,
         )
         fanout = Fanout(self.router, INPUT, call)
         fanout.exclude_pids = pending.exclude
@@ -564,6 +580,8 @@ class Client:
         cap = self.config.runtime.request_timeout_s
         timeout = min(timeout, cap) if timeout and cap else (timeout or cap)
         deadline = time.time() + timeout if timeout else 0.0
+        migratable = self.config.runtime.max_migrations > 0
+        pending = _Pending(push, deadline + 1.0 if deadline else 0.0, request_id, migratable)
         call = Call(
             request_id,
             "",
@@ -573,9 +591,8 @@ class Client:
             session=session,
             origin="client",
             trace=tracing.CURRENT.get(),  # the caller's traceparent (the HTTP request's)
+            token=pending.token,
         )
-        migratable = self.config.runtime.max_migrations > 0
-        pending = _Pending(push, deadline + 1.0 if deadline else 0.0, request_id, migratable)
         if migratable:  # what a resend takes; inputs may be large tensors
             pending.resend = (dict(inputs or {}), dict(params or {}), session, deadline)
         pending.fanout = fanout = Fanout(self.router, INPUT, call)
@@ -605,7 +622,7 @@ class Client:
         """Forget a request; one left unfinished is cancelled everywhere it went."""
         self._pending.pop(pending.attempt, None)
         if not finished and pending.fanout is not None:
-            cancel = [encode(Cancel(pending.attempt))]
+            cancel = [encode(Cancel(pending.attempt, token=pending.token))]
             for address in pending.fanout.addresses:
                 with contextlib.suppress(Exception):
                     self.outbox.post(address, cancel)
@@ -660,6 +677,13 @@ class Client:
                 waiting = True
         if waiting:
             self._watch_patience()
+
+
+def _shows_token(msg: Any, token: bytes) -> bool:
+    """Whether ``msg`` is a reply kind that carries ``token``, the request's."""
+    if not isinstance(msg, Emit | Done | Fail):
+        return False
+    return hmac.compare_digest(msg.token, token)
 
 
 def _sent_to(fanout: Fanout, record: ActorRecord) -> bool:

@@ -13,7 +13,8 @@ also use the heartbeat's list (which may name requests that ended since the last
 
 Layout: a 16-byte header (the writer's pid, then the count of held requests that have no
 slot), then fixed slots of ``SLOT`` bytes: a 2-byte length (0: free) and
-``request_id \\n reply_to`` in UTF-8.
+``request_id \\n reply_to \\n token`` in UTF-8 (the request's token in hex: the supervisor's
+death notice must show it, or the client drops the notice).
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ class HoldingFile:
         _HEADER.pack_into(self._map, 0, self._pid, 0)
         self._free = list(range(slots - 1, -1, -1))
 
-    def add(self, request_id: str, reply_to: str) -> int:
+    def add(self, request_id: str, reply_to: str, token: bytes = b"") -> int:
         """The slot now naming this request, or -1 when none is free or it does not fit
         (counted in the header: the heartbeat's list still covers it)."""
-        payload = f"{request_id}\n{reply_to}".encode()
+        payload = f"{request_id}\n{reply_to}\n{token.hex()}".encode()
         if not self._free or len(payload) > SLOT - _LENGTH.size:
             self._count_unlisted(+1)
             return -1
@@ -77,11 +78,13 @@ class HoldingFile:
 
 
 class Held(NamedTuple):
-    """What a holding file says: ``requests`` (request id, reply address), and whether that
-    is all the writer held (False too when the file is missing or another incarnation's)."""
+    """What a holding file says: ``requests`` (request id, reply address), whether that
+    is all the writer held (False too when the file is missing or another incarnation's),
+    and each request's token (what its death notice must carry)."""
 
     requests: list[tuple[str, str]]
     complete: bool
+    tokens: dict[str, bytes] = {}
 
 
 def read_held(path: Path, pid: int) -> Held:
@@ -94,13 +97,15 @@ def read_held(path: Path, pid: int) -> Held:
     writer, unlisted = _HEADER.unpack_from(data, 0)
     if writer != pid:
         return Held([], False)
-    held = []
+    held, tokens = [], {}
     for at in range(_HEADER.size, len(data) - SLOT + 1, SLOT):
         (n,) = _LENGTH.unpack_from(data, at)
         if n:
-            request_id, _, reply_to = data[at + 2 : at + 2 + n].decode().partition("\n")
+            request_id, _, rest = data[at + 2 : at + 2 + n].decode().partition("\n")
+            reply_to, _, token = rest.rpartition("\n")
             held.append((request_id, reply_to))
-    return Held(held, unlisted == 0)
+            tokens[request_id] = bytes.fromhex(token)
+    return Held(held, unlisted == 0, tokens)
 
 
 def read_holding(path: Path, pid: int) -> list[tuple[str, str]]:

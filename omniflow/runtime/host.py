@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import inspect
 import logging
 import time
@@ -21,7 +22,17 @@ from typing import Any
 from omniflow.control.graph import INPUT
 from omniflow.control.join import JoinBuffer
 from omniflow.control.routing import Fanout, RouteError, Router
-from omniflow.messages import Call, Cancel, Code, DataMessage, Fail, Frame, Timing, add_usage
+from omniflow.messages import (
+    TOKEN_BYTES,
+    Call,
+    Cancel,
+    Code,
+    DataMessage,
+    Fail,
+    Frame,
+    Timing,
+    add_usage,
+)
 from omniflow.runtime.actor import Actor, BadRequest, Context, Request
 from omniflow.runtime.config import TracingConfig
 from omniflow.runtime.holding import HoldingFile
@@ -65,7 +76,8 @@ class ActorHost:
         self._max_chunks = max_stream_chunks
         self._streams: dict[tuple[str, int], Stream] = {}  # (request id, hops)
         self._joins = JoinBuffer(self.role)
-        self._finished: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
+        # Where each ended request's hops went, and its token (what a late Cancel shows).
+        self._finished: OrderedDict[tuple[str, int], tuple[bytes, set[str]]] = OrderedDict()
         self._refused_joins: OrderedDict[str, None] = OrderedDict()  # their later parts too
         self._is_gen = inspect.isasyncgenfunction(actor.handle)
         self._eager = actor.eager and not self._is_gen
@@ -75,6 +87,7 @@ class ActorHost:
         self.bad_messages = 0
         # Garbage from a stranger: one warning per window, with a count of the rest.
         self._garbage = Throttled(log, "%s: dropped %s")
+        self._forged = Throttled(log, "%s: dropped a Cancel of %s: %s")
         self._sweeper: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -122,6 +135,12 @@ class ActorHost:
                 log.debug(
                     "%s got %s seq %d from %s", self.role, msg.request_id, msg.seq, msg.origin
                 )
+            if len(msg.token) != TOKEN_BYTES:
+                self.bad_messages += 1
+                message = (
+                    f"{self.role}: Call.token must be {TOKEN_BYTES} bytes, not {len(msg.token)}"
+                )
+                return self._reject(msg, Code.BAD_REQUEST, message)
             if not self.accepting_new and self._is_new_request(msg):
                 return self._reject(msg, Code.SHUTTING_DOWN, f"{self.role} is shutting down")
             self._on_call(msg, parts)
@@ -233,7 +252,7 @@ class ActorHost:
             return
         held = self._held.get(call.request_id)
         if held is None:
-            slot = self._holding.add(call.request_id, call.reply_to)
+            slot = self._holding.add(call.request_id, call.reply_to, call.token)
             self._held[call.request_id] = [slot, 1]
         else:
             held[1] += 1
@@ -270,21 +289,38 @@ class ActorHost:
             self._watch_deadlines()
 
     def _on_cancel(self, cancel: Cancel) -> None:
-        rid = cancel.request_id
-        dropped = self._joins.drop(rid)
-        for call in dropped:
-            self._drop(call)
-        if dropped:
-            self._unhold(rid)
+        """Stop a request here and pass the Cancel on, where it shows the request's token
+        (the one its Call brought here): a peer that never saw the Call cannot cancel it."""
+        rid, token = cancel.request_id, cancel.token
+        if len(token) != TOKEN_BYTES:
+            self._forged.note(self.role, rid, "it has no token")
+            return
+        found = matched = False
+        joined = self._joins.token(rid)
+        if joined is not None:
+            found = True
+            if hmac.compare_digest(token, joined):
+                matched = True
+                for call in self._joins.drop(rid):
+                    self._drop(call)
+                self._unhold(rid)
         for key, stream in list(self._streams.items()):
             if key[0] == rid:
-                stream.ctx.cancelled.set()
-                if stream.task is not None:
-                    _cancel_soon(stream.task)  # its handler cancels what it sent downstream
-        for key, addresses in list(self._finished.items()):
+                found = True
+                if hmac.compare_digest(token, stream.call.token):
+                    matched = True
+                    stream.ctx.cancelled.set()
+                    if stream.task is not None:
+                        _cancel_soon(stream.task)  # its handler cancels what it sent onward
+        for key, (theirs, addresses) in list(self._finished.items()):
             if key[0] == rid:
-                for address in addresses:
-                    self._send_cancel(address, cancel)
+                found = True
+                if hmac.compare_digest(token, theirs):
+                    matched = True
+                    for address in addresses:
+                        self._send_cancel(address, cancel)
+        if found and not matched:
+            self._forged.note(self.role, rid, "not the request's token")
 
     # ------------------------------------------------------------------ running
 
@@ -339,7 +375,7 @@ class ActorHost:
             self.tracer.end(span, time.time(), {"omniflow.compute_ms": compute * 1e3})
         _release_inputs(_pool_refs(call), ctx)
         if fanout.addresses:  # a late Cancel must still reach the next hop
-            self._remember(key, fanout.addresses)
+            self._remember(key, call.token, fanout.addresses)
 
     def _hand_over(
         self,
@@ -555,7 +591,7 @@ class ActorHost:
         call = stream.call
         self._cancel_downstream(stream, code)
         code = code.value if isinstance(code, Code) else str(code)
-        fail = Fail(code, message, self.role, call.request_id, replica)
+        fail = Fail(code, message, self.role, call.request_id, replica, call.token)
         try:
             await self.router.send(call.reply_to, fail, {})
         except Exception:
@@ -563,14 +599,14 @@ class ActorHost:
 
     def _reject(self, call: Call, code: Code, message: str) -> None:
         self._drop(call)
-        fail = Fail(code.value, message, self.role, call.request_id)
+        fail = Fail(code.value, message, self.role, call.request_id, token=call.token)
         try:
             self.router.outbox.post(call.reply_to, [encode(fail)])
         except Exception:
             log.warning("%s: could not reject %s", self.role, call.request_id)
 
     def _cancel_downstream(self, stream: Stream, reason: str) -> None:
-        cancel = Cancel(stream.call.request_id, str(reason))
+        cancel = Cancel(stream.call.request_id, str(reason), stream.call.token)
         for address in stream.fanout.addresses:
             self._send_cancel(address, cancel)
 
@@ -607,12 +643,12 @@ class ActorHost:
         key = (stream.call.request_id, stream.call.hops)
         if self._streams.pop(key, None) is not None:
             self._unhold(stream.call.request_id)
-        self._remember(key, stream.fanout.addresses)
+        self._remember(key, stream.call.token, stream.fanout.addresses)
         if not self._streams:
             self._idle.set()
 
-    def _remember(self, key: tuple[str, int], addresses: set[str]) -> None:
-        self._finished[key] = addresses
+    def _remember(self, key: tuple[str, int], token: bytes, addresses: set[str]) -> None:
+        self._finished[key] = (token, addresses)
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
 

@@ -95,7 +95,7 @@ def test_each_request_on_a_killed_worker_gets_one_fail(run_root):
             victim = next(r for r in rt.supervisor.replicas if r.role == "reverse")
             pid = victim.proc.pid
             for rid in ids:  # straight to reverse, its replies to this test's socket
-                call = Call(rid, "reverse", replies.endpoint, data={"text": rid})
+                call = Call(rid, "reverse", replies.endpoint, data={"text": rid}, token=b"d" * 16)
                 call.credit, call.deadline = FULL_CREDIT, time.time() + 60
                 await outbox.send(victim.endpoint, [encode(call)])
             path = Path(rt.run_dir) / "reverse-0.holding"

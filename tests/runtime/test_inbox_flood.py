@@ -55,7 +55,7 @@ def flood(endpoint: str, reply_to: str) -> list[int]:
         sock.connect(endpoint)
         n = 0
         while n < PER_CLIENT:
-            call = Call(f"f{client}-{n}", "stall", reply_to, data={"text": text})
+            call = Call(f"f{client}-{n}", "stall", reply_to, data={"text": text}, token=b"f" * 16)
             call.credit = FULL_CREDIT
             try:
                 sock.send(encode(call), zmq.NOBLOCK)

@@ -128,6 +128,10 @@ def tensor_refs(draw: Any) -> tuple[dict[str, Any], list[bytes]]:
 
 
 FRESH, REPLAY = "\0fresh", "\0replay"
+TOKEN = b"fuzz-token-01234"  # a well-formed Call's request token (16 bytes)
+# A Call's fields after ``tensors`` at their defaults (params .. trace), then its token: what
+# a well-formed input sends, so that the actor judges its tensors, not its missing token.
+_CALL_REST = [{}, 0, True, 0, 0.0, "", "", None, [], {}, 0, {}, "", TOKEN]
 
 
 @dataclass
@@ -159,6 +163,8 @@ def wire_inputs(draw: Any) -> WireInput:
         fields += draw(st.lists(values, max_size=3))
     if kind == 9:  # a truncated or overlong header
         fields = fields[: draw(st.integers(0, 4))] or fields + [0] * 20
+    if kind < 6:
+        fields += _CALL_REST
     return WireInput(fields, refs, frames)
 
 
@@ -225,7 +231,7 @@ class WireChecker:
         ):
             # An answer goes elsewhere, or the request waits for more: cancel it.
             self.probe.send([header, *frames])
-            self.probe.send([encode(Cancel(msg.request_id))])
+            self.probe.send([encode(Cancel(msg.request_id, token=msg.token))])
             return
         self.probe.send([header, *frames])
         if isinstance(msg, Cancel):

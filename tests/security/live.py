@@ -23,6 +23,7 @@ from omniflow.runtime.config import Config, parse
 from omniflow.transport.codec import decode, encode
 
 ROLE = "check"
+TOKEN = b"probe-token-0123"  # the request token of every Call a probe forges (16 bytes)
 
 
 def tensor_config(name: str = "sec", **runtime: Any) -> Config:
@@ -124,6 +125,7 @@ class Probe:
 
     def call(self, rid: str, tensors: dict[str, Any], frames: list[Any], **fields: Any) -> Any:
         """Send a Call for ``rid`` with ``tensors`` refs and ``frames``; the reply for it."""
+        fields.setdefault("token", TOKEN)
         call = Call(rid, ROLE, self.reply_to, tensors=tensors, credit=1, **fields)
         self.send([encode(call), *frames])
         return self.reply_for(rid)

@@ -105,7 +105,8 @@ def test_an_exposed_gateway_needs_an_api_key() -> None:
 
 def _send_and_wait(dealer: zmq.Socket, replies: zmq.Socket, rid: str, timeout_ms: int) -> object:
     reply_to = replies.getsockopt_string(zmq.LAST_ENDPOINT)
-    dealer.send(encode(Call(rid, "upper", reply_to, data={"text": "hi"}, credit=1)))
+    call = Call(rid, "upper", reply_to, data={"text": "hi"}, credit=1, token=b"c" * 16)
+    dealer.send(encode(call))
     if not replies.poll(timeout_ms):
         return None
     return decode(replies.recv_multipart()[1])

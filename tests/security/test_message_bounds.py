@@ -14,7 +14,7 @@ import pytest
 
 from omniflow.messages import Call, Frame
 from omniflow.transport.codec import encode
-from tests.security.live import ROLE, LiveDeployment, Probe, tensor_config
+from tests.security.live import ROLE, TOKEN, LiveDeployment, Probe, tensor_config
 
 LIMIT = 16 << 20
 BIG = (64 << 20) + 4096  # a float32 tensor's frame, four times the limit
@@ -52,7 +52,8 @@ def test_an_oversized_frame_is_dropped_before_it_is_read(bounded):
         assert probe.served()
         peak = _status(pid, "VmHWM")
         rid = probe.request_id()
-        call = Call(rid, ROLE, probe.reply_to, tensors={"x": Frame(1, "float32", (BIG // 4,))})
+        refs = {"x": Frame(1, "float32", (BIG // 4,))}
+        call = Call(rid, ROLE, probe.reply_to, tensors=refs, token=TOKEN)
         call.credit = 1
         probe.send([encode(call), bytes(BIG)])
         assert probe.reply_for(rid, timeout=3.0) is None  # never read, so never answered

@@ -15,6 +15,8 @@ from omniflow.runtime.host import ActorHost
 from omniflow.transport.codec import decode, encode
 from tests.helpers import run_in_loop
 
+TOKEN = b"t" * 16  # the request token every Call carries (replies and cancels show it)
+
 
 class _View:
     def replicas(self, role: str) -> list:
@@ -91,7 +93,9 @@ def _host(
 
 
 def _call(rid: str, **data: Any) -> list[Any]:
-    call = Call(rid, "role", "ipc://client", data=data, credit=5, deadline=time.time() + 30)
+    call = Call(
+        rid, "role", "ipc://client", data=data, credit=5, deadline=time.time() + 30, token=TOKEN
+    )
     return [encode(call)]
 
 
@@ -129,7 +133,7 @@ async def test_cancel_reaches_a_suspended_handler_and_frees_its_slot() -> None:
     host.on_message(b"id", _call("d", wait="forever"))
     host.on_message(b"id", _call("e", text="next"))  # waits for the only slot
     assert host.inflight == 2 and not outbox.sent
-    host.on_message(b"id", [encode(Cancel("d"))])
+    host.on_message(b"id", [encode(Cancel("d", token=TOKEN))])
     await asyncio.wait_for(host._idle.wait(), 5)
     assert [type(m) for m in outbox.sent] == [Done]
     assert outbox.sent[0].data == {"text": "next!"}
@@ -159,7 +163,8 @@ async def test_a_failure_before_suspending_is_one_fail_and_frees_the_slot() -> N
 @run_in_loop
 async def test_a_bad_tensor_ref_is_one_bad_request_fail() -> None:
     host, outbox = _host()
-    call = Call("r", "role", "ipc://client", tensors={"x": Frame(3, "float32", (2,))}, credit=5)
+    refs = {"x": Frame(3, "float32", (2,))}
+    call = Call("r", "role", "ipc://client", tensors=refs, credit=5, token=TOKEN)
     host.on_message(b"id", [encode(call)])  # frame 3 of a one-frame message
     await asyncio.wait_for(host._idle.wait(), 5)
     host.on_message(b"id", _call("s", text="after"))  # and its slot was given back
@@ -177,7 +182,9 @@ async def test_an_inline_hop_carries_credit_timings_and_takes_late_cancels() -> 
     assert call.role == "next" and call.data == {"text": "on!"} and call.last
     assert call.credit == 5 and call.hops == 1 and call.origin == "role"
     assert [t.role for t in call.timings] == ["role"] and host.inflight == 0
-    host.on_message(b"id", [encode(Cancel("h"))])  # after it ended here: forwarded onward
+    host.on_message(
+        b"id", [encode(Cancel("h", token=TOKEN))]
+    )  # after it ended here: forwarded onward
     await asyncio.sleep(0)
     assert isinstance(outbox.sent[-1], Cancel) and outbox.to[-1] == "ipc://next"
 

@@ -17,6 +17,7 @@ import itertools
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from omniflow.control.discovery.base import Items, RegistryError, WatchEvent
 from omniflow.messages import (
@@ -31,7 +32,7 @@ from omniflow.messages import (
     RegReply,
     RegWatch,
 )
-from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
+from omniflow.transport.codec import MAX_HEADER_BYTES, BadMessage, decode, decoder_for, encode
 from omniflow.transport.endpoint import Inbox, fd_of, stop_reading
 
 _request_decoder = decoder_for(RegistryRequest)
@@ -59,7 +60,10 @@ class EmbeddedRegistryServer:
         return self._inbox.endpoint
 
     async def start(self) -> None:
-        self._inbox = Inbox(self._ctx, self._address, self._on_message, mandatory=True)
+        # Registry messages are one header each: a larger frame is refused unread.
+        self._inbox = Inbox(
+            self._ctx, self._address, self._on_message, mandatory=True, max_message=MAX_HEADER_BYTES
+        )
         self._inbox.start()
         self._reaper = asyncio.create_task(self._reap_expired(), name="registry-reaper")
 
@@ -161,16 +165,51 @@ class EmbeddedRegistry:
 
     def __init__(self, address: str, ctx: zmq.Context | None = None, timeout: float = 5.0) -> None:
         self._ctx = ctx or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._address = address
+        self._open()
         self._timeout = timeout
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._watch_queues: dict[int, asyncio.Queue] = {}
+        self._watch_prefixes: dict[int, str] = {}  # what to watch again on a new socket
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._leased: dict[str, tuple[bytes, float]] = {}  # key -> (value, ttl), to re-put
+
+    def _open(self) -> None:
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # A reply or event is one header: a peer at this address that sends a larger frame
+        # is disconnected before it is buffered. ZeroMQ never reconnects a connection it
+        # dropped so (a protocol error), so the monitor tells, and a call that then times
+        # out opens a new socket (``_reopen``).
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._down = False
+        self._sock.connect(self._address)
+
+    def _dropped(self) -> bool:
+        """Whether the connection is down and was not made again since."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            self._down = event == zmq.EVENT_DISCONNECTED
+        return self._down
+
+    def _reopen(self) -> None:
+        """A new socket in place of one whose connection ZeroMQ gave up on: its watches are
+        sent again (the lease is the keepalive's: it answers expired, and the keys go back)."""
+        stop_reading(self._loop, self._sock)
+        self._close_socket()
+        self._open()
+        if self._loop is not None:
+            self._loop.add_reader(fd_of(self._sock), self._drain)
+        for rid, prefix in self._watch_prefixes.items():
+            self._sock.send(encode(RegWatch(rid, prefix)), zmq.NOBLOCK)
+
+    def _close_socket(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+        self._sock.close(0)
 
     def _ensure_reader(self) -> None:
         if self._loop is None:
@@ -180,11 +219,13 @@ class EmbeddedRegistry:
     def _drain(self) -> None:
         while not self._closed:
             try:
-                header = self._sock.recv(zmq.NOBLOCK)
+                parts = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if len(parts) != 1:
+                continue  # a registry message is one frame: not the registry's
             try:
-                msg = decode(header, _reply_decoder)
+                msg = decode(parts[0], _reply_decoder)
             except BadMessage:
                 continue
             if isinstance(msg, RegEvent):
@@ -209,6 +250,8 @@ class EmbeddedRegistry:
         try:
             reply = await asyncio.wait_for(fut, self._timeout if timeout is None else timeout)
         except TimeoutError:
+            if self._dropped():  # and ZeroMQ will not connect it again by itself
+                self._reopen()
             raise RegistryError("the embedded registry did not answer in time") from None
         finally:
             self._pending.pop(rid, None)
@@ -258,6 +301,7 @@ class EmbeddedRegistry:
         rid = next(self._rids)
         queue: asyncio.Queue = asyncio.Queue()
         self._watch_queues[rid] = queue  # before the send: no event can slip by
+        self._watch_prefixes[rid] = prefix
         self._sock.send(encode(RegWatch(rid, prefix)))
         self._drain()
         return _Watch(self, rid, queue)
@@ -283,7 +327,7 @@ class EmbeddedRegistry:
         for fut in self._pending.values():
             if not fut.done():
                 fut.cancel()
-        self._sock.close(0)
+        self._close_socket()
 
 
 class _Watch:
@@ -302,3 +346,4 @@ class _Watch:
 
     async def aclose(self) -> None:
         self._client._watch_queues.pop(self._rid, None)
+        self._client._watch_prefixes.pop(self._rid, None)
