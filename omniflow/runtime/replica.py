@@ -54,18 +54,22 @@ class Replica:
         assert self.proc is not None
         path = holding_path(run_dir, self.role, self.index)
         try:
-            held, complete = read_held(path, self.proc.pid)
+            held, complete, tokens = read_held(path, self.proc.pid)
         except (OSError, ValueError) as e:
             log.warning("could not read what %s held: %s", self.actor_id, e)
-            held, complete = [], False
+            held, complete, tokens = [], False, {}
         self.failed_at_death = set()
         self.holding_complete = complete
         for request_id, reply_to in held:
-            self.post_unavailable(outbox, request_id, reply_to)
+            self.post_unavailable(outbox, request_id, reply_to, tokens.get(request_id, b""))
         path.unlink(missing_ok=True)
 
-    def post_unavailable(self, outbox: Outbox, request_id: str, reply_to: str) -> None:
-        """One terminal Fail per request and death, whichever list names it."""
+    def post_unavailable(
+        self, outbox: Outbox, request_id: str, reply_to: str, token: bytes = b""
+    ) -> None:
+        """One terminal Fail per request and death, whichever list names it (``token``: the
+        request's; a heartbeat's list has none, and the client drops such a notice, moving
+        the request on itself once the replica leaves its view)."""
         if request_id in self.failed_at_death:
             return
         self.failed_at_death.add(request_id)
@@ -75,6 +79,7 @@ class Replica:
             self.role,
             request_id,
             self.actor_id,
+            token,
         )
         with contextlib.suppress(Exception):
             outbox.post(reply_to, [encode(fail)])

@@ -83,11 +83,13 @@ def test_each_request_on_a_killed_worker_gets_one_fail(run_root):
         async with omniflow.Runtime(cfg) as rt:
             ctx = zmq.Context()
             fails: Counter[str] = Counter()
+            tokens: set[bytes] = set()
 
             def on_reply(identity, parts):
                 msg = decode(parts[0])
                 if isinstance(msg, Fail):
                     fails[msg.request_id] += 1
+                    tokens.add(msg.token)
 
             replies = Inbox(ctx, f"ipc://{rt.run_dir}/replies.sock", on_reply)
             replies.start()
@@ -119,7 +121,8 @@ def test_each_request_on_a_killed_worker_gets_one_fail(run_root):
             replies.close()
             outbox.close()
             ctx.term()
-            return fails
+            return fails, tokens
 
-    fails = asyncio.run(main())
+    fails, tokens = asyncio.run(main())
     assert fails == Counter({rid: 1 for rid in ids})
+    assert tokens == {b"d" * 16}  # the holding file's token: a client would drop it otherwise
