@@ -13,11 +13,9 @@ import hmac
 import itertools
 import logging
 import os
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Collection, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,23 +26,21 @@ from omniflow.control.discovery import open_registry
 from omniflow.control.discovery.view import RegistryView
 from omniflow.control.graph import INPUT
 from omniflow.control.routing import FULL_CREDIT, Fanout, RouteError, Router
-from omniflow.messages import (
-    LEAVING,
-    TOKEN_BYTES,
-    ActorRecord,
-    Call,
-    Cancel,
-    Code,
-    DataMessage,
-    Done,
-    Emit,
-    Fail,
-    Timing,
-    add_usage,
-)
+from omniflow.messages import Call, Cancel, Code, DataMessage, Done, Emit, Fail, add_usage
 from omniflow.runtime import tracing
-from omniflow.runtime.actor import RESUMABLE_META
 from omniflow.runtime.config import Config
+from omniflow.runtime.migration import Migration
+from omniflow.runtime.requests import (
+    TIMEOUT,
+    Collect,
+    Output,
+    Pending,
+    RequestFailed,
+    Result,
+    cancel_is_moot,
+    no_answer,
+    patience,
+)
 from omniflow.transport.codec import (
     BadMessage,
     check_parts,
@@ -54,146 +50,19 @@ from omniflow.transport.codec import (
     materialize_tensors,
     release_tensors,
 )
-from omniflow.transport.endpoint import Inbox, Outbox, PeerUnavailable
+from omniflow.transport.endpoint import Inbox, Outbox
 from omniflow.transport.links import attach_pool, attached_pool, detach_pool, pool_client_address
 from omniflow.transport.throttle import Throttled
+
+__all__ = ["Client", "Output", "RequestFailed", "Result"]
 
 log = logging.getLogger(__name__)
 _decoder = decoder_for(DataMessage)
 _client_ids = itertools.count()
 _PATIENCE_TICK = 0.1  # seconds: how often waits past their deadline are ended
-# How long after a replica left the view the requests it may have dropped unread move on:
-# time for the supervisor's death notices (which cover what it had read) to arrive first.
-_GONE_GRACE_S = 0.5
 
 
-class RequestFailed(RuntimeError):
-    """A request ended with ``Fail``: ``code``, ``role`` and ``request_id`` say where and why."""
-
-    def __init__(self, code: str, message: str, role: str, request_id: str) -> None:
-        super().__init__(f"[{code}] {role}: {message} (request {request_id})")
-        self.code = code
-        self.role = role
-        self.request_id = request_id
-        self.detail = message
-
-
-@dataclass
-class Output:
-    """One streamed chunk of output from ``role``."""
-
-    role: str
-    seq: int
-    data: dict[str, Any]
-    tensors: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Result:
-    """The end of a request: usage counters and each role's compute time."""
-
-    request_id: str
-    usage: dict[str, int]
-    timings: list[Timing]
-    latency_ms: float
-    migrations: int = 0  # times it moved to another replica after one died holding it
-
-
-class _Pending:
-    """A request in flight: where its events go, the credit that came back, and what it
-    takes to send it again (migrate it) if a replica dies holding it."""
-
-    __slots__ = (
-        "push",
-        "credit",
-        "usage",
-        "timings",
-        "started",
-        "patience",
-        "request_id",
-        "attempt",
-        "fanout",
-        "resend",
-        "migrations",
-        "exclude",
-        "delivered",
-        "skip",
-        "offset",
-        "tokens",
-        "token_role",
-        "text_done",
-        "heard",
-        "migratable",
-        "token",
-    )
-
-    def __init__(
-        self, push: Any, patience: float, request_id: str, migratable: bool = True
-    ) -> None:
-        self.push = push  # called with each Output, then a Result or a RequestFailed
-        self.credit = 0
-        self.usage: dict[str, int] = {}
-        self.timings: list[Timing] = []
-        self.started = time.perf_counter()
-        self.patience = patience  # time.time() after which the client stops waiting
-        self.request_id = request_id  # the caller's id; an attempt after a migration differs
-        self.attempt = request_id
-        self.fanout: Fanout | None = None
-        self.resend: tuple[dict, dict, str, float] = ({}, {}, "", 0.0)
-        self.migrations = 0
-        self.exclude: frozenset[int] = frozenset()  # pids of replicas that died holding it
-        self.delivered: dict[str, int] = {}  # role -> output chunks handed to the caller
-        self.skip: dict[str, int] = {}  # role -> chunks of a new attempt it already has
-        self.offset: dict[str, int] = {}  # role -> seq shift of the role that resumes
-        self.tokens: list[int] = []  # ids of the text streamed so far (outputs' "tokens")
-        self.token_role = ""
-        self.text_done = False
-        self.heard = False  # anything came back for the current attempt
-        # False with migration off: nothing above is kept for a resend (inputs, tokens).
-        self.migratable = migratable
-        # Drawn for this request and sent in its Call: what comes back must show it.
-        self.token = secrets.token_bytes(TOKEN_BYTES)
-
-    def deliver(self, output: Output) -> None:
-        """Hand one output to the caller, once: after a migration, what the new attempt
-        sends again is dropped and the resuming role's chunks go on numbering."""
-        if not self.migratable:
-            self.push(output)
-            return
-        role = output.role
-        if role in self.offset:
-            output.seq += self.offset[role]
-        elif output.seq < self.skip.get(role, 0):
-            return
-        self.delivered[role] = max(self.delivered.get(role, 0), output.seq + 1)
-        tokens = output.data.get("tokens")
-        if isinstance(tokens, list):
-            self.tokens += tokens
-            self.token_role = role
-            self.text_done = self.text_done or bool(output.data.get("finished"))
-        self.push(output)
-
-
-class _Collect:
-    """``push`` for ``call``: outputs into a list, the end into one future."""
-
-    __slots__ = ("outputs", "done")
-
-    def __init__(self, done: asyncio.Future) -> None:
-        self.outputs: list[Output] = []
-        self.done = done
-
-    def __call__(self, item: Any) -> None:
-        if isinstance(item, Output):
-            self.outputs.append(item)
-        elif not self.done.done():
-            if isinstance(item, RequestFailed):
-                self.done.set_exception(item)
-            else:
-                self.done.set_result(item)
-
-
-class Client:
+class Client(Migration):
     def __init__(
         self, config: Config, registry_address: str, run_dir: Path, pool: Any = None
     ) -> None:
@@ -205,7 +74,7 @@ class Client:
         self._attached = False  # this client attached the pool: it detaches it
         self.registry_address = registry_address
         self.run_dir = Path(run_dir)
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         self.ctx: zmq.Context | None = None
         self._id_prefix = uuid.uuid4().hex[:16]  # unique per client; a counter after it
         self._ids = itertools.count()
@@ -322,198 +191,6 @@ class Client:
                 return self._lost(pending, msg)
             pending.push(RequestFailed(msg.code, msg.message, msg.role, pending.request_id))
 
-    def _lost(self, pending: _Pending, fail: Fail) -> None:
-        """A replica died holding the request: it moves on elsewhere, or fails once."""
-        # branches orphaned by the death
-        self._cancel_after(pending, fail.replica.rpartition("/")[0] or fail.role)
-        why = self._cannot_migrate(pending, fail)
-        if why is None:
-            return self._migrate(pending, fail)
-        message = f"{fail.message}; {why}" if why else fail.message
-        pending.push(RequestFailed(fail.code, message, fail.role, pending.request_id))
-
-    # ------------------------------------------------------------------ migration
-
-    def _cannot_migrate(self, pending: _Pending, fail: Fail) -> str | None:
-        """Why a request that lost a replica cannot go on elsewhere ("" when no reason is
-        worth naming); None when it can."""
-        limit = self.config.runtime.max_migrations
-        if not pending.migratable or pending.migrations >= limit:
-            return f"moved {limit} times already" if limit else ""
-        deadline = pending.resend[3]
-        if deadline and deadline <= time.time():
-            return ""
-        if not fail.replica:
-            return ""  # no replica named as dead or not taking it: fails as before migration
-        # The dead replica's role must be one that may run a request again: idempotent
-        # (then on another replica, or its restart: the new attempt waits a little for a
-        # ready one), or resuming what was streamed (the LLM: on another replica, up now).
-        role = fail.replica.rpartition("/")[0]
-        idempotent = role in self.router.idempotent
-        if not idempotent and not self.view.flagged(role, RESUMABLE_META):
-            return ""
-        others = [
-            r
-            for r in self.view.replicas(role)
-            if r.actor_id != fail.replica and r.pid not in pending.exclude
-        ]
-        if not others and not idempotent:
-            return f"no other replica of {role!r} to move it to"
-        return None
-
-    def _moved_on(self, pending: _Pending, error: BaseException) -> bool:
-        """A first hop that a replica did not take (dead, most likely): the request moves
-        on as after a death notice, where it may (True)."""
-        if not isinstance(error, RouteError) or not error.replica:
-            return False
-        if (
-            error.code != Code.UNAVAILABLE.value
-            or self._pending.get(pending.attempt) is not pending
-        ):
-            return False  # another failure, or the request ended meanwhile
-        role = error.replica.rpartition("/")[0]
-        fail = Fail(Code.UNAVAILABLE.value, str(error), role, pending.attempt, error.replica)
-        if self._cannot_migrate(pending, fail) is not None:
-            return False
-        self._cancel_after(pending, role)
-        self._migrate(pending, fail)
-        return True
-
-    def _replica_gone(self, record: ActorRecord) -> None:
-        """A replica left the view (it died, most likely). What this client sent it and has
-        heard nothing of since may have sat unread in its queue, which no death notice
-        covers (the supervisor knows only what it read): shortly after, once any notice had
-        time to arrive, each such request moves on as a migration would, where it may."""
-        suspects = [
-            (p, p.attempt)
-            for p in self._pending.values()
-            if p.migratable and not p.heard and p.fanout is not None and _sent_to(p.fanout, record)
-        ]
-        # What it was working on for this client: its supervisor answers for those when the
-        # replica dies, but not when the whole host went (its leases expired), so they end
-        # here too, as that notice would (the first wins). Known from its record's holding
-        # (as of its last heartbeat, which lags under load) and, for the role streaming a
-        # request's text to this client, from the replica this client sent it to.
-        if record.state == LEAVING:  # it drains what it holds before it goes
-            held = {}
-        else:
-            held = self._held_by(record)
-        loop = asyncio.get_running_loop()
-        if suspects:
-            loop.call_later(_GONE_GRACE_S, self._lost_in_queue, record, suspects)
-        if held:
-            lost = [(p, attempt) for attempt, p in held.items()]
-            loop.call_later(_GONE_GRACE_S, self._lost_with_replica, record, lost)
-
-    def _held_by(self, record: ActorRecord) -> dict[str, _Pending]:
-        held = {
-            attempt: p
-            for attempt, reply_to in record.holding
-            if reply_to == self.inbox.endpoint and (p := self._pending.get(attempt)) is not None
-        }
-        for p in self._pending.values():
-            streaming = p.token_role == record.role and not p.text_done
-            if streaming and p.fanout is not None and _sent_to(p.fanout, record):
-                held[p.attempt] = p
-        return held
-
-    def _lost_with_replica(self, record: ActorRecord, held: list[tuple[_Pending, str]]) -> None:
-        for pending, attempt in held:
-            if self._pending.get(attempt) is not pending:
-                continue  # ended, or moved on by a death notice meanwhile
-            where = f" on host {record.host}" if record.host != self.config.host_id else ""
-            message = f"{record.actor_id}{where} left the registry while handling it"
-            self._lost(
-                pending,
-                Fail(Code.UNAVAILABLE.value, message, record.role, attempt, record.actor_id),
-            )
-
-    def _lost_in_queue(self, record: ActorRecord, suspects: list[tuple[_Pending, str]]) -> None:
-        for pending, attempt in suspects:
-            if pending.heard or self._pending.get(attempt) is not pending:
-                continue  # answered meanwhile, migrated by a notice, or ended
-            message = f"{record.actor_id} died before it answered"
-            fail = Fail(Code.UNAVAILABLE.value, message, record.role, attempt, record.actor_id)
-            if self._cannot_migrate(pending, fail) is None:
-                self._cancel_after(pending, record.role)
-                self._migrate(pending, fail, record.pid)
-            # Else it is left to its deadline: it may be on its way past that replica.
-
-    def _cancel_after(self, pending: _Pending, dead: str) -> None:
-        """Cancel the current attempt where it may still be after a replica of role ``dead``
-        died with it: every replica of the roles after ``dead`` (its branches there, parts
-        waiting at a join, hold pool blocks and compute, and no one else would cancel them),
-        and the replicas this client sent it to (each passes the Cancel on along the path it
-        sent the request). Roles off its path are left alone."""
-        addresses = set(pending.fanout.addresses) if pending.fanout is not None else set()
-        for role in self.router.plan.downstream(dead):
-            addresses.update(record.endpoint for record in self.view.replicas(role))
-        cancel = [encode(Cancel(pending.attempt, Code.UNAVAILABLE.value, pending.token))]
-        for address in addresses:
-            with contextlib.suppress(Exception):
-                self.outbox.post(address, cancel)
-
-    def _migrate(self, pending: _Pending, fail: Fail, pid: int = 0) -> None:
-        """Send the request again under a new attempt id, away from the dead replica, with
-        the text already streamed as ``params["resume"]``: the LLM re-prefills it and goes
-        on; outputs the caller has already are not handed over twice."""
-        del self._pending[pending.attempt]
-        pending.migrations += 1
-        dead = self.view.find(fail.replica) if fail.replica else None
-        pid = pid or (dead.pid if dead is not None else 0)
-        if pid:  # still listed (the view may not have seen it go): never pick that process
-            pending.exclude |= {pid}
-        pending.offset = (
-            {pending.token_role: pending.delivered.get(pending.token_role, 0)}
-            if pending.token_role
-            else {}
-        )
-        pending.skip = dict(pending.delivered)
-        pending.credit = 0
-        pending.heard = False
-        pending.usage, pending.timings = {}, []
-        inputs, params, session, deadline = pending.resend
-        if pending.tokens or pending.text_done:
-            params = {**params, "resume": {"tokens": pending.tokens, "finished": pending.text_done}}
-        attempt = f"{pending.request_id}~{pending.migrations}"
-        call = Call(
-            attempt,
-            "",
-            self.inbox.endpoint,
-            params=params,
-            deadline=deadline,
-            session=session,
-            origin="client",
-            trace=pending.fanout.call.trace if pending.fanout is not None else "",
-            token=pending.token,
-        )
-        fanout = Fanout(self.router, INPUT, call)
-        fanout.exclude_pids = pending.exclude
-        pending.attempt, pending.fanout = attempt, fanout
-        self._pending[attempt] = pending
-        log.info("request %s moves on as %s: %s", pending.request_id, attempt, fail.message)
-        try:
-            rest = fanout.finish_now(FULL_CREDIT, [], {}, inputs)
-        except RouteError as e:
-            if not self._moved_on(pending, e):
-                pending.push(RequestFailed(e.code, str(e), "client", pending.request_id))
-            return
-        if rest is not None:
-            task = asyncio.get_running_loop().create_task(self._migration_sent(pending, rest))
-            self._migrating.add(task)
-            task.add_done_callback(self._migrating.discard)
-
-    async def _migration_sent(self, pending: _Pending, rest: Awaitable[None]) -> None:
-        try:
-            await rest
-        except RouteError as e:
-            if not self._moved_on(pending, e):
-                pending.push(RequestFailed(e.code, str(e), "client", pending.request_id))
-        except PeerUnavailable as e:
-            pending.push(
-                RequestFailed(Code.UNAVAILABLE.value, str(e), "client", pending.request_id)
-            )
-
     async def stream(
         self,
         inputs: Mapping[str, Any] | None = None,
@@ -538,17 +215,17 @@ class Client:
         # No wait_for around get(): Python 3.11's swallows a cancel that lands as the
         # get completes, and the disconnect is lost. A timer queues the timeout instead.
         timer = (
-            asyncio.get_running_loop().call_later(_patience(deadline), queue.put_nowait, _TIMEOUT)
+            asyncio.get_running_loop().call_later(patience(deadline), queue.put_nowait, TIMEOUT)
             if deadline
             else None
         )
         try:
             while True:
                 item = await queue.get()
-                if item is _TIMEOUT:
-                    raise _no_answer(pending.request_id)
+                if item is TIMEOUT:
+                    raise no_answer(pending.request_id)
                 if isinstance(item, RequestFailed):
-                    finished = _cancel_is_moot(pending, item)
+                    finished = cancel_is_moot(pending, item)
                     raise item
                 if isinstance(item, Result):
                     finished = True  # before the yield: the caller may stop iterating here
@@ -568,7 +245,7 @@ class Client:
         timeout: float | None,
         request_id: str | None,
         push: Any,
-    ) -> tuple[_Pending, float, Awaitable[None] | None]:
+    ) -> tuple[Pending, float, Awaitable[None] | None]:
         """Start a new request: route its first hop; its events go to ``push``.
 
         The first hop leaves from here when the entry replica's queue takes it; else
@@ -581,7 +258,7 @@ class Client:
         timeout = min(timeout, cap) if timeout and cap else (timeout or cap)
         deadline = time.time() + timeout if timeout else 0.0
         migratable = self.config.runtime.max_migrations > 0
-        pending = _Pending(push, deadline + 1.0 if deadline else 0.0, request_id, migratable)
+        pending = Pending(push, deadline + 1.0 if deadline else 0.0, request_id, migratable)
         call = Call(
             request_id,
             "",
@@ -605,20 +282,20 @@ class Client:
             rest = None
         return pending, deadline, rest
 
-    async def _sent(self, pending: _Pending, rest: Awaitable[None]) -> None:
+    async def _sent(self, pending: Pending, rest: Awaitable[None]) -> None:
         try:
             await rest
         except BaseException as e:
             if not self._moved_on(pending, e):
                 self._failed_to_send(pending, e)
 
-    def _failed_to_send(self, pending: _Pending, error: BaseException) -> NoReturn:
+    def _failed_to_send(self, pending: Pending, error: BaseException) -> NoReturn:
         self._end(pending, False)
         if isinstance(error, RouteError):
             raise RequestFailed(error.code, str(error), "client", pending.request_id) from None
         raise error
 
-    def _end(self, pending: _Pending, finished: bool) -> None:
+    def _end(self, pending: Pending, finished: bool) -> None:
         """Forget a request; one left unfinished is cancelled everywhere it went."""
         self._pending.pop(pending.attempt, None)
         if not finished and pending.fanout is not None:
@@ -642,7 +319,7 @@ class Client:
         way: outputs are appended as they arrive and one future ends the wait. The
         wait is bounded by one sweep timer per client, not a timer per call.
         """
-        collect = _Collect(asyncio.get_running_loop().create_future())
+        collect = Collect(asyncio.get_running_loop().create_future())
         pending, deadline, rest = self._open(inputs, params, session, timeout, request_id, collect)
         if rest is not None:
             await self._sent(pending, rest)
@@ -654,7 +331,7 @@ class Client:
             finished = True
             return collect.outputs, result
         except RequestFailed as e:
-            finished = _cancel_is_moot(pending, e)
+            finished = cancel_is_moot(pending, e)
             raise
         finally:
             self._end(pending, finished)
@@ -669,10 +346,10 @@ class Client:
         now = time.time()
         waiting = False
         for pending in list(self._pending.values()):
-            if not pending.patience or not isinstance(pending.push, _Collect):
+            if not pending.patience or not isinstance(pending.push, Collect):
                 continue
             if pending.patience <= now:
-                pending.push(_no_answer(pending.request_id))
+                pending.push(no_answer(pending.request_id))
             else:
                 waiting = True
         if waiting:
@@ -684,32 +361,3 @@ def _shows_token(msg: Any, token: bytes) -> bool:
     if not isinstance(msg, Emit | Done | Fail):
         return False
     return hmac.compare_digest(msg.token, token)
-
-
-def _sent_to(fanout: Fanout, record: ActorRecord) -> bool:
-    """Whether ``fanout`` sent a branch to that process of a replica."""
-    return any(
-        b.record.pid == record.pid and b.record.actor_id == record.actor_id
-        for b in fanout.branches.values()
-    )
-
-
-def _cancel_is_moot(pending: _Pending, failure: RequestFailed) -> bool:
-    """Whether a failed request needs no Cancel: the failing role cancels only what it
-    sent itself, so the other branches (parts waiting at a join, a producer still
-    streaming) must be cancelled from here, unless the client opened one branch only and
-    that is the role that failed (as a request refused at its first hop)."""
-    fanout = pending.fanout
-    return fanout is not None and len(fanout.branches) == 1 and failure.role in fanout.branches
-
-
-_TIMEOUT = object()  # queued by stream()'s timer at the deadline's patience
-
-
-def _patience(deadline: float) -> float:
-    """How long the client waits: roles enforce the deadline, this bounds a dead path."""
-    return max(0.0, deadline - time.time()) + 1.0
-
-
-def _no_answer(request_id: str) -> RequestFailed:
-    return RequestFailed(Code.DEADLINE.value, "no answer before the deadline", "client", request_id)
