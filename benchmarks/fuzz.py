@@ -6,7 +6,9 @@ and the echo pipeline behind a gateway (the HTTP target). Surfaces take turns in
 slices until ``--seconds`` have passed. Then a connection phase (tests/security/
 http_conn.py): 300 idle connections past the gateway's cap of 128, 20 slow heads and
 bodies, 10 heads of 4 MiB, each answered by a clear 408/431/503, with the gateway's fds
-and peak memory. Then: did any actor die or restart, did any input end without a clear
+and peak memory. Then, as root, a second-user phase (tests/security/other_user.py): a
+user made with useradd tries every folder, file, socket, pool segment and process of
+both deployments and the gateway without its key. Then: did any actor die or restart, did any input end without a clear
 error, is every pool page back, does each still serve?
 
     python benchmarks/fuzz.py [--seconds 120]
@@ -39,6 +41,7 @@ from tests.security.fuzzing import (  # noqa: E402
 )
 from tests.security.http_conn import connection_phase  # noqa: E402
 from tests.security.live import LiveDeployment, Probe, tensor_config  # noqa: E402
+from tests.security.other_user import second_user_phase, targets  # noqa: E402
 
 SLICE_S = 5.0
 GATEWAY_KEY = "sk-fuzz"
@@ -104,6 +107,7 @@ def main(seconds: float) -> dict:
         tally.tried["connections"] = 330
         for line in conns.pop("unclear"):
             tally.unclear_error("connections", line)
+        other = other_user_phase(actor, web, url)
         served_after = probe.served()
         body = {"model": "fzb", "messages": [{"role": "user", "content": "still there"}]}
         r = client.post(
@@ -136,7 +140,21 @@ def main(seconds: float) -> dict:
         "pool_leaked_bytes": leaked,
         "served_after": served_after,
         "http_connections": conns,
+        "second_user": other,
     }
+
+
+def other_user_phase(actor: LiveDeployment, web: LiveDeployment, url: str) -> dict:
+    """Another local user (made with useradd) against both deployments: folders, files,
+    sockets, pool segments, processes, and the gateway without its key. Root only."""
+    if os.getuid() != 0:
+        return {"skipped": "needs root, to make a second user"}
+    found = [targets(actor.rt), targets(web.rt, url, GATEWAY_KEY, "fzb")]
+    results = [second_user_phase(f) for f in found]
+    breaches = [b for r in results for b in r["breaches"]]
+    for line in breaches[:10]:
+        print("second user:", line, flush=True)
+    return {"tried": sum(r["tried"] for r in results), "breaches": len(breaches)}
 
 
 if __name__ == "__main__":

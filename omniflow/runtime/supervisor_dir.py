@@ -36,7 +36,12 @@ def lock_run_dir(run_dir: Path, name: str) -> int:
     """Take the run dir's lock (the descriptor that holds it) for the supervisor's life: a
     second start of the same deployment fails here, before it can touch the first one's
     sockets, pool or state."""
-    private_dir(run_dir, run_root_of(run_dir))  # ours from the run root down
+    root = run_root_of(run_dir)
+    private_dir(run_dir, root)  # ours from the run root down
+    if root == run_dir.parent and not os.environ.get("OMNIFLOW_RUN_ROOT"):
+        # The default root is omniflow's own name: others may not even list the
+        # deployments in it (one an older version made 0755 is narrowed too).
+        os.chmod(root, 0o700)
     fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -8,7 +8,6 @@ Needs root (it makes a second user with `useradd`); skipped otherwise.
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import subprocess
 import tempfile
@@ -20,9 +19,11 @@ import pytest
 
 from omniflow.runtime.config import ConfigError, generate_keys, parse
 from tests.helpers import cli
+from tests.security.gateway_live import KEY, LiveGateway
+from tests.security.other_user import other_uid as make_other_user
+from tests.security.other_user import second_user_phase, targets
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="makes a second user: needs root")
-OTHER = "ofadv"
 CONFIG = """
 name = "victim"
 [roles.upper]
@@ -34,11 +35,7 @@ edges = [{ from = "input", to = "upper" }]
 
 @pytest.fixture(scope="module")
 def other_uid() -> int:
-    try:
-        return pwd.getpwnam(OTHER).pw_uid
-    except KeyError:
-        subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", OTHER], check=True)
-        return pwd.getpwnam(OTHER).pw_uid
+    return make_other_user()
 
 
 @pytest.fixture
@@ -112,3 +109,29 @@ def test_a_key_folder_others_may_write_is_refused(tmp_path, other_uid):
     os.chown(keys, other_uid, -1)
     with pytest.raises(ConfigError, match=f"{keys}: owned by uid {other_uid}"):
         parse(raw, "<test>")
+
+
+def test_another_user_reaches_nothing_of_a_live_deployment(other_uid, monkeypatch):
+    """The second-user phase of benchmarks/fuzz.py against the gateway deployment: every
+    folder, file, socket, pool segment and process of root's deployment, and its gateway
+    without the key. Nothing works; the deployment serves on. The default run root starts
+    0755, as an older version made it: others could list the deployments in it."""
+    monkeypatch.delenv("OMNIFLOW_RUN_ROOT", raising=False)
+    default_root = Path(f"/tmp/omniflow-{os.getuid()}")
+    default_root.mkdir(mode=0o755, exist_ok=True)
+    default_root.chmod(0o755)
+    dep = LiveGateway("otheruser")
+    try:
+        found = targets(dep.rt, dep.url, KEY, "otheruser")
+        assert found["sockets"] and found["segments"] and found["files"], found
+        result = second_user_phase(found)
+        assert result["tried"] >= 10 + len(found["sockets"]) + len(found["files"])
+        assert result["breaches"] == []
+        status, body, _ = dep.request(
+            "POST",
+            "/v1/chat/completions",
+            {"model": "otheruser", "messages": [{"role": "user", "content": "ok"}]},
+        )
+        assert status == 200, body
+    finally:
+        dep.close()
