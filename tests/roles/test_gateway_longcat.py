@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -267,3 +268,33 @@ def test_send_and_the_gateway_render_one_turn_with_the_same_template(client, tmp
     usage = json.loads(sent.stdout.strip().splitlines()[-1])["usage"]
     reply = ask(client, "same words", max_tokens=2)
     assert usage["prompt_tokens"] == reply.usage.prompt_tokens
+
+
+# `omniflow send --size` on this deployment: its roles read ``image_grid``, and the CLI
+# maps the size onto that token grid as the gateway does (a side of n tokens is
+# max(16, ceil(28 n / 16) * 16) px); a side that is no LongCat side is refused (exit 2),
+# naming --size and the nearest sides, before anything is sent.
+
+
+def _send(out: Path, *args: str):
+    return cli("send", "--name", "lcgw", "--out", str(out), *args, check=False)
+
+
+def test_send_size_becomes_the_token_grid_and_the_png_has_it(client, tmp_path):
+    sent = _send(tmp_path, "-t", "a cat", "--want", "image", "--size", "112x144", "--json")
+    assert sent.returncode == 0, sent.stderr
+    files = [f for f in json.loads(sent.stdout)["files"] if f.endswith(".png")]
+    assert len(files) == 1, sent.stdout
+    with Image.open(files[0]) as png:
+        assert png.size == (112, 144)  # 4 x 5 tokens
+
+
+def test_send_refuses_a_side_that_is_no_longcat_side_naming_size(client, tmp_path):
+    sent = _send(tmp_path, "-t", "a cat", "--want", "image", "--size", "128x128")
+    assert sent.returncode == 2, sent.stderr
+    assert "--size 128x128" in sent.stderr and "nearest: [112, 144]" in sent.stderr
+    assert "no role" not in sent.stderr
+    auto = _send(tmp_path, "-t", "a cat", "--want", "image", "--size", "auto")
+    assert auto.returncode == 2 and "--size auto: expected WIDTHxHEIGHT" in auto.stderr
+    both = _send(tmp_path, "-t", "x", "--size", "112x112", "-p", "image_grid=[4,4]")
+    assert both.returncode == 2 and "give one of them" in both.stderr
