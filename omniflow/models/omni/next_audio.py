@@ -27,9 +27,9 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoderLayer
 
 from omniflow.models.omni.checkpoint import CheckpointError, load_part, read_config, read_index
 from omniflow.models.omni.mel import LogMel
-from omniflow.models.omni.next_codes import code_offsets, load_code_rows
+from omniflow.models.omni.next_codes import AUDIO_PREFIX, code_offsets, load_code_rows, sinusoids
 
-PREFIX = "model.audio_tokenizer."
+PREFIX = AUDIO_PREFIX
 _OWN_KEYS = ("vq_config", "vocoder_config", "flow_matching_config", "cosy24kvocoder_config")
 HOP = 160
 N_FFT = 400
@@ -45,14 +45,6 @@ class NextAudioInfo:
     @property
     def samples_per_token(self) -> int:
         return HOP * 2 * self.pool
-
-
-def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
-    """Whisper's sinusoid table [length, channels]: sin half then cos half."""
-    increment = torch.log(torch.tensor(max_timescale)) / (channels // 2 - 1)
-    inv = torch.exp(-increment * torch.arange(channels // 2))
-    scaled = torch.arange(length)[:, None] * inv[None, :]
-    return torch.cat([scaled.sin(), scaled.cos()], dim=1)
 
 
 class WhisperMel(LogMel):

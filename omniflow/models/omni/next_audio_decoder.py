@@ -37,7 +37,8 @@ from omniflow.models.omni.checkpoint import (
     read_index,
     read_tensors,
 )
-from omniflow.models.omni.next_audio import PREFIX, sinusoids
+from omniflow.models.omni.next_codes import AUDIO_PREFIX as PREFIX
+from omniflow.models.omni.next_codes import sinusoids
 from omniflow.models.omni.next_flow_mel import FlowMelDecoder, WhisperLayer
 
 F = nn.functional

@@ -68,3 +68,14 @@ def load_code_rows(table: nn.Embedding, folder: str | Path, first_row: int, role
             )
         with torch.no_grad():
             table.weight.copy_(part[first_row : first_row + n])
+
+
+AUDIO_PREFIX = "model.audio_tokenizer."
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper's sinusoid table [length, channels]: sin half then cos half."""
+    increment = torch.log(torch.tensor(max_timescale)) / (channels // 2 - 1)
+    inv = torch.exp(-increment * torch.arange(channels // 2))
+    scaled = torch.arange(length)[:, None] * inv[None, :]
+    return torch.cat([scaled.sin(), scaled.cos()], dim=1)

@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
-from omniflow.models.omni.next_audio import sinusoids
+from omniflow.models.omni.next_codes import sinusoids
 
 F = nn.functional
 CHUNK = 2 * 25 * 2  # ConditionalDecoder.static_chunk_size
@@ -61,6 +60,26 @@ class WhisperAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
 
 
+_ACTIVATIONS = {
+    "gelu": lambda: nn.GELU(),
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    "relu": lambda: nn.ReLU(),
+    "silu": lambda: nn.SiLU(),
+    "swish": lambda: nn.SiLU(),
+}
+
+
+def activation(name: str) -> nn.Module:
+    """The activation a config names, as transformers' ``ACT2FN`` reads it; the common
+    ones without importing transformers (seconds at every audio decoder start)."""
+    make = _ACTIVATIONS.get(name)
+    if make is not None:
+        return make()
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
 class WhisperLayer(nn.Module):
     """``OmniWhisperTransformerLayer`` with causal attention (LayerNorm or RMSNorm)."""
 
@@ -68,7 +87,7 @@ class WhisperLayer(nn.Module):
         super().__init__()
         self.self_attn = WhisperAttention(dim, heads)
         self.self_attn_layer_norm: nn.Module = RMSNorm(dim) if rms else nn.LayerNorm(dim)
-        self.act = ACT2FN[act]
+        self.act = activation(act)
         self.fc1 = nn.Linear(dim, ffn)
         self.fc2 = nn.Linear(ffn, dim)
         self.final_layer_norm: nn.Module = RMSNorm(dim) if rms else nn.LayerNorm(dim)
