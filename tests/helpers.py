@@ -125,3 +125,25 @@ def assert_leaves_queued(cache):
     for node in cache.nodes():
         if cache._evictable(node, node.tier):
             assert cache.leaves[node.tier].queued(node, node.last_access), node.tier
+
+
+_TINY_NEXT: list[Path] = []  # the one tiny LongCat-Next build of this test process
+
+
+def prebuilt_longcat(work: Path) -> None:
+    """Put a tiny LongCat-Next checkpoint where configs/longcat.toml's roles look from
+    ``work`` (models/longcat-tiny/next), as the first start builds it (seed 0, hidden 64).
+
+    Built once per test process and copied: the build is seconds per deployment, and
+    tests/roles/test_longcat.py still has its first start build it."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from omniflow.models.omni.checkpoint import ensure_next
+
+    if not _TINY_NEXT:
+        scratch = Path(tempfile.mkdtemp(prefix="of-next-"))
+        atexit.register(shutil.rmtree, scratch, True)
+        _TINY_NEXT.append(ensure_next(scratch / "next"))
+    shutil.copytree(_TINY_NEXT[0], Path(work) / "models" / "longcat-tiny" / "next")

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 import omniflow
-from tests.helpers import cli
+from tests.helpers import cli, prebuilt_longcat
 from tests.roles.media import image_bytes, wav_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +29,7 @@ def client(tmp_path_factory):
     os.environ["OMNIFLOW_RUN_ROOT"] = str(root)
     text = (ROOT / "configs" / "longcat.toml").read_text()
     (work / "lcgw.toml").write_text(text.replace('name = "longcat"', 'name = "lcgw"'))
+    prebuilt_longcat(work)
     cli("up", "lcgw.toml", "--detach", "--port", "0", cwd=work)
     state = omniflow.runtime.find_deployment("lcgw")
     url = (Path(state["run_dir"]) / "gateway.url").read_text().strip()

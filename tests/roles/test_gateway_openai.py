@@ -13,7 +13,7 @@ import openai
 import pytest
 
 import omniflow
-from tests.helpers import cli
+from tests.helpers import cli, prebuilt_longcat
 from tests.roles.media import image_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +37,7 @@ def client(tmp_path_factory):
         '  { from = "llm", to = "audio_decoder", when = "has:audio_codes", stream = true },\n', ""
     )
     (work / f"{MODEL}.toml").write_text(text)
+    prebuilt_longcat(work)
     cli("up", f"{MODEL}.toml", "--detach", "--port", "0", cwd=work)
     state = omniflow.runtime.find_deployment(MODEL)
     url = (Path(state["run_dir"]) / "gateway.url").read_text().strip()

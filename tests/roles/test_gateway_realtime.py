@@ -21,7 +21,7 @@ import websockets
 
 import omniflow
 from omniflow.runtime.deployment import list_deployment_actors
-from tests.helpers import cli
+from tests.helpers import cli, prebuilt_longcat
 from tests.roles.test_gateway import KEY, gateway  # noqa: F401  (the echo deployment)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +52,7 @@ def deployment(tmp_path_factory):
     work = tmp_path_factory.mktemp(MODEL)
     os.environ["OMNIFLOW_RUN_ROOT"] = str(root)
     (work / f"{MODEL}.toml").write_text(voice_config())
+    prebuilt_longcat(work)
     cli("up", f"{MODEL}.toml", "--detach", "--port", "0", cwd=work)
     state = omniflow.runtime.find_deployment(MODEL)
     url = (Path(state["run_dir"]) / "gateway.url").read_text().strip()

@@ -12,13 +12,13 @@ R = "tests.graph_roles"
 
 
 def test_join_parts_past_the_queue_bound_are_refused_as_overloaded_at_once(run_root):
-    # input -> joiner directly, and input -> slow -> joiner: the direct parts wait 10 s
+    # input -> joiner directly, and input -> slow -> joiner: the direct parts wait 4 s
     # at the join for their partners.
     cfg = parse(
         {
             "name": "joinflood",
             "roles": {
-                "slow": {"actor": "omniflow.roles.echo:Reverse", "options": {"delay_ms": 10_000}},
+                "slow": {"actor": "omniflow.roles.echo:Reverse", "options": {"delay_ms": 4_000}},
                 "joiner": {"actor": f"{R}:Joiner", "max_concurrency": 1, "max_queue": 2},
             },
             "graph": {
@@ -47,5 +47,5 @@ def test_join_parts_past_the_queue_bound_are_refused_as_overloaded_at_once(run_r
 
     ends = asyncio.run(main())
     assert sorted(code for code, _ in ends) == ["joiner:overloaded"] * 7 + ["ok"] * 3, ends
-    # Refused as they came, not once their partners arrived 10 s later.
-    assert all(took < 5.0 for code, took in ends if code != "ok"), ends
+    # Refused as they came, not once their partners arrived 4 s later.
+    assert all(took < 2.5 for code, took in ends if code != "ok"), ends

@@ -17,6 +17,7 @@ import pytest
 from omniflow.memory.segment import unlink_pool
 from omniflow.runtime.config import generate_keys
 from tests.etcd_server import EtcdServer, etcd_binary
+from tests.helpers import prebuilt_longcat
 from tests.scaleout.netns import Hosts, namespaces_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,6 +111,7 @@ def cluster(tmp_path_factory):
         config = work / "longcat.toml"
         # Host c is left out of [hosts]: it joins with flags only (--roles, --address).
         config.write_text(longcat_toml(name, etcd.url, hosts, keys, on=("a", "b")))
+        prebuilt_longcat(work)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMNIFLOW_RUN_ROOT": str(run_root)}
         yield Cluster(hosts, etcd, name, config, work, env)
     finally:

@@ -81,20 +81,27 @@ def _forged_replies(rid: str, forge: str) -> list[bytes]:
 FORGES = ("none", "wrong")
 
 
+async def _victims_at_tail(rt, prefix: str) -> tuple[asyncio.Task, dict[str, asyncio.Task]]:
+    """An honest call (its answer is what the victims must get), and a victim call per
+    kind of forgery, ``{prefix}-{forge}``, each waited for until it is at tail."""
+    honest = asyncio.create_task(rt.call({"text": "a hop"}, timeout=30))
+    calls = {
+        forge: asyncio.create_task(
+            rt.call({"text": "a hop"}, request_id=f"{prefix}-{forge}", timeout=30)
+        )
+        for forge in FORGES
+    }
+    for forge in FORGES:
+        await _at_tail(rt, f"{prefix}-{forge}")
+    return honest, calls
+
+
 def test_a_forged_reply_never_replaces_the_answer(run_root, caplog):
     caplog.set_level(logging.WARNING, logger="omniflow.runtime.client")
 
     async def main():
         async with omniflow.Runtime(chain_config()) as rt:
-            honest = asyncio.create_task(rt.call({"text": "a hop"}, timeout=30))
-            calls = {
-                forge: asyncio.create_task(
-                    rt.call({"text": "a hop"}, request_id=f"victim-{forge}", timeout=30)
-                )
-                for forge in FORGES
-            }
-            for forge in FORGES:
-                await _at_tail(rt, f"victim-{forge}")
+            honest, calls = await _victims_at_tail(rt, "victim")
             ctx = zmq.Context()
             sock = _dealer(ctx, rt.client.inbox.endpoint)  # straight to the reply socket
             try:
@@ -122,15 +129,7 @@ def test_a_forged_cancel_leaves_the_request_running(run_root):
     async def main():
         async with omniflow.Runtime(chain_config()) as rt:
             started = time.monotonic()
-            honest = asyncio.create_task(rt.call({"text": "a hop"}, timeout=30))
-            calls = {
-                forge: asyncio.create_task(
-                    rt.call({"text": "a hop"}, request_id=f"cancelled-{forge}", timeout=30)
-                )
-                for forge in FORGES
-            }
-            for forge in FORGES:
-                await _at_tail(rt, f"cancelled-{forge}")
+            honest, calls = await _victims_at_tail(rt, "cancelled")
             tail = next(r for r in rt.supervisor.replicas if r.role == "tail")
             head = next(r for r in rt.supervisor.replicas if r.role == "head")
             ctx = zmq.Context()
