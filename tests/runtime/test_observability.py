@@ -96,12 +96,16 @@ def test_metrics_show_every_replicas_kv_and_queue_figures(deployment):
     url, _, _ = deployment
     chat(url)
     deadline = time.monotonic() + 10
-    while True:  # figures arrive with the llm's next heartbeat
+    roles = {"llm", "vision_encoder", "gateway"}
+    while True:  # figures arrive with each replica's next heartbeat
         families = scrape(url)
         steps = llm_sample(
             families, "omniflow_engine_step_seconds", "omniflow_engine_step_seconds_count"
         )
-        if steps is not None and steps.value > 0 or time.monotonic() > deadline:
+        seen = {s.labels["role"] for s in families.get("omniflow_replica_queue_depth", [])}
+        if (steps is not None and steps.value > 0 and seen >= roles) or (
+            time.monotonic() > deadline
+        ):
             break
         time.sleep(0.2)
     assert steps is not None and steps.value > 0, sorted(families)
@@ -114,7 +118,7 @@ def test_metrics_show_every_replicas_kv_and_queue_figures(deployment):
     for counter in ("omniflow_engine_preemptions", "omniflow_engine_prefix_hit_tokens"):
         assert llm_sample(families, counter, counter + "_total") is not None, counter
     depth = families["omniflow_replica_queue_depth"]
-    assert {s.labels["role"] for s in depth} >= {"llm", "vision_encoder", "gateway"}
+    assert {s.labels["role"] for s in depth} >= roles
     served = llm_sample(families, "omniflow_replica_served", "omniflow_replica_served_total")
     assert served is not None and served.value >= 1
 
