@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,18 @@ def assert_leaves_queued(cache):
             assert cache.leaves[node.tier].queued(node, node.last_access), node.tier
 
 
-_TINY_NEXT: list[Path] = []  # the one tiny LongCat-Next build of this test process
+@functools.cache
+def _tiny_next() -> Path:
+    """The one tiny LongCat-Next build of this test process (removed at its exit)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from omniflow.models.omni.checkpoint import ensure_next
+
+    scratch = Path(tempfile.mkdtemp(prefix="of-next-"))
+    atexit.register(shutil.rmtree, scratch, True)
+    return ensure_next(scratch / "next")
 
 
 def prebuilt_longcat(work: Path) -> None:
@@ -136,14 +148,6 @@ def prebuilt_longcat(work: Path) -> None:
 
     Built once per test process and copied: the build is seconds per deployment, and
     tests/roles/test_longcat.py still has its first start build it."""
-    import atexit
     import shutil
-    import tempfile
 
-    from omniflow.models.omni.checkpoint import ensure_next
-
-    if not _TINY_NEXT:
-        scratch = Path(tempfile.mkdtemp(prefix="of-next-"))
-        atexit.register(shutil.rmtree, scratch, True)
-        _TINY_NEXT.append(ensure_next(scratch / "next"))
-    shutil.copytree(_TINY_NEXT[0], Path(work) / "models" / "longcat-tiny" / "next")
+    shutil.copytree(_tiny_next(), Path(work) / "models" / "longcat-tiny" / "next")

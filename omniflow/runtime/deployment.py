@@ -29,7 +29,13 @@ from omniflow.messages import ActorRecord
 from omniflow.runtime.client import Client, Output, Result
 from omniflow.runtime.config import Config, from_json, load
 from omniflow.runtime.request_check import check_request
-from omniflow.runtime.rundir import UntrustedPath, check_private, holds_run_dir, run_root_of
+from omniflow.runtime.rundir import (
+    UntrustedPath,
+    check_private,
+    holds_run_dir,
+    run_root,
+    run_root_of,
+)
 from omniflow.runtime.supervisor import Supervisor
 from omniflow.runtime.supervisor_dir import default_run_dir
 
@@ -150,10 +156,6 @@ class Connection:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def run_root() -> Path:
-    return default_run_dir("x").parent
 
 
 def _states(

@@ -15,15 +15,32 @@ from pathlib import Path
 
 from omniflow.transport.security import UntrustedPath, check_private
 
-__all__ = ["UntrustedPath", "check_private", "holds_run_dir", "lock_holders", "run_root_of"]
+__all__ = [
+    "UntrustedPath",
+    "check_private",
+    "default_run_root",
+    "holds_run_dir",
+    "lock_holders",
+    "run_root",
+    "run_root_of",
+]
+
+
+def default_run_root() -> Path:
+    """omniflow's own run root, ``/tmp/omniflow-$UID``."""
+    return Path(f"/tmp/omniflow-{os.getuid()}")
+
+
+def run_root() -> Path:
+    """Where default run dirs live: ``$OMNIFLOW_RUN_ROOT``, else ``default_run_root()``."""
+    return Path(os.environ.get("OMNIFLOW_RUN_ROOT") or default_run_root())
 
 
 def run_root_of(run_dir: str | os.PathLike[str]) -> Path:
     """The folder from which ``run_dir`` must be ours: the run root for a default run
     dir (RUN_ROOT/NAME), else the run dir itself (one the config names)."""
     run_dir = Path(run_dir)
-    base = Path(os.environ.get("OMNIFLOW_RUN_ROOT") or f"/tmp/omniflow-{os.getuid()}")
-    return run_dir.parent if run_dir.parent == base else run_dir
+    return run_dir.parent if run_dir.parent == run_root() else run_dir
 
 
 def lock_holders(lock: str | os.PathLike[str]) -> set[int] | None:

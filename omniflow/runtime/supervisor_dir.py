@@ -15,15 +15,14 @@ from omniflow.memory import pid_alive
 from omniflow.runtime.config import Config, to_json
 from omniflow.runtime.hosts import is_multi_host
 from omniflow.runtime.replica import StartError
-from omniflow.runtime.rundir import run_root_of
+from omniflow.runtime.rundir import default_run_root, run_root, run_root_of
 from omniflow.transport.endpoint import private_dir
 
 
 def default_run_dir(name: str, host_id: str = "") -> Path:
     """RUN_ROOT/NAME, or RUN_ROOT/NAME@HOST for one host's share of a multi-host deployment
     (network namespaces, containers sharing /tmp: each host holds its own run dir's lock)."""
-    base = os.environ.get("OMNIFLOW_RUN_ROOT") or f"/tmp/omniflow-{os.getuid()}"
-    return Path(base) / (f"{name}@{host_id}" if host_id else name)
+    return run_root() / (f"{name}@{host_id}" if host_id else name)
 
 
 def run_dir_for(config: Config) -> Path:
@@ -38,9 +37,9 @@ def lock_run_dir(run_dir: Path, name: str) -> int:
     sockets, pool or state."""
     root = run_root_of(run_dir)
     private_dir(run_dir, root)  # ours from the run root down
-    if root == run_dir.parent and not os.environ.get("OMNIFLOW_RUN_ROOT"):
-        # The default root is omniflow's own name: others may not even list the
-        # deployments in it (one an older version made 0755 is narrowed too).
+    if root == default_run_root():
+        # omniflow's own name: others may not even list the deployments in it (one an
+        # older version made 0755 is narrowed too); a root the user chose is only checked.
         os.chmod(root, 0o700)
     fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:

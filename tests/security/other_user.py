@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omniflow.memory.segment import SHM_DIR
+
 OTHER = "ofadv"
 
 # Runs as the other user, with nothing but the standard library (the project's venv may
@@ -111,7 +113,8 @@ def targets(rt: Any, gateway_url: str = "", secret: str = "", model: str = "") -
         elif stat.S_ISREG(mode):
             files.append(str(path))
     pool = supervisor.pool
-    segments = [str(p) for p in Path("/dev/shm").glob(f"{pool.name}*")] if pool else []
+    # The segment and its side files (segment_path(name) + a suffix).
+    segments = [str(p) for p in Path(SHM_DIR).glob(f"{pool.name}*")] if pool else []
     pids = [os.getpid(), *(r.proc.pid for r in supervisor.replicas if r.proc is not None)]
     host, _, port = gateway_url.removeprefix("http://").rpartition(":")
     return {

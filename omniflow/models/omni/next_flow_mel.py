@@ -18,7 +18,9 @@ CosyVoice's ``ConditionalDecoder`` / ``ConditionalCFM``), keys of ``flow_matchin
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,12 +62,12 @@ class WhisperAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
 
 
-_ACTIVATIONS = {
-    "gelu": lambda: nn.GELU(),
-    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
-    "relu": lambda: nn.ReLU(),
-    "silu": lambda: nn.SiLU(),
-    "swish": lambda: nn.SiLU(),
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "gelu": nn.GELU,
+    "gelu_pytorch_tanh": functools.partial(nn.GELU, approximate="tanh"),
+    "relu": nn.ReLU,
+    "silu": nn.SiLU,
+    "swish": nn.SiLU,
 }
 
 
