@@ -49,7 +49,7 @@ from omniflow.runtime.deployment import DeploymentNotFound, SeveralDeployments, 
 from omniflow.runtime.hosts import for_host, with_registry
 from omniflow.runtime.replica import StartError
 from omniflow.runtime.supervisor import Supervisor
-from omniflow.runtime.supervisor_dir import run_dir_for
+from omniflow.runtime.supervisor_dir import make_run_dir, run_dir_for
 
 progress_log = logging.getLogger("omniflow.supervisor")
 
@@ -232,7 +232,11 @@ def _gateway_port_taken(cfg: Any) -> str:
 
 
 def _detach(argv: list[str], cfg: Any, run_dir: Path) -> int:
-    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:  # 0700 from a run root it makes down, as the supervisor's own check wants
+        make_run_dir(run_dir)
+    except OSError as e:
+        err.print(f"failed to start: {e}", style="red")
+        return EXIT_START
     read_end, write_end = os.pipe()
     log_path = run_dir / "supervisor.log"
     with open(log_path, "ab") as log:

@@ -31,16 +31,23 @@ def run_dir_for(config: Config) -> Path:
     return default_run_dir(config.name, config.runtime.host_id if is_multi_host(config) else "")
 
 
+def make_run_dir(run_dir: Path) -> None:
+    """Make ``run_dir`` (and a missing run root) 0700, after checking every folder from the
+    run root down is ours and writable by no one else (``UntrustedPath`` names one that
+    is not)."""
+    root = run_root_of(run_dir)
+    private_dir(run_dir, root)
+    if root == default_run_root():
+        # omniflow's own name: others may not even list the deployments in it (one made
+        # 0755 before is narrowed too); a root the user chose is only checked.
+        os.chmod(root, 0o700)
+
+
 def lock_run_dir(run_dir: Path, name: str) -> int:
     """Take the run dir's lock (the descriptor that holds it) for the supervisor's life: a
     second start of the same deployment fails here, before it can touch the first one's
     sockets, pool or state."""
-    root = run_root_of(run_dir)
-    private_dir(run_dir, root)  # ours from the run root down
-    if root == default_run_root():
-        # omniflow's own name: others may not even list the deployments in it (one an
-        # older version made 0755 is narrowed too); a root the user chose is only checked.
-        os.chmod(root, 0o700)
+    make_run_dir(run_dir)
     fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -294,3 +294,24 @@ def test_a_replayed_request_id_is_a_bad_request(live, probe) -> None:
     fail = probe.call(rid, {"x": Frame(1, "float32", (1,))}, [b"\0" * 4])
     assert isinstance(fail, Fail) and fail.code == "bad_request" and "already ended" in fail.message
     assert probe.served()
+
+
+def test_a_detached_up_makes_its_run_root_and_run_dir_owner_only(
+    run_root, tmp_path, monkeypatch
+) -> None:
+    # `up --detach` made the run dir with mkdir(parents=True): a run root it created was
+    # 0755, so another user could list the deployments in it.
+    from tests.helpers import cli
+
+    root = run_root / "fresh"
+    monkeypatch.setenv("OMNIFLOW_RUN_ROOT", str(root))
+    (tmp_path / "d.toml").write_text(
+        'name = "detach0700"\n[roles.upper]\nactor = "omniflow.roles.echo:Upper"\n'
+        '[graph]\nedges = [{ from = "input", to = "upper" }]\n'
+    )
+    cli("up", str(tmp_path / "d.toml"), "--detach", timeout=120)
+    try:
+        assert stat.S_IMODE(root.stat().st_mode) == 0o700
+        assert stat.S_IMODE((root / "detach0700").stat().st_mode) == 0o700
+    finally:
+        cli("down", "--name", "detach0700", check=False)
