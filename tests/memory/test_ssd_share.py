@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from omniflow.memory import unlink_pool
+
 PAGE = 64 << 10
 CAPACITY = 100 * PAGE
 # Each cache asks for 40 pages (32 of entries' bytes, 2 per entry for 4 entries).
@@ -85,5 +87,6 @@ def test_encoder_processes_together_preallocate_at_most_the_capacity(tmp_path):
                 p.stdin.flush()
         for p in procs:
             p.wait(30)
+            unlink_pool(f"omniflow-share-{p.pid}")  # the killed one's is left in /dev/shm
     killed = {f.name for f in ssd.iterdir()}
     assert all(f"-{victim.pid}." in name for name in killed), killed  # only the killed one's
