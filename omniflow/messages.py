@@ -32,6 +32,14 @@ _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 TOKEN_BYTES = 16
 Token = Annotated[bytes, msgspec.Meta(max_length=TOKEN_BYTES)]
 
+# The longest request id and reply address a Call may carry, in UTF-8 bytes: an actor
+# refuses longer ones by name, so each fits a slot of its holding file (what the
+# supervisor fails at once when it dies). A caller's own id leaves room for the "~N"
+# a migration's attempt adds.
+MAX_ID_BYTES = 256
+MAX_CALLER_ID_BYTES = MAX_ID_BYTES - 16
+MAX_ADDRESS_BYTES = 256
+
 
 class Code(enum.StrEnum):
     """Failure codes carried by ``Fail.code``."""

@@ -5,29 +5,36 @@ killed in between takes the newer ones with it, and their clients would wait out
 their deadlines. So each worker also keeps its in-flight requests in a small shared
 file mapping, written as requests arrive and end: plain memory stores, no syscall,
 and the kernel keeps the pages when the process is killed. The supervisor reads it
-at the death and fails each request there with ``unavailable`` at once.
+at the death and fails each request there with ``unavailable`` at once, with the
+request's token (a client drops a notice without it).
 
-The file is exact unless a request did not fit (no free slot, or a name too long): the
-header counts those held now, and only while that count is above 0 does the supervisor
-also use the heartbeat's list (which may name requests that ended since the last beat).
+The file names every request held: an actor refuses a Call whose request id or reply
+address is past ``MAX_ID_BYTES``/``MAX_ADDRESS_BYTES``, so each fits a slot, and the
+file doubles its slots when they run out (a syscall, only then). Only a file that could
+not grow misses one (logged); its client still moves it on once the dead replica leaves
+its view (``migration.py``).
 
-Layout: a 16-byte header (the writer's pid, then the count of held requests that have no
-slot), then fixed slots of ``SLOT`` bytes: a 2-byte length (0: free) and
-``request_id \\n reply_to \\n token`` in UTF-8 (the request's token in hex: the supervisor's
-death notice must show it, or the client drops the notice).
+Layout: a 16-byte header (the writer's pid, then 0), then fixed slots of ``SLOT`` bytes:
+a 2-byte length (0: free) and ``request_id \\n reply_to \\n token`` in UTF-8 (the token
+in hex).
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
 from pathlib import Path
 from typing import NamedTuple
 
-SLOT = 256
-_HEADER = struct.Struct("<qq")  # pid, requests held without a slot
+from omniflow.messages import MAX_ADDRESS_BYTES, MAX_ID_BYTES, TOKEN_BYTES
+
+log = logging.getLogger("omniflow.runtime.holding")
+
+_HEADER = struct.Struct("<qq")  # pid, 0 (was: requests held without a slot)
 _LENGTH = struct.Struct("<H")
+SLOT = _LENGTH.size + MAX_ID_BYTES + 1 + MAX_ADDRESS_BYTES + 1 + 2 * TOKEN_BYTES
 
 
 class HoldingFile:
@@ -35,24 +42,29 @@ class HoldingFile:
 
     def __init__(self, path: Path, slots: int) -> None:
         self.path = Path(path)
-        size = _HEADER.size + slots * SLOT
+        self._slots = max(1, slots)
+        size = _HEADER.size + self._slots * SLOT
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self._pid = os.getpid()
-        self._unlisted = 0
-        _HEADER.pack_into(self._map, 0, self._pid, 0)
-        self._free = list(range(slots - 1, -1, -1))
+        _HEADER.pack_into(self._map, 0, os.getpid(), 0)
+        self._free = list(range(self._slots - 1, -1, -1))
+
+    @property
+    def slots(self) -> int:
+        return self._slots
 
     def add(self, request_id: str, reply_to: str, token: bytes = b"") -> int:
-        """The slot now naming this request, or -1 when none is free or it does not fit
-        (counted in the header: the heartbeat's list still covers it)."""
+        """The slot now naming this request; -1 only when it is longer than a slot (an
+        actor refuses such a Call first) or the file could not grow."""
         payload = f"{request_id}\n{reply_to}\n{token.hex()}".encode()
-        if not self._free or len(payload) > SLOT - _LENGTH.size:
-            self._count_unlisted(+1)
+        if len(payload) > SLOT - _LENGTH.size:
+            log.warning("holding file %s: request %.64r does not fit a slot", self.path, request_id)
+            return -1
+        if not self._free and not self._grow():
             return -1
         slot = self._free.pop()
         at = _HEADER.size + slot * SLOT
@@ -60,17 +72,24 @@ class HoldingFile:
         _LENGTH.pack_into(self._map, at, len(payload))  # the length last: a slot is whole
         return slot
 
+    def _grow(self) -> bool:
+        """Twice the slots (the new ones zero: free); False where the file cannot grow."""
+        slots = 2 * self._slots
+        try:
+            self._map.resize(_HEADER.size + slots * SLOT)
+        except (OSError, ValueError, SystemError) as e:
+            log.warning("holding file %s: cannot grow to %d slots: %s", self.path, slots, e)
+            return False
+        self._free.extend(range(slots - 1, self._slots - 1, -1))
+        self._slots = slots
+        return True
+
     def remove(self, slot: int) -> None:
         """The request ``add`` gave ``slot`` ended (-1: one that got none)."""
         if slot < 0:
-            self._count_unlisted(-1)
             return
         _LENGTH.pack_into(self._map, _HEADER.size + slot * SLOT, 0)
         self._free.append(slot)
-
-    def _count_unlisted(self, delta: int) -> None:
-        self._unlisted = max(0, self._unlisted + delta)
-        _HEADER.pack_into(self._map, 0, self._pid, self._unlisted)
 
     def close(self) -> None:
         self._map.close()
@@ -78,12 +97,11 @@ class HoldingFile:
 
 
 class Held(NamedTuple):
-    """What a holding file says: ``requests`` (request id, reply address), whether that
-    is all the writer held (False too when the file is missing or another incarnation's),
-    and each request's token (what its death notice must carry)."""
+    """What a holding file says: ``requests`` (request id, reply address), and each
+    request's token (what its death notice must carry); both empty when the file is
+    missing or another incarnation's."""
 
     requests: list[tuple[str, str]]
-    complete: bool
     tokens: dict[str, bytes] = {}
 
 
@@ -91,12 +109,12 @@ def read_held(path: Path, pid: int) -> Held:
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        return Held([], False)
+        return Held([])
     if len(data) < _HEADER.size:
-        return Held([], False)
-    writer, unlisted = _HEADER.unpack_from(data, 0)
+        return Held([])
+    writer, _ = _HEADER.unpack_from(data, 0)
     if writer != pid:
-        return Held([], False)
+        return Held([])
     held, tokens = [], {}
     for at in range(_HEADER.size, len(data) - SLOT + 1, SLOT):
         (n,) = _LENGTH.unpack_from(data, at)
@@ -105,7 +123,7 @@ def read_held(path: Path, pid: int) -> Held:
             reply_to, _, token = rest.rpartition("\n")
             held.append((request_id, reply_to))
             tokens[request_id] = bytes.fromhex(token)
-    return Held(held, unlisted == 0, tokens)
+    return Held(held, tokens)
 
 
 def read_holding(path: Path, pid: int) -> list[tuple[str, str]]:

@@ -19,6 +19,8 @@ from typing import Any
 from omniflow.control.graph import INPUT
 from omniflow.control.routing import Fanout, RouteError
 from omniflow.messages import (
+    MAX_ADDRESS_BYTES,
+    MAX_ID_BYTES,
     TOKEN_BYTES,
     Call,
     Cancel,
@@ -80,6 +82,9 @@ class ActorHost(HostState):
                     f"{self.role}: Call.token must be {TOKEN_BYTES} bytes, not {len(msg.token)}"
                 )
                 return self._reject(msg, Code.BAD_REQUEST, message)
+            if (too_long := _too_long(msg)) is not None:
+                self.bad_messages += 1
+                return self._reject(msg, Code.BAD_REQUEST, f"{self.role}: {too_long}")
             if not self.accepting_new and self._is_new_request(msg):
                 return self._reject(msg, Code.SHUTTING_DOWN, f"{self.role} is shutting down")
             self._on_call(msg, parts)
@@ -412,3 +417,14 @@ class ActorHost(HostState):
                     await stream.fanout.output(out)
         finally:
             await gen.aclose()
+
+
+def _too_long(call: Call) -> str | None:
+    """Which of a Call's names is past its bound (each must fit a holding-file slot)."""
+    for field, value, limit in (
+        ("request_id", call.request_id, MAX_ID_BYTES),
+        ("reply_to", call.reply_to, MAX_ADDRESS_BYTES),
+    ):
+        if len(value) > limit // 4 and len(value.encode()) > limit:
+            return f"Call.{field} is {len(value.encode())} bytes, more than {limit}"
+    return None

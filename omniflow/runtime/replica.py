@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omniflow.control.discovery import Registry, decode_record
 from omniflow.messages import Code, Fail
 from omniflow.runtime.holding import holding_path, read_held
 from omniflow.transport.codec import encode
@@ -39,40 +38,31 @@ class Replica:
         self.ready: asyncio.Future | None = None
         self.exited: asyncio.Future | None = None
         self.endpoint = ""
-        # At its last death: the requests already failed from its holding file, and whether
-        # that file named all it held (then the heartbeat's list adds nothing).
-        self.failed_at_death: set[str] = set()
-        self.holding_complete = False
 
     @property
     def actor_id(self) -> str:
         return f"{self.role}/{self.index}"
 
     def fail_what_it_was_holding(self, run_dir: Path, outbox: Outbox) -> None:
-        """Fail at once every request the dead replica held when it died (its holding
-        file: the heartbeat's list misses those taken since the last beat)."""
+        """Fail at once every request the dead replica held when it died: its holding file
+        names each with its token (the heartbeat's list misses those taken since the last
+        beat, and has no tokens: a client drops a notice without one)."""
         assert self.proc is not None
         path = holding_path(run_dir, self.role, self.index)
         try:
-            held, complete, tokens = read_held(path, self.proc.pid)
+            held, tokens = read_held(path, self.proc.pid)
         except (OSError, ValueError) as e:
             log.warning("could not read what %s held: %s", self.actor_id, e)
-            held, complete, tokens = [], False, {}
-        self.failed_at_death = set()
-        self.holding_complete = complete
+            held, tokens = [], {}
         for request_id, reply_to in held:
             self.post_unavailable(outbox, request_id, reply_to, tokens.get(request_id, b""))
         path.unlink(missing_ok=True)
 
     def post_unavailable(
-        self, outbox: Outbox, request_id: str, reply_to: str, token: bytes = b""
+        self, outbox: Outbox, request_id: str, reply_to: str, token: bytes
     ) -> None:
-        """One terminal Fail per request and death, whichever list names it (``token``: the
-        request's; a heartbeat's list has none, and the client drops such a notice, moving
-        the request on itself once the replica leaves its view)."""
-        if request_id in self.failed_at_death:
-            return
-        self.failed_at_death.add(request_id)
+        """The terminal Fail of a request it held (``token``: the request's); the file
+        names each request once."""
         fail = Fail(
             Code.UNAVAILABLE.value,
             f"{self.actor_id} died while handling it",
@@ -83,24 +73,6 @@ class Replica:
         )
         with contextlib.suppress(Exception):
             outbox.post(reply_to, [encode(fail)])
-
-    async def fail_what_it_held(self, registry: Registry, key: str, outbox: Outbox) -> None:
-        """Fail the requests a dead replica held at its last heartbeat, at once, when its
-        holding file did not name them all (those that did not fit there).
-
-        Their branch is lost; without this the clients would wait out their deadlines.
-        A request it finished after the beat may be failed too: the price of not waiting.
-        """
-        if self.holding_complete:
-            return  # the file named exactly what it held; the beat may name ended ones
-        for found, value in await registry.list(key):
-            if found != key:
-                continue  # "reverse/1" is a prefix of "reverse/10"
-            record = decode_record(value)
-            if record.pid != (self.proc.pid if self.proc else -1):
-                continue  # a record of an earlier incarnation
-            for request_id, reply_to in record.holding:
-                self.post_unavailable(outbox, request_id, reply_to)
 
 
 def retrieve(future: asyncio.Future) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from omniflow.messages import MAX_CALLER_ID_BYTES
 from omniflow.runtime.config import Config
 from omniflow.runtime.loading import params_type
 
@@ -137,3 +138,14 @@ def check_request(
     max_chars = config.runtime.max_prompt_chars
     check_values(dict(inputs or {}), "inputs", max_chars)
     check_values(dict(params), "params", max_chars)
+    request_id = kwargs.get("request_id")
+    if request_id is not None:
+        if not isinstance(request_id, str):
+            raise InvalidRequest(
+                f"request_id: a string, not {type(request_id).__name__}", "request_id"
+            )
+        if len(request_id.encode()) > MAX_CALLER_ID_BYTES:
+            raise InvalidRequest(
+                f"request_id: {len(request_id.encode())} bytes, more than {MAX_CALLER_ID_BYTES}",
+                "request_id",
+            )

@@ -322,8 +322,6 @@ class Supervisor:
         if self._registry is not None and self.forget_dead:
             key = actor_key(self.config.name, replica.role, replica.index)
             with contextlib.suppress(Exception):
-                await replica.fail_what_it_held(self._registry, key, self.outbox)
-            with contextlib.suppress(Exception):
                 await self._registry.delete(key)
         step = replica.backoff_step
         delay = min(rt.restart_backoff_s * (2 ** (step - 1)), rt.restart_backoff_max_s)

@@ -9,12 +9,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import zmq
 
 import omniflow
 from omniflow.control.routing import FULL_CREDIT
-from omniflow.messages import Call, Fail
+from omniflow.messages import MAX_ADDRESS_BYTES, MAX_CALLER_ID_BYTES, MAX_ID_BYTES, Call, Fail
 from omniflow.runtime.holding import HoldingFile, read_held, read_holding
+from omniflow.runtime.request_check import InvalidRequest
 from omniflow.transport.codec import decode, encode
 from omniflow.transport.endpoint import Inbox, Outbox
 from tests.helpers import echo_config
@@ -50,23 +52,62 @@ def test_requests_on_a_killed_worker_fail_at_once(run_root):
 
 
 def test_holding_file_names_what_is_held(tmp_path):
+    """Every request held is in the file with its token, however many: the file grows
+    (a death notice without the token is dropped by the client)."""
     path = tmp_path / "r-0.holding"
     held = HoldingFile(path, slots=2)
-    a = held.add("a", "ipc:///tmp/x/client-1.sock")
-    b = held.add("b", "tcp://10.0.0.1:5555")
-    assert held.add("c", "ipc://full") == -1  # no slot left: the heartbeat covers it
-    assert held.add("x" * 300, "ipc://y") == -1
-    assert read_held(path, os.getpid()).complete is False  # two are held without a slot
-    held.remove(-1)
-    held.remove(-1)
-    assert read_held(path, os.getpid()).complete is True
-    held.remove(a)
-    assert read_holding(path, os.getpid()) == [("b", "tcp://10.0.0.1:5555")]
+    slots = [held.add(f"r{i}", f"ipc:///tmp/x/client-{i}.sock", bytes([i]) * 16) for i in range(5)]
+    assert -1 not in slots and held.slots == 8  # grew twice
+    longest = "é" * (MAX_ID_BYTES // 2)  # a Call's longest id and address fit a slot
+    big = held.add(longest, "tcp://" + "h" * (MAX_ADDRESS_BYTES - 6), b"t" * 16)
+    assert big >= 0
+    requests, tokens = read_held(path, os.getpid())
+    assert len(requests) == 6 and tokens[longest] == b"t" * 16
+    assert tokens["r3"] == bytes([3]) * 16
+    for slot in slots:
+        held.remove(slot)
+    assert read_holding(path, os.getpid()) == [(longest, "tcp://" + "h" * (MAX_ADDRESS_BYTES - 6))]
     assert read_holding(path, os.getpid() + 1) == []  # another incarnation's file
-    held.remove(b)
+    held.remove(big)
     assert read_holding(path, os.getpid()) == []
     held.close()
     assert not path.exists()
+
+
+def test_names_past_their_bound_are_refused_by_name(run_root):
+    """A Call whose request id or reply address would not fit the holding file is refused
+    by the actor, naming the field; the caller's API refuses a long id before sending."""
+    cfg = echo_config(name="longids")
+
+    async def main():
+        async with omniflow.Runtime(cfg) as rt:
+            with pytest.raises(InvalidRequest, match="request_id: 300 bytes"):
+                await rt.call({"text": "x"}, request_id="i" * 300)
+            ctx = zmq.Context()
+            fails: list[Fail] = []
+            replies = Inbox(
+                ctx, f"ipc://{rt.run_dir}/replies.sock", lambda i, p: fails.append(decode(p[0]))
+            )
+            replies.start()
+            outbox = Outbox(ctx)
+            victim = next(r for r in rt.supervisor.replicas if r.role == "reverse")
+            call = Call("i" * (MAX_ID_BYTES + 1), "reverse", replies.endpoint, data={"text": "x"})
+            call.token, call.credit = b"d" * 16, FULL_CREDIT
+            await outbox.send(victim.endpoint, [encode(call)])
+            until = time.monotonic() + 10
+            while not fails:
+                assert time.monotonic() < until
+                await asyncio.sleep(0.02)
+            answer = await rt.call({"text": "ok"}, request_id="i" * MAX_CALLER_ID_BYTES)
+            replies.close()
+            outbox.close()
+            ctx.term()
+            return fails, answer
+
+    fails, answer = asyncio.run(main())
+    assert isinstance(fails[0], Fail) and fails[0].code == "bad_request"
+    assert f"Call.request_id is {MAX_ID_BYTES + 1} bytes" in fails[0].message
+    assert answer  # the actor kept serving, and an id at the bound goes through
 
 
 def test_each_request_on_a_killed_worker_gets_one_fail(run_root):
