@@ -33,6 +33,7 @@ from omniflow.messages import LEAVING, ActorRecord, Hello, Ready, SetupFailed, S
 from omniflow.runtime import logs
 from omniflow.runtime.actor import Actor
 from omniflow.runtime.config import Config, from_json
+from omniflow.runtime.control_link import ControlLink
 from omniflow.runtime.gpus import attach_device_pools, uses_gpu
 from omniflow.runtime.holding import HoldingFile, holding_path
 from omniflow.runtime.host import ActorHost
@@ -41,8 +42,8 @@ from omniflow.runtime.loading import load_actor_class
 from omniflow.runtime.resources import budget_after_barrier
 from omniflow.runtime.rundir import check_private, run_root_of
 from omniflow.runtime.tracing import Tracer
-from omniflow.transport.codec import MAX_HEADER_BYTES, BadMessage, decode, decoder_for, encode
-from omniflow.transport.endpoint import Inbox, Outbox, fd_of
+from omniflow.transport.codec import BadMessage, decode, decoder_for, encode
+from omniflow.transport.endpoint import Inbox, Outbox
 from omniflow.transport.links import attach_pool
 
 log = logging.getLogger("omniflow.runtime.worker")
@@ -97,11 +98,8 @@ class Worker:
             loop.add_signal_handler(sig, self.stop.set)
         loop.add_signal_handler(signal.SIGUSR1, self._close_intake)  # the supervisor stops
         loop.add_signal_handler(PARENT_DIED, self._on_parent_died)
-        control = self.ctx.socket(zmq.DEALER)
-        control.setsockopt(zmq.LINGER, 1000)
-        control.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)  # the supervisor's are headers
-        control.connect(control_address)
-        loop.add_reader(fd_of(control), self._on_control, control)
+        control = ControlLink(self.ctx, control_address, self._on_control)
+        control.start()
         pid = os.getpid()
         control.send(encode(Hello(self.role, self.replica, pid)))
         gpu = uses_gpu(self.role_config.options)  # only then: pinning and a CUDA context
@@ -153,7 +151,7 @@ class Worker:
             control.close(0 if self.orphaned else None)  # nobody reads it once orphaned
             self.ctx.term()
 
-    async def _serve(self, actor: Actor, control: zmq.Socket, registry: Registry) -> int:
+    async def _serve(self, actor: Actor, control: ControlLink, registry: Registry) -> int:
         cfg, rt = self.config, self.config.runtime
         view = RegistryView(registry, cfg.name)
         await view.start()
@@ -165,7 +163,7 @@ class Worker:
         rc = self.role_config
         holding = HoldingFile(
             holding_path(self.run_dir, self.role, self.replica),
-            rc.max_concurrency + rc.max_queue + 256,  # joins' waiting requests count too
+            rc.max_concurrency + rc.max_queue,  # it grows: joins' waiting ones count too
         )
         host = ActorHost(
             actor, router, rc.max_concurrency, rc.max_queue, holding, rc.max_stream_chunks
@@ -323,19 +321,12 @@ class Worker:
         if self.host is not None:
             self.host.close_intake()
 
-    def _on_control(self, control: zmq.Socket) -> None:
-        while True:
-            try:
-                header = control.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                return
-            try:
-                if isinstance(decode(header, _control_decoder), Shutdown):
-                    self.stop.set()
-            except BadMessage:
-                continue
+    def _on_control(self, header: bytes) -> None:
+        try:
+            if isinstance(decode(header, _control_decoder), Shutdown):
+                self.stop.set()
+        except BadMessage:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
