@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -93,6 +94,7 @@ class MakeTensor(Actor):
 
         n = int(request.data.get("n", 1 << 18))
         seed = int(request.data.get("seed", 0))
+        time.sleep(float(request.data.get("block_s", 0)))  # deaf to a Cancel meanwhile
         values = torch.Generator().manual_seed(seed)
         if request.data.get("in_pool"):
             out = attached_pool().empty((n,), torch.float32)

@@ -155,8 +155,10 @@ class Client(Migration):
         except BadMessage:
             return
         pending = self._pending.get(getattr(msg, "request_id", ""))
+        late = pending is None
         if pending is not None and not _shows_token(msg, pending.token):
-            # Not from the roles the request went to: it never answers nor ends it.
+            # Not from the roles the request went to: it never answers nor ends it (nor
+            # releases refs: they may name blocks the request's own messages bring).
             self._forged.note(type(msg).__name__, msg.request_id)
             pending = None
         try:
@@ -168,7 +170,10 @@ class Client(Migration):
                 pending.push(RequestFailed(Code.BAD_REQUEST.value, str(e), role, msg.request_id))
             return
         if pending is None:
-            return  # a late message of a request that already ended
+            if late:  # of a request that already ended (cancelled, timed out): its
+                # blocks go back, or they stay the pool's until this process ends
+                release_tensors(getattr(msg, "tensors", {}).values(), opened=False)
+            return
         pending.heard = True
         if isinstance(msg, Emit):
             tensors = materialize_tensors(msg.tensors, parts, True) if msg.tensors else {}

@@ -1,10 +1,13 @@
-"""A retry after a dead replica gives back the pool refs it exported to that replica."""
+"""Pool refs come back when their message cannot be used: a retry after a dead replica gives
+back what it exported to that replica; a client gives back what a late answer brings."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+
+import pytest
 
 import omniflow
 from omniflow.memory import PagePool
@@ -60,3 +63,40 @@ def test_retry_elsewhere_releases_the_refs_exported_to_the_dead_replica(run_root
     sums, used = asyncio.run(main())
     assert sums == [expected_sum(1 << 18, seed) for seed in range(4)]
     assert used == 0  # every block came back: none is held for the dead pid
+
+
+def test_a_late_answer_gives_its_pool_blocks_back(run_root):
+    """The client gave up on the request (its timeout) before the answer came: the answer's
+    pool block goes back at once, not when the client's process ends."""
+    cfg = parse(
+        {
+            "name": "lateanswer",
+            "roles": {"make": {"actor": f"{R}:MakeTensor"}},
+            "graph": {"edges": [{"from": "input", "to": "make"}]},
+            "cache": {"host_pool": "16MiB", "page_size": "64KiB"},
+        },
+        "<test>",
+    )
+
+    async def main():
+        async with omniflow.Runtime(cfg) as rt:
+            pool = PagePool.attach(rt.supervisor.pool_name)
+            try:
+                request = {"n": 1 << 16, "in_pool": True, "block_s": 2.0}
+                with pytest.raises(omniflow.RequestFailed) as failed:  # at ~1.3 s: patience
+                    await rt.call(request, timeout=0.3)
+                await asyncio.sleep(1.2)  # the answer came at ~2 s, its block made then
+                for _ in range(100):
+                    if pool.stats().used_pages == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                used = pool.stats().used_pages
+                outs, _ = await rt.call({"n": 1 << 10}, timeout=10)  # it still serves
+                return failed.value.code, used, outs[0].data["n"]
+            finally:
+                pool.close()
+
+    failed, used, n = asyncio.run(main())
+    assert failed == "deadline"
+    assert used == 0
+    assert n == 1 << 10
