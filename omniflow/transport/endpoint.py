@@ -326,6 +326,8 @@ class Outbox:
         self._sending[address] = self._sending.get(address, 0) + 1  # not evicted meanwhile
         try:
             while True:
+                if sock.closed:  # closed meanwhile (the outbox, or forget): nowhere to go
+                    raise PeerUnavailable(f"the socket to {address} was closed")
                 if int(sock.get(_EVENTS)) & _POLLOUT and self.try_send(address, parts):
                     return
                 remaining = deadline - loop.time()
@@ -336,11 +338,14 @@ class Outbox:
                     raise PeerUnavailable(f"no connected peer at {address} (it timed out just now)")
                 ready = loop.create_future()
                 loop.add_reader(fd, _set_ready, ready)
+                # Re-check at least every 50 ms: the connection may complete without an FD
+                # edge. A timer, not wait_for: Python 3.11's swallows a cancel that lands
+                # as the wait ends, and the loop would go on with a closed socket.
+                timer = loop.call_later(min(remaining, 0.05), _set_ready, ready)
                 try:
-                    await asyncio.wait_for(ready, min(remaining, 0.05))
-                except TimeoutError:
-                    pass  # re-check: the connection may complete without an FD edge
+                    await ready
                 finally:
+                    timer.cancel()
                     loop.remove_reader(fd)
         finally:
             left = self._sending.pop(address) - 1

@@ -83,3 +83,35 @@ async def test_a_peer_that_timed_out_fails_later_sends_at_once_until_it_is_back(
             inbox.close()
         ctx.term()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@run_in_loop
+async def test_a_post_waiting_on_a_socket_closed_under_it_ends_quietly():
+    """A post still waiting for its peer when its socket closes (``forget``, or the
+    outbox's close as a client exits) ends as best effort, with no task exception left
+    unretrieved (``omniflow send`` printed one after an ``unavailable``)."""
+    import gc
+
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    ctx = zmq.Context()
+    folder = tempfile.mkdtemp(prefix="of-ob-", dir="/tmp")
+    try:
+        for close in ("forget", "close"):
+            outbox = Outbox(ctx, send_timeout=5.0)
+            address = f"ipc://{folder}/nobody-{close}.sock"  # no peer: the post waits
+            outbox.post(address, [b"cancel"])
+            await asyncio.sleep(0.12)  # into its wait, past a re-check or two
+            if close == "forget":
+                outbox.forget(address)
+            else:
+                outbox.close()
+            await asyncio.sleep(0.12)
+            outbox.close()
+        gc.collect()  # an unretrieved task exception is reported when its task goes
+        await asyncio.sleep(0)
+    finally:
+        ctx.term()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert errors == []
