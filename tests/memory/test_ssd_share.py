@@ -5,8 +5,10 @@ whatever order they start in; a dead process's files stop counting."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,10 +17,10 @@ from pathlib import Path
 
 import msgspec
 
-from omniflow.memory import unlink_pool
-from omniflow.memory.ssd_share import held_by_live
+from omniflow.memory import CacheConfig, PagePool, unlink_pool
+from omniflow.memory.ssd_share import SHARE_PREFIX, held_by_live
 from omniflow.roles.options import ssd_sharers
-from omniflow.runtime.config import Config
+from omniflow.runtime.config import Config, parse
 
 PAGE = 64 << 10
 CAPACITY = 100 * PAGE
@@ -49,6 +51,31 @@ unlink_pool(name)
 """
 for key, value in {"page": PAGE, "capacity": CAPACITY, "entries": ENTRIES}.items():
     ENCODER = ENCODER.replace("{" + key + "}", str(value))
+
+# One llm replica as its worker makes it (a pool, the deployment's [cache], the run dir in
+# OMNIFLOW_RUN_DIR), with host_kv_mb and ssd_kv_mb: it says what its KV tier preallocated.
+LLM = """
+import asyncio, json, os, sys
+from omniflow.memory import CacheConfig, PagePool, unlink_pool
+from omniflow.roles.llm import LLMRole
+
+ssd_dir, model = sys.argv[1], sys.argv[2]
+name = f"omniflow-share-{os.getpid()}"
+pool = PagePool.create(name, 64 * {page}, page_size={page})
+role = LLMRole("llm", 0, {"model_path": model, **{options}})
+role.use_pool(pool, CacheConfig(page_size={page}, ssd_dir=ssd_dir, ssd_capacity={capacity}))
+asyncio.run(role.setup())
+ssd = role.llm.tiers.ssd
+print(json.dumps({"ssd": ssd.slots * {page} if ssd else 0}), flush=True)
+sys.stdin.readline()
+asyncio.run(role.close())
+pool.close()
+unlink_pool(name)
+"""
+# ssd_kv_mb 4: 64 pages, more than its fair part of 100 between two.
+LLM_OPTIONS = {"build_tiny": True, "threads": 1, "kv_cache_mb": 1, "host_kv_mb": 1, "ssd_kv_mb": 4}
+for key, value in {"page": PAGE, "capacity": CAPACITY, "options": LLM_OPTIONS}.items():
+    LLM = LLM.replace("{" + key + "}", str(value))
 
 
 def _spawn(script: str, *args: object, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -120,6 +147,82 @@ def test_encoders_wanting_more_than_the_capacity_each_get_a_fair_part(tmp_path):
         _end(procs)
     killed = {f.name for f in ssd.iterdir()}
     assert all(f"-{victim.pid}." in name for name in killed), killed  # only the killed one's
+
+
+def _deployment(ssd: Path, models: Path) -> Config:
+    """An llm with an SSD KV tier and a vision encoder (with its cache) on one host: two
+    sharers of cache.ssd_capacity."""
+    vision = {"model_path": str(models / "vision"), "build_tiny": True}
+    raw = {
+        "name": "ssdshare",
+        "roles": {
+            "vision_encoder": {
+                "actor": "omniflow.roles.vision_encoder:VisionEncoderRole",
+                "options": vision,
+            },
+            "llm": {
+                "actor": "omniflow.roles.llm:LLMRole",
+                "options": {"model_path": str(models / "llm"), **LLM_OPTIONS},
+            },
+        },
+        "graph": {
+            "edges": [
+                {"from": "input", "to": "vision_encoder"},
+                {"from": "vision_encoder", "to": "llm"},
+            ]
+        },
+        "cache": {"page_size": PAGE, "ssd_dir": str(ssd), "ssd_capacity": CAPACITY},
+    }
+    return parse(raw, "<test>")
+
+
+def test_the_llm_kv_tier_takes_its_share_and_is_counted(tmp_path, monkeypatch, caplog):
+    ssd, models, run_dir = tmp_path / "ssd", tmp_path / "models", tmp_path / "run"
+    for folder in (ssd, models, run_dir):
+        folder.mkdir()
+    config = _deployment(ssd, models)
+    assert ssd_sharers(config) == 2
+    (run_dir / "deployment.json").write_bytes(msgspec.json.encode(config))
+    llm = _spawn(LLM, ssd, models / "llm", env={"OMNIFLOW_RUN_DIR": str(run_dir)})
+    # An encoder counted as alone (another deployment's, say) wants 60 pages.
+    encoder = _encoder(ssd, 0, 1, 60)
+    procs = [llm, encoder]
+    try:
+        # The llm wants 64 pages and takes its fair part, 50, in a file the share counts.
+        assert _share(llm) == 50 * PAGE
+        (kv_file,) = ssd.glob(f"{SHARE_PREFIX}kv-llm-0-{llm.pid}.0.pages")
+        assert kv_file.stat().st_size == held_by_live(ssd) == 50 * PAGE
+        _say(encoder)
+        assert _share(encoder) == 50 * PAGE  # what the llm's file leaves, not its 60
+        assert _on_disk(ssd) == held_by_live(ssd) == CAPACITY
+        # Another llm replica finds the capacity spent: no SSD KV tier, and a warning.
+        monkeypatch.setenv("OMNIFLOW_RUN_DIR", str(run_dir))
+        assert _spent_llm_replica(ssd, models / "llm", caplog) is None
+        assert _on_disk(ssd) == CAPACITY
+    finally:
+        _end(procs)
+    assert not list(ssd.iterdir())  # each closed removed its files
+
+
+def _spent_llm_replica(ssd: Path, model: Path, caplog) -> object:
+    from omniflow.roles.llm import LLMRole
+
+    name = f"omniflow-share-{os.getpid()}"
+    pool = PagePool.create(name, 64 * PAGE, page_size=PAGE)
+    role = LLMRole("llm", 1, {"model_path": str(model), **LLM_OPTIONS})
+    role.use_pool(pool, CacheConfig(page_size=PAGE, ssd_dir=str(ssd), ssd_capacity=CAPACITY))
+    try:
+        with caplog.at_level(logging.WARNING, logger="omniflow.roles.llm"):
+            asyncio.run(role.setup())
+        assert role.llm.tiers is not None
+        (record,) = [r for r in caplog.records if "no SSD KV tier" in r.getMessage()]
+        assert "role llm replica 1" in record.getMessage()
+        assert f"{CAPACITY} bytes in {ssd}" in record.getMessage()
+        return role.llm.tiers.ssd
+    finally:
+        asyncio.run(role.close())
+        pool.close()
+        unlink_pool(name)
 
 
 def test_the_sharers_are_this_hosts_replicas_with_an_ssd_tier(tmp_path):
