@@ -39,6 +39,7 @@ from omniflow.kv.sizing import pages_for_bytes
 from omniflow.kv.tiers import KVTiers
 from omniflow.memory.lease import Lease
 from omniflow.memory.pool import PagePool
+from omniflow.memory.ssd_share import SsdShare
 from omniflow.models import DecoderLM, MLAConfig, TextTokenizer, load_decoder, load_tokenizer
 from omniflow.models.loader import load_config, resolve_device, resolve_dtype
 
@@ -60,6 +61,9 @@ class EngineConfig:
     host_kv_bytes: int = 0  # 0: no host tier, evicted pages are dropped
     ssd_kv_dir: str | None = None
     ssd_kv_bytes: int = 0
+    # The SSD tier as one process's share of a per-host capacity (memory/ssd_share.py);
+    # None: ssd_kv_bytes of its own. A spent share leaves the engine without an SSD tier.
+    ssd_kv_share: SsdShare | None = None
     # K/V tensors in the given kv_pool (CPU), so requests can lend their KV to other
     # processes on the host (add_request's lend_kv_to).
     share_kv: bool = False
@@ -117,7 +121,12 @@ def _kv_tiers(config: EngineConfig, cache: KVCache, pool: PagePool | None) -> KV
     if config.host_kv_bytes <= 0:
         return None
     return KVTiers.create(
-        KVCachePages(cache), config.host_kv_bytes, config.ssd_kv_dir, config.ssd_kv_bytes, pool
+        KVCachePages(cache),
+        config.host_kv_bytes,
+        config.ssd_kv_dir,
+        config.ssd_kv_bytes,
+        pool,
+        config.ssd_kv_share,
     )
 
 

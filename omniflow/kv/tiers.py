@@ -25,6 +25,7 @@ from omniflow.memory.errors import PoolExhausted
 from omniflow.memory.lease import Lease
 from omniflow.memory.pool import PagePool
 from omniflow.memory.ssd import SsdBlock, SsdStore
+from omniflow.memory.ssd_share import SsdShare
 
 HOST, SSD = "host", "ssd"
 
@@ -84,10 +85,13 @@ class KVTiers:
         ssd_dir: str | None = None,
         ssd_bytes: int = 0,
         pool: PagePool | None = None,
+        ssd_share: SsdShare | None = None,
     ) -> KVTiers:
         """Tiers of ``host_bytes`` in ``pool`` (one pool page per KV page) and ``ssd_bytes``
         in ``ssd_dir``. Without a pool, one of this process's own is made, its name unlinked
-        at once: nothing to clean up if the process dies."""
+        at once: nothing to clean up if the process dies. With ``ssd_share`` the SSD tier is
+        at most this process's share of the host's cache.ssd_capacity (memory/ssd_share.py),
+        and none where that is spent (``ssd`` None)."""
         name = f"omniflow-kv-{os.getpid()}-{next(_ids)}"
         owns_pool = pool is None
         page_nbytes = _page_nbytes(device)
@@ -99,8 +103,11 @@ class KVTiers:
             pool.unlink()
         ssd = None
         if ssd_dir and ssd_bytes > 0:
-            slots = max(1, ssd_bytes // pool.page_size)
-            ssd = SsdStore(ssd_dir, slots * pool.page_size, pool.page_size, name=name, sync=False)
+            want = max(1, ssd_bytes // pool.page_size) * pool.page_size
+            if ssd_share is not None:
+                ssd = ssd_share.preallocate(ssd_dir, want, pool.page_size, sync=False)
+            else:
+                ssd = SsdStore(ssd_dir, want, pool.page_size, name=name, sync=False)
         return cls(device, pool, host_pages, ssd, owns_pool=owns_pool)
 
     # ------------------------------------------------------------ capacity

@@ -28,6 +28,7 @@ _WHERE = {
     "SsdBlock": "omniflow.memory.ssd",
     "SsdCorruption": "omniflow.memory.errors",
     "SsdError": "omniflow.memory.errors",
+    "SsdShare": "omniflow.memory.ssd_share",
     "SsdStore": "omniflow.memory.ssd",
     "StaleLease": "omniflow.memory.errors",
     "TieredCache": "omniflow.memory.tiers",
@@ -56,6 +57,7 @@ __all__ = [
     "SsdBlock",
     "SsdCorruption",
     "SsdError",
+    "SsdShare",
     "SsdStore",
     "StaleLease",
     "TieredCache",
@@ -84,7 +86,7 @@ if TYPE_CHECKING:
     from omniflow.memory.pool import Lease, PagePool, PoolStats, PoolTensor, Reclaimed
     from omniflow.memory.segment import unlink_pool
     from omniflow.memory.ssd import SsdBlock, SsdStore
-    from omniflow.memory.ssd_share import host_share
+    from omniflow.memory.ssd_share import SsdShare, host_share
     from omniflow.memory.tiers import TieredCache
     from omniflow.memory.weights import SharedWeights, share_checkpoint
 

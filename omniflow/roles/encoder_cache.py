@@ -18,9 +18,7 @@ pool or SSD tier that cannot take an entry leaves it uncached, never fails the r
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,18 +28,15 @@ from omniflow.memory import (
     PagePool,
     PoolError,
     SsdError,
+    SsdShare,
     SsdStore,
     TieredCache,
-    host_share,
-    pid_alive,
 )
 from omniflow.roles.base import ModelActor
+from omniflow.roles.options import deployment_ssd_sharers
 from omniflow.runtime.actor import Context
 
 log = logging.getLogger(__name__)
-# The SSD tier files of every role's encoder cache start so (``role_cache``'s names): the
-# processes whose files share one cache.ssd_capacity per host.
-SHARE_PREFIX = "encoder-"
 
 
 class _Entry:
@@ -63,6 +58,7 @@ class EncoderOutputCache:
         pool: PagePool | None = None,
         config: CacheConfig | None = None,
         name: str = "encoder",
+        ssd_sharers: int = 1,
     ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
@@ -74,7 +70,8 @@ class EncoderOutputCache:
         self._ssd: SsdStore | None = None
         if pool is not None and max_entries > 0:
             config = config or CacheConfig()
-            self._ssd = _ssd_tier(pool, config, name, max_entries, max_bytes)
+            share = SsdShare(config.ssd_capacity_bytes, name, ssd_sharers)
+            self._ssd = _ssd_tier(pool, config, share, max_entries, max_bytes)
             self.tiers = TieredCache(pool, self._ssd, config.high_watermark, config.low_watermark)
 
     def __len__(self) -> int:
@@ -205,48 +202,39 @@ class EncoderOutputCache:
 
 def role_cache(actor: Any) -> EncoderOutputCache:
     """An encoder role's cache from its options (``cache_entries``, ``cache_mb``), in the
-    page pool the worker gave it (``ModelActor.use_pool``) when there is one."""
+    page pool the worker gave it (``ModelActor.use_pool``) when there is one; its SSD tier
+    is its fair part of the host's cache.ssd_capacity (memory/ssd_share.py)."""
     opts = actor.options
     return EncoderOutputCache(
         opts.cache_entries,
         opts.cache_mb << 20,
         actor.pool,
         actor.cache_config,
-        name=f"{SHARE_PREFIX}{actor.role}-{actor.replica}",
+        name=f"encoder-{actor.role}-{actor.replica}",
+        ssd_sharers=deployment_ssd_sharers(),
     )
 
 
 def _ssd_tier(
-    pool: PagePool, config: CacheConfig, name: str, max_entries: int, max_bytes: int
+    pool: PagePool, config: CacheConfig, share: SsdShare, max_entries: int, max_bytes: int
 ) -> SsdStore | None:
     if not config.ssd_dir:
         return None
     page = pool.page_size
-    _remove_orphans(Path(config.ssd_dir), name)
-    # Slots for everything the cache may hold, never more than the share of the per-host
-    # capacity the other encoder processes there leave (memory/ssd_share.py).
+    # Slots for everything the cache may hold, never more than this process's share of the
+    # per-host capacity (memory/ssd_share.py).
     want = ((max_bytes + page - 1) // page + 2 * max_entries) * page
-    with host_share(config.ssd_dir, config.ssd_capacity_bytes, want, SHARE_PREFIX) as share:
-        slots = share // page
-        if slots < 1:
-            log.warning(
-                "%s: no SSD tier: the other encoders on this host hold all of "
-                "cache.ssd_capacity (%d bytes) in %s",
-                name,
-                config.ssd_capacity_bytes,
-                config.ssd_dir,
-            )
-            return None
-        return SsdStore(config.ssd_dir, slots * page, page, name=f"{name}-{os.getpid()}")
-
-
-def _remove_orphans(directory: Path, name: str) -> None:
-    """Delete SSD files of this role replica's earlier processes that are gone (kill -9
-    leaves them: only a clean close removes its own)."""
-    for path in directory.glob(f"{name}-*.pages"):
-        pid = path.name[len(name) + 1 :].split(".", 1)[0]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            path.unlink(missing_ok=True)
+    ssd = share.preallocate(config.ssd_dir, want, page)
+    if ssd is None:
+        log.warning(
+            "%s: no SSD tier: cache.ssd_capacity (%d bytes in %s, shared by %d processes "
+            "on this host) has less than a page left for it",
+            share.name,
+            share.capacity,
+            config.ssd_dir,
+            share.sharers,
+        )
+    return ssd
 
 
 class CachingEncoder(ModelActor):

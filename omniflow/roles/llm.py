@@ -30,7 +30,8 @@ audio each go on from the last stage's KV. Random weights cannot choose a modali
 Options: ``LLMOptions`` in roles/options.py. ``hidden_size`` of a build_tiny model must
 match the encoders'. ``host_kv_mb``: KV pages evicted from the device go to this much of
 the deployment's host pool (0: dropped), ``ssd_kv_mb``: and below that to this much of
-``[cache] ssd_dir``; ``share_kv``: K/V tensors in the host pool, so the engine can lend a
+``[cache] ssd_dir``, at most the replica's fair part of the host's cache.ssd_capacity
+(memory/ssd_share.py); ``share_kv``: K/V tensors in the host pool, so the engine can lend a
 request's KV read-only to another process.
 
 KV pulls (``kv_pull``, on by default): the replica serves its prefix cache's pages to the
@@ -60,6 +61,7 @@ import torch
 from omniflow.content import SUMMARY_META, summary_key
 from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
 from omniflow.engine.heads import codes_key
+from omniflow.memory import SsdShare
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni.checkpoint import CheckpointError, ensure_next, is_next_folder
 from omniflow.models.omni.next_media import load_next_media_heads
@@ -94,7 +96,7 @@ from omniflow.roles.llm_request import (
     sampling,
     wanted,
 )
-from omniflow.roles.options import LLMOptions, LLMParams, read_params
+from omniflow.roles.options import LLMOptions, LLMParams, deployment_ssd_sharers, read_params
 from omniflow.roles.tiny_build import build_atomically
 from omniflow.runtime.actor import RESUMABLE_META, BadRequest, Context, Request
 from omniflow.runtime.kv_peers import KV_PULL_META
@@ -128,15 +130,15 @@ class LLMRole(PrefixPulls, ModelActor):
         if opts.build_tiny:
             await self._run(self._build_tiny, opts.tiny_preset, opts.hidden_size, opts.seed)
         device = opts.device
-        cache = self.cache_config
-        ssd_kv_mb = opts.ssd_kv_mb
+        ssd_dir, ssd_share = self._ssd_kv_share()
         config = EngineConfig(
             device=device,
             kv_cache_bytes=opts.kv_cache_mb << 20,
             # Evicted KV pages go to the deployment's host pool, then to [cache] ssd_dir.
             host_kv_bytes=opts.host_kv_mb << 20,
-            ssd_kv_dir=(cache.ssd_dir or None) if cache is not None and ssd_kv_mb else None,
-            ssd_kv_bytes=ssd_kv_mb << 20,
+            ssd_kv_dir=ssd_dir,
+            ssd_kv_bytes=opts.ssd_kv_mb << 20,
+            ssd_kv_share=ssd_share,
             share_kv=opts.share_kv and self.pool is not None,
             # backend sglang serves the text stage only (image/audio are refused by name).
             backend=opts.backend,
@@ -151,6 +153,17 @@ class LLMRole(PrefixPulls, ModelActor):
             raise CheckpointError(f"role {self.role}: {e}") from None
         except ValueError as e:  # the checkpoint's tensors do not fit: name role and folder
             raise CheckpointError(f"role {self.role}: {e}") from None
+        tiers = self.llm.tiers
+        if ssd_share is not None and tiers is not None and tiers.ssd is None:
+            log.warning(
+                "role %s replica %d: no SSD KV tier: cache.ssd_capacity (%d bytes in %s, "
+                "shared by %d processes on this host) has less than a page left for it",
+                self.role,
+                self.replica,
+                ssd_share.capacity,
+                ssd_dir,
+                ssd_share.sharers,
+            )
         self.engine = AsyncEngine(
             self.llm,
             thread_setup=functools.partial(lower_thread_priority, self.model_nice),
@@ -173,6 +186,16 @@ class LLMRole(PrefixPulls, ModelActor):
         self.leading_media = OrderedDict()  # summary keys, LRU
         self.summary_media = opts.summary_media
         self._ids = itertools.count()
+
+    def _ssd_kv_share(self) -> tuple[str | None, SsdShare | None]:
+        """Where evicted KV pages go below the host tier (``[cache] ssd_dir``, with
+        ``host_kv_mb`` and ``ssd_kv_mb``), as this replica's share of the host's
+        cache.ssd_capacity (memory/ssd_share.py); (None, None) without one."""
+        cache = self.cache_config
+        if cache is None or not cache.ssd_dir or not self.options.spills_to_ssd():
+            return None, None
+        name = f"kv-{self.role}-{self.replica}"
+        return cache.ssd_dir, SsdShare(cache.ssd_capacity_bytes, name, deployment_ssd_sharers())
 
     def _load_heads(self, device: str) -> None:
         """The engine runs them (on its thread) after the LLM's step, for media tokens. A
