@@ -90,9 +90,10 @@ class SsdShare:
 
 def remove_orphans(directory: Path, name: str) -> None:
     """Delete the tier files of ``name``'s earlier processes that are gone (kill -9 leaves
-    them: only a clean close removes its own)."""
-    stem = f"{SHARE_PREFIX}{name}-"
-    for path in directory.glob(f"{stem}*.pages"):
-        pid = path.name[len(stem) :].split(".", 1)[0]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            path.unlink(missing_ok=True)
+    them: only a clean close removes its own), those named before the share prefix too
+    (``NAME-PID.I.pages``: never counted, they would take the disk for good)."""
+    for stem in (f"{SHARE_PREFIX}{name}-", f"{name}-"):
+        for path in directory.glob(f"{stem}*.pages"):
+            pid = path.name[len(stem) :].split(".", 1)[0]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                path.unlink(missing_ok=True)

@@ -250,3 +250,23 @@ def test_the_sharers_are_this_hosts_replicas_with_an_ssd_tier(tmp_path):
     assert ssd_sharers(msgspec.convert(raw, Config)) == 2
     del raw["cache"]
     assert ssd_sharers(msgspec.convert(raw, Config)) == 0
+
+
+def test_a_replicas_dead_files_go_old_names_too(tmp_path):
+    """Files a killed earlier process of the same role replica left are removed, with the
+    share prefix or without (the names before it); a live process's files stay."""
+    from omniflow.memory.ssd_share import SHARE_PREFIX, remove_orphans
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is gone now
+    name = "encoder-vision-0"
+    files = {
+        "dead": tmp_path / f"{SHARE_PREFIX}{name}-{dead.pid}.0.pages",
+        "dead_old_name": tmp_path / f"{name}-{dead.pid}.0.pages",
+        "live": tmp_path / f"{SHARE_PREFIX}{name}-{os.getpid()}.0.pages",
+        "other_replica": tmp_path / f"{SHARE_PREFIX}encoder-vision-1-{dead.pid}.0.pages",
+    }
+    for path in files.values():
+        path.write_bytes(b"x")
+    remove_orphans(tmp_path, name)
+    assert {k for k, path in files.items() if path.exists()} == {"live", "other_replica"}
