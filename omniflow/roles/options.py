@@ -156,6 +156,8 @@ class LLMOptions(WeightsOptions, kw_only=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.ssd_kv_mb and not self.host_kv_mb:  # pages reach the SSD from the host tier
+            raise FieldError("ssd_kv_mb", "needs host_kv_mb > 0 (pages spill from the host tier)")
         if self.backend == "sglang":
             # Imports torch, so only for a deployment that asks for SGLang.
             from omniflow.engine.sglang_backend import sglang_missing

@@ -57,3 +57,11 @@ def test_a_role_built_in_code_checks_its_options_too(tmp_path):
     assert not (tmp_path / "nothing").exists()
     with pytest.raises(FieldError, match=r"^\[roles.x.options\] steps: unknown option"):
         LLMRole("x", 0, {"model_path": str(tmp_path), "steps": 2})
+
+
+def test_an_ssd_kv_tier_without_a_host_tier_is_refused_by_name(tmp_path):
+    """KV pages reach the SSD tier from the host tier: ``ssd_kv_mb`` alone would give no
+    SSD tier at all, silently."""
+    with pytest.raises(FieldError, match=r"^\[roles.llm.options\] ssd_kv_mb: needs host_kv_mb"):
+        LLMRole("llm", 0, {"model_path": str(tmp_path), "ssd_kv_mb": 4})
+    LLMRole("llm", 0, {"model_path": str(tmp_path), "ssd_kv_mb": 4, "host_kv_mb": 8})
