@@ -33,7 +33,7 @@ from omniflow.memory import (
     TieredCache,
 )
 from omniflow.roles.base import ModelActor
-from omniflow.roles.options import deployment_ssd_sharers
+from omniflow.roles.ssd_sharers import deployment_ssd_sharers
 from omniflow.runtime.actor import Context
 
 log = logging.getLogger(__name__)

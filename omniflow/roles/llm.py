@@ -96,7 +96,8 @@ from omniflow.roles.llm_request import (
     sampling,
     wanted,
 )
-from omniflow.roles.options import LLMOptions, LLMParams, deployment_ssd_sharers, read_params
+from omniflow.roles.options import LLMOptions, LLMParams, read_params
+from omniflow.roles.ssd_sharers import deployment_ssd_sharers
 from omniflow.roles.tiny_build import build_atomically
 from omniflow.runtime.actor import RESUMABLE_META, BadRequest, Context, Request
 from omniflow.runtime.kv_peers import KV_PULL_META

@@ -19,7 +19,7 @@ import msgspec
 
 from omniflow.memory import CacheConfig, PagePool, unlink_pool
 from omniflow.memory.ssd_share import SHARE_PREFIX, held_by_live
-from omniflow.roles.options import ssd_sharers
+from omniflow.roles.ssd_sharers import ssd_sharers
 from omniflow.runtime.config import Config, parse
 
 PAGE = 64 << 10
