@@ -94,7 +94,6 @@ class MakeTensor(Actor):
 
         n = int(request.data.get("n", 1 << 18))
         seed = int(request.data.get("seed", 0))
-        time.sleep(float(request.data.get("block_s", 0)))  # deaf to a Cancel meanwhile
         values = torch.Generator().manual_seed(seed)
         if request.data.get("in_pool"):
             out = attached_pool().empty((n,), torch.float32)
@@ -102,6 +101,25 @@ class MakeTensor(Actor):
             ctx.hold(out.lease)  # released once the output has been shared onward
             return {"x": out.tensor, "seed": seed, "n": n}
         return {"x": torch.rand(n, generator=values), "seed": seed, "n": n}
+
+
+class BurstTensors(Actor):
+    """Streams a pool tensor, is deaf for ``block_s`` (a Cancel waits), then streams ``n``
+    more in one go: those reach a client that left after the first as late messages."""
+
+    async def handle(self, request, ctx):
+        from omniflow.transport.tensors import attached_pool
+
+        def chunk(i):
+            out = attached_pool().empty((1 << 14,), torch.float32)
+            out.tensor.fill_(i)
+            ctx.hold(out.lease)  # released once the output has been shared onward
+            return {"x": out.tensor, "i": i}
+
+        yield chunk(0)
+        time.sleep(float(request.data.get("block_s", 0.5)))
+        for i in range(int(request.data.get("n", 4))):
+            yield chunk(i + 1)
 
 
 class CheckTensor(Actor):
