@@ -15,7 +15,7 @@ from tests.helpers import echo_config, expected_echo
 def test_killed_single_idempotent_replica_still_answers(run_root):
     cfg = echo_config(
         name="rewait",
-        upper={"idempotent": True, "options": {"delay_ms": 1500}},
+        upper={"idempotent": True, "options": {"delay_ms": 1000}},
         runtime={"heartbeat_s": 0.2, "ttl_s": 3.0, "restart_backoff_s": 0.1},
     )
 
@@ -24,7 +24,7 @@ def test_killed_single_idempotent_replica_still_answers(run_root):
             answers = []
             for i in range(3):
                 task = asyncio.create_task(rt.call({"text": f"a{i} b"}, timeout=60))
-                await asyncio.sleep(0.6)  # it sits in upper's delay
+                await asyncio.sleep(0.4)  # it sits in upper's delay
                 victim = next(r for r in rt.supervisor.replicas if r.role == "upper")
                 os.kill(victim.proc.pid, signal.SIGKILL)
                 outs, result = await task
