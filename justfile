@@ -20,9 +20,10 @@ setup:
 up config="configs/longcat.toml":
     omniflow up {{config}}
 
-# The test suite (GPU tests skip without CUDA).
+# The test suite (GPU tests skip without CUDA), a test file per worker, two at a time (most
+# tests wait on processes they start; `just test -n 0 ...` runs in one process).
 test *args:
-    {{python}} -m pytest -q {{args}}
+    {{python}} -m pytest -q -n 2 --dist loadfile {{args}}
 
 # Every benchmark; each prints a JSON object as its last line.
 bench:

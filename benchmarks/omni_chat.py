@@ -12,7 +12,9 @@ rounds. Late = the median of turns 10..20.
 First audio: voice clients on /v1/realtime, each on its own connection (connected and
 configured before the clock starts): time from ``response.create`` to the first
 ``response.output_text.delta`` and to the first ``response.output_audio.delta``, one
-client at a time (c1) and 8 at once (c8), the two interleaved round by round.
+client at a time (c1) and 8 at once (c8), with the text made beside the audio in one
+decode (``audio_text`` parallel, the default) and, as the baseline, all the text first
+(serial), interleaved round by round.
 
 Targets: stateless late TTFT <= 1.3x the session's and >= 3x below no_cache; first audio at
 c1 <= 2x first text.
@@ -47,7 +49,9 @@ WORDS = "the quick brown fox jumps over the lazy dog and tells a story about riv
 MODES = ("session", "stateless", "no_cache")
 
 
-def config(models: Path, decoder_threads: int | None = None) -> omniflow.Config:
+def config(
+    models: Path, decoder_threads: int | None = None, decoder_conv: str | None = None
+) -> omniflow.Config:
     raw = tomllib.loads((ROOT / "configs" / "longcat.toml").read_text())
     raw["name"] = "omnichat"
     for role in raw["roles"].values():
@@ -58,6 +62,8 @@ def config(models: Path, decoder_threads: int | None = None) -> omniflow.Config:
     raw["roles"]["llm"]["options"]["max_model_len"] = 4096  # 20 turns with 4 images
     if decoder_threads is not None:
         raw["roles"]["audio_decoder"]["options"]["threads"] = decoder_threads
+    if decoder_conv is not None:
+        raw["roles"]["audio_decoder"]["options"]["conv"] = decoder_conv
     raw["gateway"] = {"port": 0, "max_inflight": 256}
     return parse(raw, "omni_chat")
 
@@ -151,7 +157,7 @@ async def main(args: argparse.Namespace) -> dict:
         "data:image/png;base64," + base64.b64encode(image_bytes(256, 256, seed=s)).decode()
         for s in range(4)
     ]
-    async with omniflow.Runtime(config(models, args.decoder_threads)) as rt:
+    async with omniflow.Runtime(config(models, args.decoder_threads, args.decoder_conv)) as rt:
         url = (rt.run_dir / "gateway.url").read_text().strip()
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300)
         await conversation(client, "stateless", "warm", 2, images[:1])  # compile, load
@@ -166,16 +172,29 @@ async def main(args: argparse.Namespace) -> dict:
         params = {"audio_chunks": 3, "audio_chunk_tokens": 2}
         if args.first_chunk_tokens is not None:
             params["audio_first_chunk_tokens"] = args.first_chunk_tokens
-        voice = {"params": params, "max_output_tokens": 4}
-        await first_audio(ws_url, 1, 1, voice)  # warm
-        text1, audio1, text8, audio8 = [], [], [], []
-        for _ in range(args.audio_rounds):  # c1 and c8 interleaved
-            texts, audios = await first_audio(ws_url, 1, args.audio, voice)
-            text1 += texts
-            audio1 += audios
-            texts, audios = await first_audio(ws_url, 8, 8, voice)
-            text8 += texts
-            audio8 += audios
+        # parallel: the text made beside the audio in one decode (the default); serial,
+        # the baseline: all the text first, then the audio
+        voices = {
+            mode: {"params": {**params, "audio_text": mode}, "max_output_tokens": 4}
+            for mode in ("parallel", "serial")
+        }
+        for voice in voices.values():
+            await first_audio(ws_url, 1, 1, voice)  # warm
+        got: dict[str, list[float]] = {}
+        for r in range(args.audio_rounds):  # c1 and c8, parallel and serial, interleaved
+            order = ("parallel", "serial") if r % 2 == 0 else ("serial", "parallel")
+            for mode in order:
+                for c, n in ((1, args.audio), (8, 8)):
+                    texts, audios = await first_audio(ws_url, c, n, voices[mode])
+                    got.setdefault(f"text{c}_{mode}", []).extend(texts)
+                    got.setdefault(f"audio{c}_{mode}", []).extend(audios)
+        text1, audio1 = got["text1_parallel"], got["audio1_parallel"]
+        text8, audio8 = got["text8_parallel"], got["audio8_parallel"]
+        serial = {
+            f"serial_first_{kind}_ms_c{c}": round(median(got[f"{kind}{c}_serial"]), 1)
+            for kind in ("text", "audio")
+            for c in (1, 8)
+        }
     per_turn = {
         m: [round(median([run[t] for run in runs]), 1) for t in range(args.turns)]
         for m, runs in by_mode.items()
@@ -186,6 +205,7 @@ async def main(args: argparse.Namespace) -> dict:
         "turns": args.turns,
         "rounds": args.rounds,
         "decoder_threads": args.decoder_threads,
+        "decoder_conv": args.decoder_conv,
         "first_chunk_tokens": args.first_chunk_tokens,
         "ttft_ms_by_turn": per_turn,
         "late_ttft_ms_session": late["session"],
@@ -197,6 +217,10 @@ async def main(args: argparse.Namespace) -> dict:
         "first_text_ms_c8": round(median(text8), 1),
         "first_audio_route": "/v1/realtime (response.create to the first output_audio.delta)",
         "first_audio_over_first_text_c1": round(median(audio1) / median(text1), 2),
+        **serial,
+        "serial_first_audio_over_first_text_c1": round(
+            median(got["audio1_serial"]) / median(got["text1_serial"]), 2
+        ),
         "stateless_over_session": round(late["stateless"] / late["session"], 2),
         "no_cache_over_stateless": round(late["no_cache"] / late["stateless"], 2),
     }
@@ -210,5 +234,8 @@ if __name__ == "__main__":
     parser.add_argument("--audio-rounds", type=int, default=2, help="c1/c8 rounds, interleaved")
     parser.add_argument("--skip-chat", action="store_true", help="first audio only")
     parser.add_argument("--decoder-threads", type=int, help="the audio decoder's torch threads")
+    parser.add_argument(
+        "--decoder-conv", choices=("auto", "mkldnn", "native"), help="the audio decoder's"
+    )
     parser.add_argument("--first-chunk-tokens", type=int, help="audio tokens in the first chunk")
     emit(asyncio.run(main(parser.parse_args())))

@@ -6,6 +6,8 @@ last (benchmarks/prefill.py showed a position bias of a few percent on this mach
 reports each figure's median per tree and the ratio subject / baseline.
 
     python benchmarks/tree_pair.py --baseline /work/wt/_base --pairs 4 -- --rounds 1
+    python benchmarks/tree_pair.py --baseline /work/wt/_base --bench engine_peers -- \
+        --engines "" --rounds 1     (omniflow's figures of engine_peers.py, no peer)
 
 Prints a JSON object as its last line: per figure, subject and baseline medians and ratio.
 """
@@ -36,7 +38,9 @@ def run_once(tree: Path, bench: str, extra: list[str]) -> dict:
         text=True,
         check=True,
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # engine_peers.py reports each engine under "engines": the tree's own is omniflow's
+    return result.get("engines", {}).get("omniflow", result)
 
 
 def main() -> None:

@@ -151,3 +151,46 @@ def prebuilt_longcat(work: Path) -> None:
     import shutil
 
     shutil.copytree(_tiny_next(), Path(work) / "models" / "longcat-tiny" / "next")
+
+
+def qwen2_folder(folder: Path, eos_gain: float = 1.0) -> Path:
+    """A tiny random Qwen2 saved by transformers: sharded safetensors + index, tokenizer.
+    ``eos_gain`` scales the eos row of lm_head: past 1, replies end themselves sooner."""
+    import torch
+    import transformers
+
+    from omniflow.models.tiny.tokenizer import BOS, EOS, PAD, build_tiny_tokenizer
+
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=build_tiny_tokenizer(320), bos_token=BOS, eos_token=EOS, pad_token=PAD
+    )
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight[config.eos_token_id] *= eos_gain
+    model.save_pretrained(folder, max_shard_size="60KB", safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def serve_detached(folder: Path, run_dir: Path, max_model_len: int = 128):
+    """`omniflow serve FOLDER -d` on a free port with a small KV cache, one thread: (what
+    the CLI printed, the gateway's URL)."""
+    started = cli(
+        "serve", str(folder), "-d", "--port", "0", "--run-dir", str(run_dir),
+        "--max-model-len", str(max_model_len), "--kv-cache-mb", "8", "--threads", "1",
+        timeout=300,
+    )  # fmt: skip
+    return started, (run_dir / "gateway.url").read_text().strip()

@@ -20,6 +20,7 @@ class OutputWriter:
         self.text = ""
         self.outputs: list[dict[str, Any]] = []
         self.files: list[str] = []
+        self.made: set[str] = set()  # the kinds written: "image", "audio"
         self._audio: list[bytes] = []
         self._rate = 0
         self._images = 0
@@ -48,6 +49,7 @@ class OutputWriter:
                 sys.stdout.flush()
         if isinstance(data.get("image"), bytes):
             self._images += 1
+            self.made.add("image")
             self._write(f"image-{self.request_id[:12]}-{self._images}.png", data["image"])
         if isinstance(data.get("audio_chunk"), bytes):
             self._audio.append(data["audio_chunk"])
@@ -67,6 +69,7 @@ class OutputWriter:
             for chunk in self._audio:
                 f.writeframes(chunk)
         self.files.append(str(path))
+        self.made.add("audio")
         self._audio = []
 
     def _write(self, name: str, data: bytes) -> None:

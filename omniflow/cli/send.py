@@ -195,6 +195,7 @@ async def _stream(
             else:
                 writer.finish()
                 _report(event, writer, as_json, traced)
+                _say_missing(params.get("want"), writer, as_json)
     except RequestFailed as e:
         _report_failure(e, writer, as_json)
         # A request the deployment refused for its arguments is the caller's error.
@@ -257,6 +258,17 @@ def _start_trace() -> tuple[str, str, float]:
     trace_id, span = tracing.trace_id(), tracing.span_id()
     tracing.CURRENT.set(tracing.traceparent(trace_id, span))
     return trace_id, span, time.time()
+
+
+def _say_missing(want: Any, writer: Any, as_json: bool) -> None:
+    """A modality asked for that came back empty (the model ended its audio before a
+    sample, as a published LongCat-Next may) is said, not left silent."""
+    if as_json or want is None:
+        return
+    wanted = {w.strip() for w in want.split(",")} if isinstance(want, str) else set(want)
+    for kind in ("image", "audio"):
+        if kind in wanted and kind not in writer.made:
+            err.print(f"no {kind} came back: the model ended it before any was made")
 
 
 def _report(result: Any, writer: Any, as_json: bool, traced: Any = None) -> None:

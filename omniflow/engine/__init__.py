@@ -7,6 +7,7 @@ from omniflow.engine.llm_engine import EngineConfig, LLMEngine
 from omniflow.engine.protocol import EngineBackend, TokenDelta
 from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.sequence import EmbeddingSpan
+from omniflow.engine.spoken import Spoken
 from omniflow.kv.allocator import OutOfPages, PageAllocator, PageUsage, PrefixMatch
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "PageUsage",
     "PrefixMatch",
     "SamplingParams",
+    "Spoken",
     "TokenDelta",
 ]

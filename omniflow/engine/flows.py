@@ -7,7 +7,9 @@ What one flow adds lives here, in one slot of the sequence per flow (None: not i
   unconditional follower, admitted, preempted and freed together; their hidden states are
   combined (`heads.guided`) before the leader's head. Both members point at the one pair.
 - `MediaOutput` (`Sequence.media`): a codes head generates the request's tokens (image or
-  audio codes) instead of lm_head + sampler; the ids of each generated token.
+  audio codes) instead of lm_head + sampler; the ids of each generated token; with
+  `spoken`, a text token beside each one too (spoken.py); with `row_end`, a plain token
+  after each row of media tokens (an image's newline: no codes, its own embedding).
 - `BlockStep` (`Sequence.block_step`): a pending block step over a kept context, and the
   context id the sequence is kept under again once the step is done (kept.py).
 - `Ending` (`Sequence.ending`): what a finished sequence's KV does: kept for a
@@ -19,6 +21,7 @@ a flow: it stays on the sequence next to `page_ids`.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +31,7 @@ from omniflow.engine.heads import BlockRows, CodesHead
 
 if TYPE_CHECKING:
     from omniflow.engine.sequence import Sequence
+    from omniflow.engine.spoken import SpokenText
 
 
 @dataclass(eq=False, slots=True)
@@ -51,7 +55,21 @@ class GuidedPair:
 @dataclass(eq=False, slots=True)
 class MediaOutput:
     head: CodesHead
-    codes: list[torch.Tensor] = field(default_factory=list)  # ids [K] per generated token
+    codes: list[torch.Tensor] = field(default_factory=list)  # ids [K] per media token
+    at: list[int] = field(default_factory=list)  # each media token's output index
+    spoken: SpokenText | None = None  # text beside the codes: its first token has none
+    # (token, width): that token after every width media tokens (an image's row end)
+    row_end: tuple[int, int] | None = None
+    ended: bool = False  # the head's end code came (engine/heads.py end_code): no more tokens
+
+    def codes_since(self, step: int) -> list[torch.Tensor]:
+        """The codes of output tokens step.. (a spoken request's first token and row ends
+        have none)."""
+        return self.codes[bisect.bisect_left(self.at, step) :]
+
+    def ends_row(self, made: int) -> bool:
+        """Whether the output token after ``made`` ones is a row end."""
+        return self.row_end is not None and (made + 1) % (self.row_end[1] + 1) == 0
 
 
 @dataclass(eq=False, slots=True)

@@ -83,6 +83,12 @@ def guided(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tens
     return uncond + scale * (cond - uncond)
 
 
+def end_code(head: CodesHead) -> int | None:
+    """The level-0 id with which a head ends its media (``head.end_code``: LongCat-Next's
+    end-of-audio flag, codebook size + 1's last class), or None: its count ends them."""
+    return getattr(head, "end_code", None)
+
+
 def codes_key(head: CodesHead, ids: torch.Tensor) -> Hashable:
     """The prefix-cache key of one media token with ids [K]."""
     return (head.key, tuple(int(i) for i in ids.tolist()))

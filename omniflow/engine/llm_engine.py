@@ -31,6 +31,7 @@ from omniflow.engine.sampling_params import SamplingParams
 from omniflow.engine.scheduler import Scheduler
 from omniflow.engine.sequence import EmbeddingSpan, Sequence, SequenceStatus
 from omniflow.engine.sglang_backend import UNSERVED, SGLangRunner, sglang_missing
+from omniflow.engine.spoken import Spoken, SpokenText
 from omniflow.kv.allocator import PageAllocator
 from omniflow.kv.pull_cost import RateMeter
 from omniflow.kv.radix import RadixPrefixCache
@@ -281,6 +282,8 @@ class LLMEngine(KeptContexts):
         guidance: Guidance | None = None,
         keep: bool = False,
         continue_from: str | None = None,
+        spoken: Spoken | None = None,
+        row_end: tuple[int, int] | None = None,
     ) -> None:
         """Queue a request. With ``lend_kv_to`` (a pid on this host), its last delta carries a
         read-only ``KVLease`` on the KV of all its computed tokens (see kv/share.py).
@@ -290,16 +293,11 @@ class LLMEngine(KeptContexts):
         this one. keep: at the end, hold the sequence's pages (``kept``) for a continuation
         or block steps until `release`. continue_from: a kept request to go on from: its
         tokens, KV and unconditional partner; prompt_token_ids then extend it (may be empty),
-        and embedding spans' starts count from the kept sequence's start."""
-        if lend_kv_to is not None and self.leases is None:
-            raise NotImplementedError(
-                f"request {request_id}: lend_kv_to needs the engine's KV in a host page pool "
-                "(share_kv=True with a kv_pool, on CPU); leasing device KV by CUDA IPC is not built"
-            )
-        if guidance is not None and guidance.lease is not None:
-            raise ValueError(
-                f"request {request_id}: guidance.lease applies to keep_context, not add_request"
-            )
+        and embedding spans' starts count from the kept sequence's start. spoken: with a
+        codes head, a text token beside each media token (engine/spoken.py); each delta's
+        ``text_ids`` then carries them. row_end: (token, width), with a codes head: that
+        token after every ``width`` media tokens (an image's rows)."""
+        self._check_flows(request_id, lend_kv_to, head, guidance, spoken, row_end)
         params = params or SamplingParams()
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params, request_id)
@@ -308,18 +306,7 @@ class LLMEngine(KeptContexts):
         params.validate(request_id, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id}: sampling field stop needs a tokenizer")
-        kept = None
-        if continue_from is not None:
-            kept = self.kept.get(continue_from)
-            if kept is None:
-                raise ValueError(
-                    f"request {request_id}: continue_from {continue_from!r} is not kept"
-                )
-            if kept.lent is not None or (kept.partner and kept.partner.lent is not None):
-                raise ValueError(
-                    f"request {request_id}: continue_from {continue_from!r} is a lent "
-                    "context, which takes block steps only"
-                )
+        kept = None if continue_from is None else self._continued(request_id, continue_from)
         # Everything is checked before anything changes: a bad request leaves no trace.
         tokens, spans = self._checked(request_id, kept, prompt_token_ids, embeddings, params)
         unconditional = None
@@ -338,7 +325,11 @@ class LLMEngine(KeptContexts):
             del self.kept[str(continue_from)]
             sequence = kept.continued(request_id, tokens, params, spans)
         sequence.ending = Ending(keep, lend_kv_to)
-        sequence.media = None if head is None else MediaOutput(head)
+        if head is not None:
+            said = None if spoken is None else SpokenText(spoken)
+            sequence.media = MediaOutput(head, spoken=said, row_end=row_end)
+        else:
+            sequence.media = None
         self._guide(sequence, unconditional, None if guidance is None else guidance.scale)
         if sequence.pair is not None and guidance is not None:
             sequence.pair.combine = guidance.combine
@@ -347,6 +338,42 @@ class LLMEngine(KeptContexts):
             self.scheduler.requeue(sequence)
         else:
             self.scheduler.add(sequence)
+
+    def _check_flows(
+        self,
+        request_id: str,
+        lend_kv_to: int | None,
+        head: CodesHead | None,
+        guidance: Guidance | None,
+        spoken: Spoken | None,
+        row_end: tuple[int, int] | None,
+    ) -> None:
+        """add_request's flow options that cannot go together, or cannot be served here."""
+        if lend_kv_to is not None and self.leases is None:
+            raise NotImplementedError(
+                f"request {request_id}: lend_kv_to needs the engine's KV in a host page pool "
+                "(share_kv=True with a kv_pool, on CPU); leasing device KV by CUDA IPC is not built"
+            )
+        if guidance is not None and guidance.lease is not None:
+            raise ValueError(
+                f"request {request_id}: guidance.lease applies to keep_context, not add_request"
+            )
+        if spoken is not None and (head is None or guidance is not None):
+            raise ValueError(f"request {request_id}: spoken needs a codes head and no guidance")
+        if row_end is not None and (head is None or spoken is not None or row_end[1] < 1):
+            raise ValueError(f"request {request_id}: row_end needs a codes head, width >= 1")
+
+    def _continued(self, request_id: str, continue_from: str) -> Sequence:
+        """The kept sequence a request goes on from (checked, not taken yet)."""
+        kept = self.kept.get(continue_from)
+        if kept is None:
+            raise ValueError(f"request {request_id}: continue_from {continue_from!r} is not kept")
+        if kept.lent is not None or (kept.partner and kept.partner.lent is not None):
+            raise ValueError(
+                f"request {request_id}: continue_from {continue_from!r} is a lent "
+                "context, which takes block steps only"
+            )
+        return kept
 
     def release(self, request_id: str) -> None:
         """Free a kept request's pages (and its unconditional half's)."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from omniflow.engine.heads import guided
+from omniflow.engine.heads import end_code, guided
 from omniflow.engine.model_runner import StepOutput
 from omniflow.engine.protocol import TokenDelta
 from omniflow.engine.sampler import Sampler
 from omniflow.engine.sequence import Sequence
+from omniflow.engine.spoken import speak
 from omniflow.models import DecoderLM, TextTokenizer
 
 
@@ -42,19 +43,46 @@ def append_from_hidden(
     if text:
         logits = model.logits(states[text]).float()
         append_text(sampler, [leaders[i] for i in text], logits)
+    said, opened = speak(model, sampler, leaders, states)  # spoken text (engine/spoken.py)
+    done = opened | _row_ends(leaders)  # steps that made their token without codes
     heads: dict[int, list[int]] = {}
     for i, sequence in enumerate(leaders):
-        if sequence.head is not None:
+        if sequence.head is not None and i not in done:
             heads.setdefault(id(sequence.head), []).append(i)
     for indices in heads.values():
         head = leaders[indices[0]].head
         assert head is not None
         codes = head.codes(states[indices])
         inputs = head.embed(codes).to(states.dtype)
+        end = end_code(head)
+        ends = codes[:, 0].eq(end).tolist() if end is not None else [False] * len(indices)
         for j, i in enumerate(indices):
+            if ends[j]:
+                for member in (leaders[i], leaders[i].partner):
+                    if member is not None and member.media is not None:
+                        member.media.ended = True  # this token is the media's last
+            if i in said:  # the text spoken with it: its embedding joins the row
+                token, spoken_row = said[i]
+                row = inputs[j] if spoken_row is None else inputs[j] + spoken_row
+                leaders[i].append_codes(head, codes[j], row, token)
+                continue
             for member in (leaders[i], leaders[i].partner):
                 if member is not None:
                     member.append_codes(head, codes[j], inputs[j])
+
+
+def _row_ends(leaders: list[Sequence]) -> set[int]:
+    """The leaders whose step is a row end: its token appended (both halves of a pair)."""
+    ends = set()
+    for i, sequence in enumerate(leaders):
+        media = sequence.media
+        if media is not None and media.ends_row(len(sequence.output_token_ids)):
+            assert media.row_end is not None
+            ends.add(i)
+            for member in (sequence, sequence.partner):
+                if member is not None:
+                    member.append_token(media.row_end[0], 0.0, None)
+    return ends
 
 
 def block_outputs(output: StepOutput) -> list[tuple[Sequence, torch.Tensor]]:
@@ -83,8 +111,10 @@ def check_stop(
 ) -> None:
     """Set finish_reason (and stop_reason) if the token just appended ends the request."""
     params, token = sequence.params, sequence.output_token_ids[-1]
-    if sequence.head is not None:  # media tokens: their count ends them
-        if len(sequence.output_token_ids) >= params.max_tokens:
+    if sequence.head is not None:  # media tokens: the head's end code or their count
+        if sequence.media is not None and sequence.media.ended:
+            sequence.finish_reason = "stop"
+        elif len(sequence.output_token_ids) >= params.max_tokens:
             sequence.finish_reason = "length"
         return
     if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
@@ -115,9 +145,13 @@ def delta_of(sequence: Sequence, num_new: int) -> TokenDelta:
     tops = None
     if sequence.params.logprobs is not None:
         tops = sequence.output_top_logprobs[start:]
-    codes = None
-    if sequence.media is not None and num_new:
-        codes = torch.stack(sequence.media.codes[start:])
+    codes = text = None
+    media = sequence.media
+    if media is not None and num_new:
+        new = media.codes_since(start)
+        codes = torch.stack(new) if new else None
+        if media.spoken is not None:
+            text = media.spoken.steps[start:]
     return TokenDelta(
         sequence.request_id,
         sequence.output_token_ids[start:],
@@ -127,4 +161,5 @@ def delta_of(sequence: Sequence, num_new: int) -> TokenDelta:
         sequence.stop_reason,
         sequence.num_cached_tokens or 0,
         codes=codes,
+        text_ids=text,
     )

@@ -31,6 +31,9 @@ class TokenDelta(NamedTuple):
     kv_lease: Any = None  # on the last delta of a request added with lend_kv_to: a KVLease
     codes: Any = None  # a codes head's request: the new media tokens' ids [n, K] (a tensor)
     hidden: Any = None  # a block step's one delta: its rows' final hidden states [N, hidden]
+    # a spoken request's (engine/spoken.py): per new token, the text token made with it
+    # (NO_TEXT -1 once the text has ended)
+    text_ids: list[int] | None = None
 
 
 class EngineBackend(Protocol):

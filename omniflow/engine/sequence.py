@@ -189,9 +189,19 @@ class Sequence:
         if self.extra_keys is not None:
             self.extra_keys.append(key)
 
-    def append_codes(self, head: CodesHead, ids: torch.Tensor, row: torch.Tensor) -> None:
-        """One generated media token: ids [K], its input row [hidden]."""
+    def append_codes(
+        self, head: CodesHead, ids: torch.Tensor, row: torch.Tensor, text: int | None = None
+    ) -> None:
+        """One generated media token: ids [K], its input row [hidden]; ``text``: the text
+        token spoken with it, whose embedding the row holds (spoken.py)."""
         assert self.media is not None, "codes of a sequence without a codes head"
         self.input_rows[len(self.token_ids)] = row
         self.media.codes.append(ids)
-        self.append_token(head.placeholder_id, 0.0, None, codes_key(head, ids))
+        self.media.at.append(len(self.output_token_ids))
+        key = codes_key(head, ids)
+        self.append_token(head.placeholder_id, 0.0, None, key if text is None else (key, text))
+
+    def append_row(self, token_id: int, row: torch.Tensor, key: Hashable) -> None:
+        """A generated token whose input row [hidden] is given, not its embedding."""
+        self.input_rows[len(self.token_ids)] = row
+        self.append_token(token_id, 0.0, None, key)

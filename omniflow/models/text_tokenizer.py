@@ -3,16 +3,36 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 bytes (GPT-2's table): printable
+    Latin-1 bytes stand for themselves, the rest for U+0100 onwards in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in keep:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + extra)] = byte
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = _byte_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self._byte_level: bool | None = None  # whether its decoder is byte-level (lazy)
 
     @classmethod
     def from_folder(cls, path: str | Path) -> TextTokenizer:
@@ -32,6 +52,26 @@ class TextTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """The raw bytes a token stands for (OpenAI's logprob ``bytes``): for a byte-level
+        BPE token that ends mid-character, its bytes, not the replacement character its
+        text alone decodes to; ``<0xHH>`` byte-fallback pieces as their byte; a skipped
+        special token none."""
+        text = self.decode([token_id], skip_special_tokens)
+        if not text:
+            return b""
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if self._byte_level is None:  # once: the decoder from the tokenizer's JSON
+            decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+            parts = decoder.get("decoders") or [decoder]
+            self._byte_level = any(p.get("type") == "ByteLevel" for p in parts if p)
+        if self._byte_level and piece and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        match = _BYTE_FALLBACK.fullmatch(piece)
+        if match:
+            return bytes([int(match[1], 16)])
+        return text.encode()
 
     def stream(self, skip_special_tokens: bool = True) -> TextStream:
         """An incremental decoder for one generated sequence (`TextStream`)."""

@@ -8,7 +8,8 @@ Input (joined from the client and the encoders):
     tensors["audio_embeds"] [M, hidden], data["audio_hash"]    from audio_encoder (optional)
     params: want ("text,image,audio"), max_tokens, temperature, top_p, top_k, seed,
             image_grid [h, w], cfg_scale, audio_chunks, audio_chunk_tokens,
-            audio_first_chunk_tokens (the first chunk sooner; default 1)
+            audio_first_chunk_tokens (the first chunk sooner; default 1),
+            audio_text (parallel: text made beside the audio; serial: before it)
     session (the request's): continue that dialogue; its tokens are the prompt's prefix
 Output (streamed):
     {"text": str}                          text deltas (to the client); the last has
@@ -24,8 +25,13 @@ feeds a depth head that predicts the 8 codebook ids of one token, whose embeddin
 next input; each is one engine decode step (a codes head, engine/heads.py). Image tokens
 use classifier-free guidance against a paired unconditional sequence (the prompt without
 the user's turns), scheduled with it. A turn is one sequence: text, then image, then
-audio each go on from the last stage's KV. Random weights cannot choose a modality, so
-``want`` forces which outputs are made.
+audio each go on from the last stage's KV. A turn of text and audio on a model with the
+audiotext tokens (the published layout) makes them together, as LongCat-Next streams
+speech: each audio step samples a text token too, from the same hidden state, and its row
+carries both (engine/spoken.py; params.audio_text "serial": the text stage first). Its
+text is then at most one token longer than its audio (audio_chunks x audio_chunk_tokens,
+the forced length): a longer reply is cut there ("length"), or asks for serial.
+Random weights cannot choose a modality, so ``want`` forces which outputs are made.
 
 Options: ``LLMOptions`` in roles/options.py. ``hidden_size`` of a build_tiny model must
 match the encoders'. ``host_kv_mb``: KV pages evicted from the device go to this much of
@@ -54,17 +60,25 @@ import itertools
 import logging
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from omniflow.content import SUMMARY_META, summary_key
-from omniflow.engine import AsyncEngine, EmbeddingSpan, EngineConfig, LLMEngine, SamplingParams
+from omniflow.engine import (
+    AsyncEngine,
+    EmbeddingSpan,
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,
+    Spoken,
+    TokenDelta,
+)
 from omniflow.engine.heads import codes_key
 from omniflow.memory import SsdShare
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni.checkpoint import CheckpointError, ensure_next, is_next_folder
-from omniflow.models.omni.next_media import load_next_media_heads
+from omniflow.models.omni.next_media import SpeechTokens, load_next_media_heads
 from omniflow.models.tiny.builder import build_tiny_model
 from omniflow.roles.base import ModelActor
 from omniflow.roles.chat_template import ChatTemplate, TemplateError, load_chat_template
@@ -76,13 +90,17 @@ from omniflow.roles.llm_media import (
     build_tiny_heads,
     embed_codes,
     load_media_head,
+    media_layout,
     media_stages,
     run_stage,
+    speech_tokens,
+    spoken_layout,
+    spoken_rows,
 )
 from omniflow.roles.llm_prompt import (
     Media,
     PromptBuilder,
-    StopText,
+    TextDeltas,
     media_inputs,
     request_messages,
     token_logprobs,
@@ -116,6 +134,7 @@ class _Turn:
         self.reply = ""  # the text sent, stop strings cut
         self.kept: list[str] = []
         self.previous: str | None = None
+        self.closing: tuple[int, ...] = ()  # the last stage's closing tokens, not fed yet
 
 
 class LLMRole(PrefixPulls, ModelActor):
@@ -244,7 +263,9 @@ class LLMRole(PrefixPulls, ModelActor):
         if not isinstance(text, str):
             raise BadRequest("text", f"expected a string, got {type(text).__name__}")
         # validated before anything runs
-        stages = media_stages(request, want, self.options.backend, self.heads, self.path)
+        stages = media_stages(
+            request, want, self.options.backend, self.heads, self.path, self.tokenizer
+        )
         session = self._session(request.session)
         media = media_inputs(request, self.hidden_size)
         messages, whole = request_messages(request.data, text, media)
@@ -264,29 +285,40 @@ class LLMRole(PrefixPulls, ModelActor):
         # One sequence for the whole turn: each stage goes on from the last one's KV (kept
         # by the engine in between), so text, image and audio tokens never re-prefill.
         turn = _Turn(resumed)
+        # The text made beside the audio, in one decode (the published parallel speech).
+        spoken = self._spoken(request.params, want, stages, resumed, params.max_tokens)
+        speaks = spoken is not None
         try:
-            if "text" in want and not text_done and params.max_tokens > len(resumed):
+            if not speaks and "text" in want and not text_done and params.max_tokens > len(resumed):
                 text_stage = self._text(request, prompt, all_spans, params, bool(stages), turn, ctx)
                 async for out in text_stage:
                     yield out
                 ctx.add_usage(prompt_tokens=len(prompt), completion_tokens=len(turn.generated))
-            elif "text" in want:  # resumed after the text ended: the media stages go on
+            elif not speaks and "text" in want:  # resumed after the text ended: media go on
                 ctx.add_usage(prompt_tokens=len(prompt), completion_tokens=len(turn.generated))
             elif not stages:  # every LLM request reports it
                 ctx.add_usage(cached_tokens=0)
             tokens = prompt + turn.generated
             for index, stage in enumerate(stages):
                 keep = index + 1 < len(stages)
-                async for out in self._media(request, stage, tokens, all_spans, keep, turn, ctx):
+                run = self._media(
+                    request, stage, tokens, all_spans, keep, turn, ctx, spoken, params
+                )
+                async for out in run:
                     if isinstance(out, tuple):
                         tokens, all_spans = out
                     else:
                         yield out
+            if speaks:
+                ctx.add_usage(prompt_tokens=len(prompt), completion_tokens=len(turn.generated))
         finally:
             for rid in turn.kept:  # a stage that went on already took it: a no-op then
                 self.engine.release(rid)
         if request.session:  # the next turn starts from all of this one, media included
-            session.tokens = tokens
+            # A reply's closing eos set apart: the next turn's template renders the turn's
+            # end, as it does for the same dialogue resent whole.
+            session.tokens = tokens if stages else prompt + self.prompts.without_eos(turn.generated)
+            session.ended = tokens[len(session.tokens) :]
             session.spans = all_spans
             reply_text = turn.reply if "text" in want and not text_done else ""
             session.messages = [*messages, {"role": "assistant", "content": reply_text}]
@@ -305,13 +337,10 @@ class LLMRole(PrefixPulls, ModelActor):
         the media stages to go on from (``turn.previous`` names it then)."""
         resumed = list(turn.generated)  # a migrated request's: already streamed
         rid = f"{request.request_id}-{next(self._ids)}"
-        stream = self.tokenizer.stream()
-        stream.push(resumed)  # the client has their text: only what follows is sent
         if resumed:
             params = dataclasses.replace(params, max_tokens=params.max_tokens - len(resumed))
         first = True
-        unsent: list[int] = []  # ids whose text is not out yet (a partial character)
-        stops = StopText(params.stop)
+        text = TextDeltas(self.tokenizer, params.stop, resumed)
         async for delta in self.engine.generate(
             rid, prompt + resumed, params, spans or None, keep=keep
         ):
@@ -319,23 +348,12 @@ class LLMRole(PrefixPulls, ModelActor):
                 ctx.add_usage(cached_tokens=delta.num_cached_tokens)
                 first = False
             turn.generated += delta.token_ids
-            unsent += delta.token_ids
-            piece = stream.push(delta.token_ids)
-            finished = delta.finish_reason is not None
-            if finished:
-                piece += stream.finish()
-            piece = stops.push(piece, finished)
-            turn.reply += piece
-            if piece or finished or params.logprobs is not None:
-                # "tokens": what a migration resumes from; "finished": nothing follows
-                text_out: dict[str, Any] = {"text": piece, "tokens": unsent}
+            out = text.push(delta.token_ids, delta.finish_reason, params.logprobs is not None)
+            if out is not None:
                 if params.logprobs is not None:
-                    text_out["logprobs"] = token_logprobs(self.tokenizer, delta)
-                if finished:
-                    text_out["finished"] = True
-                    text_out["finish_reason"] = delta.finish_reason
-                unsent = []
-                yield text_out
+                    out["logprobs"] = token_logprobs(self.tokenizer, delta)
+                yield out
+        turn.reply = text.reply
         if not resumed:  # so a resent dialogue gets these very ids back
             self.prompts.remember(turn.reply, turn.generated)
         if keep:
@@ -351,27 +369,66 @@ class LLMRole(PrefixPulls, ModelActor):
         keep: bool,
         turn: _Turn,
         ctx: Context,
+        spoken: Spoken | None = None,
+        params: SamplingParams | None = None,
     ):
         """One media stage, going on from ``turn.previous``: yields its outputs, then (the
-        turn's tokens, its spans) with this stage's media tokens added."""
+        turn's tokens, its spans) with this stage's media tokens added. ``spoken``: the
+        turn's text is made beside its audio, sampled by ``params``."""
         rid = f"{request.request_id}-{next(self._ids)}"
-        codes = []
-        run = run_stage(self.engine, self.bos, rid, stage, tokens, spans, turn.previous, keep, ctx)
+        codes, steps = [], []
+        text, prompt = None, tokens
+        if spoken is not None and params is not None:
+            text = TextDeltas(self.tokenizer, params.stop, [])
+            # as the model would route itself: <audiogen_start> opens the speech
+            prompt = tokens + [cast(SpeechTokens, speech_tokens(stage.head)).gen_start]
+        run = run_stage(
+            self.engine, self.bos, rid, stage, prompt, spans, turn.previous, keep, ctx,
+            spoken, text, params, turn.closing,
+        )  # fmt: skip
         async for out in run:
-            if isinstance(out, torch.Tensor):
-                codes.append(out)
+            if isinstance(out, TokenDelta):
+                if out.codes is not None:
+                    codes.append(out.codes)
+                steps += out.text_ids or []
             else:
                 yield out
         if keep:
             turn.kept.append(rid)
-        turn.previous = rid
+        turn.previous, turn.closing = rid, stage.closing
         ids = torch.cat(codes)
+        if spoken is not None and text is not None:
+            turn.generated, turn.reply = text.ids, text.reply
+            model = self.llm.model
+            rows, keys = await self._run(spoken_rows, model, stage.head, spoken, steps, ids)
+            layout = spoken_layout(stage, spoken, tokens, spans, rows, keys, self.placeholder)
+            # a stateless client resends the reply's text: it gets back this speech
+            self.prompts.remember_spoken(turn.reply, layout[0][len(tokens) :], 1, rows, keys)
+            yield layout
+            return
         rows = await self._run(embed_codes, stage.head, ids)  # off the event loop
         keys = [codes_key(stage.head, row) for row in ids]
-        yield (
-            tokens + [self.placeholder] * len(ids),
-            spans + [EmbeddingSpan(len(tokens), rows, keys)],
-        )
+        yield media_layout(stage, tokens, spans, rows, keys, self.placeholder)
+
+    def _spoken(
+        self, given: dict[str, Any], want: set[str], stages: list[Stage], resumed: list[int],
+        max_text: int,
+    ) -> Spoken | None:  # fmt: skip
+        """Whether the turn's text is made beside its audio (params.audio_text, default:
+        where the audio head has the audiotext tokens): a turn of text and audio only,
+        not a migrated one (its text goes on first)."""
+        mode = given.get("audio_text", "")
+        if mode == "serial" or not {"text", "audio"} <= want or "image" in want or resumed:
+            return None
+        ids = speech_tokens(stages[-1].head)
+        if ids is None:
+            if mode == "parallel":
+                raise BadRequest(
+                    "params.audio_text",
+                    f"{self.path} has no audiotext tokens for its audio head: only serial",
+                )
+            return None
+        return Spoken(ids.text_start, frozenset({ids.text_pad, *self.llm.eos_token_ids}), max_text)
 
     def meta(self) -> dict[str, Any]:
         """The routing summary: sessions held here, then media that began recent prompts;
@@ -436,7 +493,8 @@ class LLMRole(PrefixPulls, ModelActor):
                 at,
             )
         if session.tokens and not whole:  # the template is not prefix-stable: as a new turn
-            tokens, spans = self.prompts.full(messages[n:], media, len(session.tokens))
-            return messages, session.tokens + tokens, session.spans + spans
+            before = session.tokens + session.ended
+            tokens, spans = self.prompts.full(messages[n:], media, len(before))
+            return messages, before + tokens, session.spans + spans
         tokens, spans = self.prompts.full(messages, media)
         return messages, tokens, spans

@@ -4,16 +4,29 @@ an image at the end or audio in chunks."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import torch
 
-from omniflow.engine import AsyncEngine, Guidance, SamplingParams
+from omniflow.engine import (
+    AsyncEngine,
+    EmbeddingSpan,
+    Guidance,
+    SamplingParams,
+    Spoken,
+    TokenDelta,
+)
+from omniflow.engine.heads import codes_key
+from omniflow.engine.spoken import NO_TEXT, text_rows, token_row
 from omniflow.models.omni import load_depth_head
 from omniflow.models.omni.loader import ensure_model, has_model, load_model
+from omniflow.models.omni.next_media import SpeechTokens
+from omniflow.roles.llm_prompt import TextDeltas
 from omniflow.runtime.actor import BadRequest, Context, Request
 
+SIZE_OPEN, SIZE_CLOSE = "<longcat_img_token_size>", "</longcat_img_token_size>"
 AUDIO_CODEBOOKS = [8192, 4096, 2048] + [1024] * 5
 IMAGE_CODEBOOKS = [1024] * 8
 
@@ -42,6 +55,16 @@ class Stage(NamedTuple):
     cfg: float | None  # classifier-free guidance scale, or None
     grid: list[int] | None  # an image's [h, w]
     first: int = 0  # the first chunk's tokens (0: chunk)
+    # An image as published: the anyres prefix and <longcat_img_start> before its tokens,
+    # the newline after each row, <longcat_img_end> after (none: the tokens alone).
+    prefix: tuple[int, ...] = ()
+    row_end: tuple[int, int] | None = None
+    closing: tuple[int, ...] = ()
+
+
+def speech_tokens(head: Any) -> SpeechTokens | None:
+    """The ids that route speech, where the audio head has them (the published layout)."""
+    return getattr(head, "speech", None)
 
 
 def load_media_head(kind: str, omni: Path, device: str, placeholder: int) -> MediaHead | None:
@@ -76,6 +99,7 @@ def media_stages(
     backend: str,
     heads: dict[str, Any],
     path: Path,
+    tokenizer: Any,
 ) -> list[Stage]:
     """The image stage (guided) and the audio stage this request wants, checked."""
     stages = []
@@ -101,7 +125,14 @@ def media_stages(
             )
         scale = float(request.params.get("cfg_scale", 2.0))
         image = cast(MediaHead, heads["image"])
-        stages.append(Stage(image, grid[0] * grid[1], 0, scale, list(grid)))
+        stage = Stage(image, grid[0] * grid[1], 0, scale, list(grid))
+        marks = getattr(image, "image", None)
+        if marks is not None:  # the published routing
+            size = f"{SIZE_OPEN}{grid[0]} {grid[1]}{SIZE_CLOSE}"
+            prefix = (*tokenizer.encode(size, False), marks.start)
+            row_end = (marks.newline, grid[1])
+            stage = stage._replace(prefix=prefix, row_end=row_end, closing=(marks.end,))
+        stages.append(stage)
     if "audio" in want:
         chunks = int(request.params.get("audio_chunks", 3))
         per_chunk = int(request.params.get("audio_chunk_tokens", 4))
@@ -124,27 +155,45 @@ async def run_stage(
     previous: str | None,
     keep: bool,
     ctx: Context,
+    spoken: Spoken | None = None,
+    text: TextDeltas | None = None,
+    params: SamplingParams | None = None,
+    closing: tuple[int, ...] = (),
 ):
     """One media stage through the engine, going on from request ``previous`` (or from
-    the prompt ``tokens``, then reporting its cache hit): yields each delta's new ids
-    [n, K] (for the session), then the outputs: one image at the end, or audio chunks as
-    they complete."""
-    guidance = None if stage.cfg is None else Guidance(bos, stage.cfg)
+    the prompt ``tokens``, then reporting its cache hit): yields each delta (for the
+    session), then the outputs: one image at the end, or audio chunks as they complete.
+    ``spoken``: the text is made beside the audio (engine/spoken.py), sampled by ``params``,
+    and streamed through ``text`` before the chunk its step ends."""
+    prefix = list(stage.prefix)
+    guidance = None if stage.cfg is None else Guidance(bos + prefix, stage.cfg)
     options: dict[str, Any] = dict(
         head=stage.head, guidance=guidance, keep=keep, continue_from=previous
     )
-    prompt, given = (tokens, spans or None) if previous is None else ([], None)
-    params = SamplingParams(max_tokens=stage.tokens)
+    if stage.row_end is not None:
+        options["row_end"] = stage.row_end
+    # Going on from the last stage: its closing tokens (``tokens``'s tail) come first.
+    prompt = (tokens if previous is None else list(closing)) + prefix
+    given = (spans or None) if previous is None else None
+    if spoken is not None:
+        options["spoken"] = spoken  # one more step: the first makes text only
+        params = dataclasses.replace(cast(SamplingParams, params), max_tokens=stage.tokens + 1)
+    else:
+        rows = stage.tokens // stage.row_end[1] if stage.row_end else 0  # + a newline each
+        params = SamplingParams(max_tokens=stage.tokens + rows)
     buffered: list[torch.Tensor] = []  # ids rows not yet sent
     index = 0
     first = previous is None
+    said = SaidText(spoken)
     async for delta in engine.generate(rid, prompt, params, given, **options):
         if first:
             ctx.add_usage(cached_tokens=delta.num_cached_tokens)
             first = False
+        yield delta
+        if text is not None and (out := said.push(text, delta)) is not None:
+            yield out
         if delta.codes is None:
             continue
-        yield delta.codes
         buffered += list(delta.codes)
         size = (stage.first or stage.chunk) if index == 0 else stage.chunk
         while stage.chunk and len(buffered) >= size:
@@ -156,6 +205,81 @@ async def run_stage(
         yield {"audio_codes": torch.stack(buffered).cpu(), "index": index}
     if stage.grid is not None:
         yield {"image_codes": torch.stack(buffered).cpu(), "image_grid": stage.grid}
+
+
+class SaidText:
+    """A spoken stage's text, step by step: its ids, and how it ended (an end id: "stop";
+    ``max_text`` ids, or the audio ending first: "length")."""
+
+    def __init__(self, spoken: Spoken | None) -> None:
+        self.spoken, self.done = spoken, spoken is None
+        self.ids: list[int] = []
+
+    def push(self, text: TextDeltas, delta: TokenDelta) -> dict[str, Any] | None:
+        if self.done or self.spoken is None:
+            return None
+        new, reason = [], None
+        for token in delta.text_ids or []:
+            if token == NO_TEXT or token in self.spoken.end_ids:
+                reason = "stop"
+                break
+            new.append(token)
+            if len(self.ids) + len(new) >= self.spoken.max_text:
+                reason = "length"
+                break
+        if reason is None and delta.finish_reason is not None:
+            reason = "length"  # the audio ended first
+        self.ids += new
+        self.done = reason is not None
+        return text.push(new, reason)
+
+
+def spoken_rows(
+    model: Any, head: Any, spoken: Spoken, steps: list[int], codes: torch.Tensor
+) -> tuple[torch.Tensor, list]:
+    """A spoken turn's input rows and prefix keys, as the engine fed them (engine/spoken.py):
+    the start token's row, then each media token's, each with its step's text row."""
+    rows = text_rows(model, steps, spoken.end_ids)
+    with torch.inference_mode():
+        rows[0] += token_row(model, spoken.start_id).to(rows.dtype).cpu()
+        rows[1:] += head.embed(codes).to(rows.dtype).cpu()
+    keys: list[Any] = [("spoken", steps[0])]
+    keys += [(codes_key(head, ids), text) for ids, text in zip(codes, steps[1:], strict=True)]
+    return rows, keys
+
+
+def media_layout(
+    stage: Stage, tokens: list[int], spans: list, rows: torch.Tensor, keys: list, pad: int
+) -> tuple[list[int], list[EmbeddingSpan]]:
+    """The turn's tokens and spans after a media stage, as the engine's sequence holds them:
+    its prefix, its tokens (``pad``, their rows and keys), row by row with the newline
+    after each where it has rows, then its closing tokens (fed by what goes on from it)."""
+    width = (stage.row_end[1] if stage.row_end else len(keys)) or 1
+    out, spans = list(tokens) + list(stage.prefix), list(spans)
+    for r in range(0, len(keys), width):
+        spans.append(EmbeddingSpan(len(out), rows[r : r + width], keys[r : r + width]))
+        out += [pad] * len(keys[r : r + width])
+        if stage.row_end:
+            out.append(stage.row_end[0])
+    return out + list(stage.closing), spans
+
+
+def spoken_layout(
+    stage: Stage,
+    spoken: Spoken,
+    tokens: list[int],
+    spans: list,
+    rows: torch.Tensor,
+    keys: list,
+    pad: int,
+) -> tuple[list[int], list[EmbeddingSpan]]:
+    """After a spoken stage: <audiogen_start>, then the start token and the audio tokens
+    (rows and keys from spoken_rows), then <audiogen_end>."""
+    marks = cast(SpeechTokens, speech_tokens(stage.head))
+    out = list(tokens) + [marks.gen_start]
+    span = EmbeddingSpan(len(out), rows, keys)
+    out += [spoken.start_id] + [pad] * (len(keys) - 1) + [marks.gen_end]
+    return out, list(spans) + [span]
 
 
 def embed_codes(head: MediaHead, ids: torch.Tensor) -> torch.Tensor:

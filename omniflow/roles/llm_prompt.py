@@ -8,6 +8,8 @@ media), which is one user message. Text pieces are tokenized piece by piece, med
 become placeholder positions keyed by the media's content hash, and an assistant message
 whose text this replica generated gets back the ids it generated: so a resent dialogue's
 tokens are the earlier prompt's tokens and reply, and the prefix cache serves all of them.
+A reply this replica spoke (text made beside audio) gets back its whole speech: the
+speech tokens, and the audio tokens' rows and keys as the engine fed them.
 
 With a session, a dialogue that extends the session's messages is prompted as the session's
 tokens (generated media included) plus the new messages' tokens; one that diverges (an
@@ -85,18 +87,43 @@ class PromptBuilder:
         self.placeholder = placeholder
         self.replies: OrderedDict[str, list[int]] = OrderedDict()  # text -> generated ids
         self.max_replies = 4096
+        # text -> (the speech's tokens, where its span starts in them, the span's rows, keys)
+        self.spoken: OrderedDict[str, tuple[list[int], int, torch.Tensor, list]] = OrderedDict()
+        self.spoken_bytes, self.max_spoken_bytes = 0, 64 << 20  # their rows: hidden a token
+
+    def without_eos(self, ids: list[int]) -> list[int]:
+        """``ids`` less the end token(s) that closed them: the template's own closing text
+        renders the turn's end (a resent dialogue's prompt has it once, not twice)."""
+        eos = set(self.tokenizer.eos_token_ids)
+        end = len(ids)
+        while end and ids[end - 1] in eos:
+            end -= 1
+        return ids[:end]
 
     def remember(self, text: str, ids: list[int]) -> None:
         """A reply's text and the ids that made it (without a closing eos), when they agree."""
-        eos = set(self.tokenizer.eos_token_ids)
-        while ids and ids[-1] in eos:
-            ids = ids[:-1]
+        ids = self.without_eos(ids)
         if not text or self.tokenizer.decode(ids) != text:
             return
         self.replies[text] = list(ids)
         self.replies.move_to_end(text)
         while len(self.replies) > self.max_replies:
             self.replies.popitem(last=False)
+
+    def remember_spoken(
+        self, text: str, tokens: list[int], start: int, rows: torch.Tensor, keys: list
+    ) -> None:
+        """A spoken reply's text and its speech as the turn's sequence holds it: ``tokens``
+        (from <audiogen_start> to <audiogen_end>), the span of its audio tokens at
+        ``start`` in them with ``rows`` and ``keys``."""
+        if not text or _nbytes(rows) > self.max_spoken_bytes:
+            return
+        old = self.spoken.pop(text, None)
+        self.spoken_bytes -= 0 if old is None else _nbytes(old[2])
+        self.spoken[text] = (list(tokens), start, rows, list(keys))
+        self.spoken_bytes += _nbytes(rows)
+        while self.spoken_bytes > self.max_spoken_bytes:  # the oldest go first
+            self.spoken_bytes -= _nbytes(self.spoken.popitem(last=False)[1][2])
 
     def full(
         self, messages: list[dict], media: Media, offset: int = 0
@@ -141,6 +168,10 @@ class PromptBuilder:
         for piece in pieces:
             if piece.kind == "text":
                 tokens += self.tokenizer.encode(piece.text, add_special_tokens=False)
+            elif piece.kind == "reply" and piece.text in self.spoken:  # said, not written
+                speech, start, rows, keys = self.spoken[piece.text]
+                spans.append(EmbeddingSpan(offset + len(tokens) + start, rows, keys))
+                tokens += speech
             elif piece.kind == "reply":
                 ids = self.replies.get(piece.text)
                 if ids is None:
@@ -182,6 +213,39 @@ class StopText:
         return out
 
 
+class TextDeltas:
+    """A stage's text as the client gets it: decoded as it comes (no partial character
+    out), stop strings cut; each output names the ids it covers ("tokens": what a migration
+    resumes from), the last one "finished" and its finish_reason."""
+
+    def __init__(self, tokenizer: Any, stops: list[str], resumed: list[int]) -> None:
+        self.stream = tokenizer.stream()
+        self.stream.push(resumed)  # the client has their text: only what follows is sent
+        self.stops = StopText(stops)
+        self.unsent: list[int] = []  # ids whose text is not out yet
+        self.ids: list[int] = []  # every id pushed
+        self.reply = ""  # the text sent
+
+    def push(self, ids: list[int], finish_reason: str | None, always: bool = False):
+        """The output for new ids (None: nothing to send yet, unless ``always``)."""
+        self.unsent += ids
+        self.ids += ids
+        piece = self.stream.push(ids)
+        finished = finish_reason is not None
+        if finished:
+            piece += self.stream.finish()
+        piece = self.stops.push(piece, finished)
+        self.reply += piece
+        if not (piece or finished or always):
+            return None
+        out: dict[str, Any] = {"text": piece, "tokens": self.unsent}
+        if finished:
+            out["finished"] = True
+            out["finish_reason"] = finish_reason
+        self.unsent = []
+        return out
+
+
 def media_inputs(request: Request, hidden_size: int) -> Media:
     """The request's media rows, kind by kind, each piece with its content hash."""
     media: Media = {"image": [], "audio": []}
@@ -212,14 +276,19 @@ def token_logprobs(tokenizer: Any, delta: Any) -> list[dict[str, Any]]:
 
     The chosen token's text is decoded as the reply's text is (special tokens skipped), so
     the entries always join to the content; the alternatives keep their special names."""
-    decode = tokenizer.decode
+    decode, raw = tokenizer.decode, tokenizer.token_bytes
     tops = delta.top_logprobs or [{}] * len(delta.token_ids)
     return [
         {
             "token": decode([token], skip_special_tokens=True),
             "logprob": float(logprob),
+            "bytes": list(raw(token, True)),  # a token's own bytes, a partial character's too
             "top_logprobs": [
-                {"token": decode([t], skip_special_tokens=False), "logprob": float(p)}
+                {
+                    "token": decode([t], skip_special_tokens=False),
+                    "logprob": float(p),
+                    "bytes": list(raw(t, False)),
+                }
                 for t, p in top.items()
             ],
         }
@@ -236,3 +305,7 @@ def _tensor_hash(t: torch.Tensor) -> str:
     h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
     h.update(raw.cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def _nbytes(rows: torch.Tensor) -> int:
+    return rows.numel() * rows.element_size()

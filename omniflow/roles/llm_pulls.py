@@ -49,6 +49,8 @@ class PrefixPulls:
         peers = getattr(self, "kv_peers", None)
         if peers is None or not spans:
             return None
+        if not _is_media(spans[0]):  # a resent spoken reply's speech: no media to pull
+            return None
         kind, name = cast(tuple[str, str], spans[0].content_hash)  # as _turn makes them
         key = summary_key(kind, str(name))
         if key in self.leading_media and key not in self._pulling:
@@ -101,9 +103,17 @@ class PrefixPulls:
     def _note_leading_media(self, spans: list[EmbeddingSpan]) -> None:
         """Media at the start of a fresh prompt: its KV is a prefix others can reuse."""
         for span in spans:
+            if not _is_media(span):
+                continue
             kind, name = cast(tuple[str, str], span.content_hash)  # as _turn makes them
             key = summary_key(kind, str(name))
             self.leading_media[key] = None
             self.leading_media.move_to_end(key)
         while len(self.leading_media) > self.summary_media:
             self.leading_media.popitem(last=False)
+
+
+def _is_media(span: EmbeddingSpan) -> bool:
+    """A seen image's or sound's span, keyed (kind, content hash); a spoken reply's speech
+    is keyed token by token (a list)."""
+    return isinstance(span.content_hash, tuple)

@@ -37,10 +37,11 @@ _GENERATION_KEYS = {
 
 
 class Session:
-    __slots__ = ("tokens", "spans", "key", "messages")
+    __slots__ = ("tokens", "ended", "spans", "key", "messages")
 
     def __init__(self, key: int = 0) -> None:
         self.tokens: list[int] = []
+        self.ended: list[int] = []  # the eos that closed the last reply, not in tokens
         self.spans: list[EmbeddingSpan] = []
         self.messages: list[dict[str, Any]] = []  # what the tokens render, reply included
         self.key = key  # summary_key("session", id): what the routing summary publishes

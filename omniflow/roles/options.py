@@ -182,6 +182,17 @@ class AudioDecoderOptions(WeightsOptions, kw_only=True):
     noise_seed: Annotated[
         int, Meta(ge=0, description="seeds the flow decoder's start noise, with the chunk index")
     ] = 0
+    crossfade_ms: Annotated[
+        float,
+        Meta(ge=0, le=500, description="cross-fade between a stream's chunks (0: none)"),
+    ] = 50.0
+    conv: Annotated[
+        Literal["auto", "mkldnn", "native"],
+        Meta(
+            description="convolution path: auto times a one-token chunk both ways at setup "
+            "and keeps the faster (replicas may then differ in a sample's last bit)"
+        ),
+    ] = "auto"
 
 
 class BackboneOptions(WeightsOptions, kw_only=True):
@@ -376,7 +387,7 @@ class LLMParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_d
         Meta(min_length=2, max_length=2, description="[h, w] image tokens, 1..32 each"),
     ] = msgspec.field(default_factory=lambda: [4, 4])
     cfg_scale: Annotated[float, Meta(ge=0, le=30, description="image guidance scale")] = 2.0
-    audio_chunks: Annotated[int, Meta(ge=1, le=64, description="audio chunks streamed")] = 3
+    audio_chunks: Annotated[int, Meta(ge=1, le=64, description="audio chunks, at most")] = 3
     audio_chunk_tokens: Annotated[int, Meta(ge=1, le=256, description="audio tokens per chunk")] = 4
     audio_first_chunk_tokens: Annotated[
         int,
@@ -386,6 +397,13 @@ class LLMParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_d
             description="audio tokens in the first chunk, sent sooner (0: audio_chunk_tokens)",
         ),
     ] = 1
+    audio_text: Annotated[
+        Literal["", "parallel", "serial"],
+        Meta(
+            description="text with audio: made beside it in one decode (parallel; the "
+            "default where the model has audiotext tokens) or all before it (serial)"
+        ),
+    ] = ""
 
 
 class ImageDecoderParams(

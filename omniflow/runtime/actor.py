@@ -155,6 +155,9 @@ class Actor:
     # Serves and pulls prefix KV pages across replicas (the llm role): the worker then gives
     # it a KVPeers (`use_kv_peers`) before it registers.
     uses_kv_peers: ClassVar[bool] = False
+    # A streamed request's closing marker (last, no data, no tensors) reaches ``handle``
+    # too, so what the stream held back can go out (the audio decoder's cross-fade tail).
+    handles_stream_end: ClassVar[bool] = False
 
     def __init__(self, role: str, replica: int, options: Mapping[str, Any] | None = None) -> None:
         self.role = role

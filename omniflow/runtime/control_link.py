@@ -7,6 +7,12 @@ a connection that sends a larger frame and, that being a protocol error, never c
 it again: the socket would stay deaf, and its next send (the Ready that ends the start)
 would go into a pipe nobody reads. So a monitor watches the link, and a drop opens a new
 socket at once (a send looks at the monitor first too).
+
+A drop can land between frames: one from the supervisor already read into the old socket,
+or a send the worker made on it after the peer had dropped it but before the monitor said
+so. So the old socket is drained before it closes, and the last frame sent goes again on
+the new one (the worker's messages are states, Hello, Ready or SetupFailed: the
+supervisor takes a repeat of the latest as a no-op).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class ControlLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.reopened = 0  # new sockets made after a drop
+        self._last: bytes | None = None  # the latest frame sent: sent again after a drop
         self._open()
 
     def _open(self) -> None:
@@ -66,15 +73,14 @@ class ControlLink:
         if self._closed:
             return
         self._on_event()
+        self._last = frame
         self._sock.send(frame)
 
     def _drain(self) -> None:
         while not self._closed:
             try:
                 frame = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
+            except zmq.ZMQError:  # nothing more (zmq.Again), or the socket closed
                 return
             self._on_message(frame)
 
@@ -88,8 +94,11 @@ class ControlLink:
     def _reopen(self) -> None:
         log.warning("the control link to the supervisor dropped; connecting again")
         self.reopened += 1
+        self._drain()  # what the old socket had read before the drop
         self._close_socket(0)
         self._open()
+        if self._last is not None and not self._closed:
+            self._sock.send(self._last)
 
     def _close_socket(self, linger: int | None) -> None:
         stop_reading(self._loop, self._sock)

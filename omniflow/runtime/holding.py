@@ -14,7 +14,7 @@ file doubles its slots when they run out (a syscall, only then). Only a file tha
 not grow misses one (logged); its client still moves it on once the dead replica leaves
 its view (``migration.py``).
 
-Layout: a 16-byte header (the writer's pid, then 0), then fixed slots of ``SLOT`` bytes:
+Layout: an 8-byte header (the writer's pid), then fixed slots of ``SLOT`` bytes:
 a 2-byte length (0: free) and ``request_id \\n reply_to \\n token`` in UTF-8 (the token
 in hex).
 """
@@ -32,7 +32,7 @@ from omniflow.messages import MAX_ADDRESS_BYTES, MAX_ID_BYTES, TOKEN_BYTES
 
 log = logging.getLogger("omniflow.runtime.holding")
 
-_HEADER = struct.Struct("<qq")  # pid, 0 (was: requests held without a slot)
+_HEADER = struct.Struct("<q")  # the writer's pid
 _LENGTH = struct.Struct("<H")
 SLOT = _LENGTH.size + MAX_ID_BYTES + 1 + MAX_ADDRESS_BYTES + 1 + 2 * TOKEN_BYTES
 
@@ -50,7 +50,7 @@ class HoldingFile:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        _HEADER.pack_into(self._map, 0, os.getpid(), 0)
+        _HEADER.pack_into(self._map, 0, os.getpid())
         self._free = list(range(self._slots - 1, -1, -1))
 
     @property
@@ -112,7 +112,7 @@ def read_held(path: Path, pid: int) -> Held:
         return Held([])
     if len(data) < _HEADER.size:
         return Held([])
-    writer, _ = _HEADER.unpack_from(data, 0)
+    (writer,) = _HEADER.unpack_from(data, 0)
     if writer != pid:
         return Held([])
     held, tokens = [], {}

@@ -217,7 +217,7 @@ class ActorHost(HostState):
         if rest is not None:  # a peer's queue is full, or tensors must be exported
             return self._hand_over(call, key, fanout, ctx, (arrived, span), self._end_after, rest)
         self.served += 1
-        if span is not None:
+        if span is not None and self.tracer.records:
             self.tracer.end(span, time.time(), {"omniflow.compute_ms": compute * 1e3})
         release_inputs(pool_refs(call), ctx)
         if fanout.addresses:  # a late Cancel must still reach the next hop
@@ -308,7 +308,7 @@ class ActorHost(HostState):
             while True:
                 call, parts = await stream.queue.get()
                 is_marker = call.last and call.seq > 0 and not call.data and not call.tensors
-                if not is_marker:
+                if not is_marker or self.actor.handles_stream_end:
                     await self._handle_chunk(stream, call, parts)
                 else:
                     self._account(stream, call)

@@ -119,8 +119,10 @@ class HostState:
         return span
 
     def _end_span(self, stream: Stream) -> None:
-        span, now = stream.span, time.time()
-        stream.span = None
+        span, stream.span = stream.span, None
+        if not self.tracer.records:
+            return  # nothing would read its attributes
+        now = time.time()
         started = stream.started or now
         attributes = {
             "omniflow.request_id": stream.call.request_id,

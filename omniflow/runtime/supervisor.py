@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omniflow.runtime.supervisor")
 _control_decoder = decoder_for(Hello | Ready | SetupFailed | Shutdown)
+# The replica state each worker message moves to.
+_STATE_OF: dict[type, str] = {Hello: "setup", Ready: "ready", SetupFailed: "failed"}
 
 
 class Supervisor:
@@ -241,6 +243,8 @@ class Supervisor:
         replica = self._find(msg.role, msg.replica)
         if replica is None or replica.proc is None or replica.proc.pid != msg.pid:
             return
+        if replica.state == _STATE_OF[type(msg)]:
+            return  # a repeat: the link sends its latest state again after a drop
         if isinstance(msg, Hello):
             replica.state = "setup"
             self._progress(replica.actor_id, "setup")

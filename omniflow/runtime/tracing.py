@@ -28,32 +28,29 @@ from omniflow.runtime.config import TracingConfig
 # HTTP request; Client.stream/call read it when not given one).
 CURRENT = contextvars.ContextVar("omniflow_traceparent", default="")
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
-_rand = random.Random()
-_HEX = frozenset("0123456789abcdef")
+# A valid one as every hop gets it (lower case, no zero ids): one C call checks it whole
+# (a hop's own cost is microseconds).
+_OURS = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}").fullmatch
+_bits = random.Random().getrandbits
 _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 
 
 def parse(traceparent: str) -> tuple[str, str, str] | None:
     """(trace id, parent span id, flags) of a valid W3C traceparent, else None."""
-    if len(traceparent) == 55 and _HEX.issuperset(traceparent[3:35]):  # ours: lower case
-        tp = traceparent  # the per-hop path: no regex (a hop's own cost is microseconds)
-        if tp[:3] == "00-" and tp[35] == "-" and tp[52] == "-":
-            trace, parent, flags = tp[3:35], tp[36:52], tp[53:]
-            if _HEX.issuperset(parent) and _HEX.issuperset(flags):
-                ok = trace != _ZERO_TRACE and parent != _ZERO_SPAN
-                return (trace, parent, flags) if ok else None
-    m = _TRACEPARENT.match(traceparent.strip().lower()) if traceparent else None
-    if m is None or m.group(1) == _ZERO_TRACE or m.group(2) == _ZERO_SPAN:
-        return None
-    return m.group(1), m.group(2), m.group(3)
+    if _OURS(traceparent) is None:
+        m = _TRACEPARENT.match(traceparent.strip().lower()) if traceparent else None
+        if m is None or m.group(1) == _ZERO_TRACE or m.group(2) == _ZERO_SPAN:
+            return None
+        return m.group(1), m.group(2), m.group(3)
+    return traceparent[3:35], traceparent[36:52], traceparent[53:]
 
 
 def span_id() -> str:
-    return f"{_rand.getrandbits(64) or 1:016x}"
+    return (_bits(64) or 1).to_bytes(8, "little").hex()
 
 
 def trace_id() -> str:
-    return f"{_rand.getrandbits(128) or 1:032x}"
+    return (_bits(128) or 1).to_bytes(16, "little").hex()
 
 
 def traceparent(trace: str, span: str, flags: str = "01") -> str:
@@ -61,19 +58,37 @@ def traceparent(trace: str, span: str, flags: str = "01") -> str:
 
 
 class Span:
-    """One role's span of one request: its ids and start; ``sampled``: it is recorded."""
+    """One role's span of one request: its ids and start; ``sampled``: it is recorded.
 
-    __slots__ = ("trace", "id", "parent", "flags", "start", "traceparent")
+    Built from the traceparent it hangs under (``under``, valid and lower case): the
+    parent's id is sliced out, the trace id and flags only when asked for (an export).
+    """
 
-    def __init__(self, trace: str, parent: str, flags: str, start: float) -> None:
-        self.trace, self.parent, self.flags, self.start = trace, parent, flags, start
+    __slots__ = ("under", "id", "parent", "start", "traceparent")
+
+    def __init__(self, under: str, start: float) -> None:
+        self.under, self.start = under, start
+        self.parent = under[36:52]
         self.id = span_id()
         # What the next hops hang under: formatted once (read per hop and per header).
-        self.traceparent = f"00-{trace}-{self.id}-{flags}"
+        self.traceparent = f"{under[:36]}{self.id}{under[52:]}"
+
+    @classmethod
+    def root(cls, start: float) -> Span:
+        """A span under a new trace, with a parent id of its own (as a client's would be)."""
+        return cls(traceparent(trace_id(), span_id()), start)
+
+    @property
+    def trace(self) -> str:
+        return self.under[3:35]
+
+    @property
+    def flags(self) -> str:
+        return self.under[53:]
 
     @property
     def sampled(self) -> bool:
-        return self.flags[-1] in "13579bdf"  # the W3C "sampled" bit
+        return self.under[-1] in "13579bdf"  # the W3C "sampled" bit
 
 
 class Tracer:
@@ -91,6 +106,8 @@ class Tracer:
         self.on = config.on
         self.role = role
         self._processor: Any = None
+        # On, with somewhere for spans to go: callers build a span's attributes only then.
+        self.records = False
         if not self.on:
             return
         try:
@@ -119,17 +136,22 @@ class Tracer:
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
             exporter = OTLPSpanExporter(endpoint=config.endpoint, timeout=5)
-            self._processor = BatchSpanProcessor(exporter, schedule_delay_millis=200)
+            self.add_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
 
     def add_processor(self, processor: Any) -> None:
         """Where ended spans go (an SDK SpanProcessor): the exporter's, or a test's."""
         self._processor = processor
+        self.records = self.on and processor is not None
 
     def start(self, parent: str, start_s: float) -> Span | None:
         """A span under the traceparent ``parent`` from ``start_s`` (time.time()); None
         when ``parent`` is not a valid traceparent (an untraced request)."""
-        ids = parse(parent)
-        return None if ids is None else Span(*ids, start_s)
+        if _OURS(parent) is None:
+            ids = parse(parent)  # not ours as sent: another case, spaces, or not valid
+            if ids is None:
+                return None
+            parent = traceparent(*ids)
+        return Span(parent, start_s)
 
     def end(
         self,
@@ -142,7 +164,7 @@ class Tracer:
     ) -> None:
         """End ``span`` at ``end_s``; ``queued``: (from, to) of its wait for a slot, a
         child span ``queue`` when it waited longer than ``QUEUE_SPAN_S``."""
-        if not self.on or self._processor is None or not span.sampled:
+        if not self.records or not span.sampled:
             return  # off, or on with no exporter: nothing would read the span
         readable, context, kind, status, code = self._sdk
         trace = int(span.trace, 16)
@@ -184,6 +206,7 @@ class Tracer:
         if self._processor is not None:
             self._processor.shutdown()
             self._processor = None
+            self.records = False
 
 
 # A wait for a slot shorter than this is an attribute of the role's span, not a span.

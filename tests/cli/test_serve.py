@@ -14,38 +14,9 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import cli
+from tests.helpers import cli, qwen2_folder, serve_detached
 
 pytestmark = pytest.mark.slow
-
-
-def qwen2_folder(folder: Path) -> Path:
-    """A tiny random Qwen2 saved by transformers: sharded safetensors + index, tokenizer."""
-    import torch
-    import transformers
-
-    from omniflow.models.tiny.tokenizer import BOS, EOS, PAD, build_tiny_tokenizer
-
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=build_tiny_tokenizer(320), bos_token=BOS, eos_token=EOS, pad_token=PAD
-    )
-    config = transformers.Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
-        bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config)
-    model.save_pretrained(folder, max_shard_size="60KB", safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def hashes(folder: Path) -> dict[str, str]:
@@ -65,12 +36,7 @@ def served():
     os.chmod(folder, 0o555)  # a read-only folder: any write there would fail the start
     before = hashes(folder)
     run_dir = root / "run"
-    started = cli(
-        "serve", str(folder), "-d", "--port", "0", "--run-dir", str(run_dir),
-        "--max-model-len", "128", "--kv-cache-mb", "8", "--threads", "1",
-        timeout=300,
-    )  # fmt: skip
-    url = (run_dir / "gateway.url").read_text().strip()
+    started, url = serve_detached(folder, run_dir)
     try:
         yield url, started, folder, before
     finally:

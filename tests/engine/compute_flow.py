@@ -33,12 +33,20 @@ def embed(model, token_ids) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def recompute_codes(model, head, prompt, n, uncond_prompt=None, scale=1.0):
-    """n media tokens by re-running the whole context through the model for each one."""
+def recompute_codes(model, head, prompt, n, uncond_prompt=None, scale=1.0, row_end=None):
+    """n media tokens by re-running the whole context through the model for each one;
+    ``row_end`` (token, width): that token's own row after every width of them (n counts
+    those steps too)."""
     context = embed(model, prompt)
     uncond = None if uncond_prompt is None else embed(model, uncond_prompt)
     rows, states = [], []
-    for _ in range(n):
+    for index in range(n):
+        if row_end is not None and (index + 1) % (row_end[1] + 1) == 0:
+            step = embed(model, [row_end[0]])
+            context = torch.cat([context, step])
+            if uncond is not None:
+                uncond = torch.cat([uncond, step])
+            continue
         hidden = model.hidden_states(context)[-1:]
         if uncond is not None:
             hidden = guided(hidden, model.hidden_states(uncond)[-1:], scale)

@@ -111,7 +111,9 @@ def test_abort_and_preemption_free_both_halves_of_a_pair(llama_path):
     assert engine.allocator.usage().free_pages == free
     run(engine)
     # Preemption: a pair and a long text request do not fit together; the pair is newer.
-    engine.add_request("long", random_prompts([30], seed=9)[0], SamplingParams(max_tokens=20))
+    engine.add_request(
+        "long", random_prompts([30], seed=9)[0], SamplingParams(max_tokens=20, ignore_eos=True)
+    )
     add_codes(engine, "pair2", random_prompts([10], seed=8)[0], 12, head, 2.0)
     seen_preempted = False
     while engine.has_unfinished_requests():
@@ -207,3 +209,23 @@ def test_the_unconditional_prompt_is_served_from_the_prefix_cache(engine):
         follower = engine.sequences[rid].partner
         run(engine)
     assert follower.num_cached_tokens == 8  # the second pair: two full pages of uncond
+
+
+@pytest.mark.parametrize("cfg", [None, 2.0])
+def test_row_ends_are_plain_tokens_between_rows_of_codes(engine, cfg):
+    """An image's rows (row_end): after every 3 media tokens the newline token, its own
+    embedding, no codes; equal to a recompute that feeds the same rows."""
+    head = GreedyHead(engine.model.config.hidden_size)
+    prompt = random_prompts([12], seed=12)[0]
+    guidance = None if cfg is None else Guidance(UNCOND, cfg)
+    params = SamplingParams(max_tokens=8)
+    engine.add_request("r", prompt, params, head=head, guidance=guidance, row_end=(99, 3))
+    out = run(engine)["r"]
+    tokens = [t for d in out for t in d.token_ids]
+    assert tokens[3] == tokens[7] == 99 and tokens.count(99) == 2
+    codes = codes_of(out)
+    assert codes.shape[0] == 6
+    uncond = None if cfg is None else UNCOND
+    with torch.inference_mode():
+        want, _ = recompute_codes(engine.model, head, prompt, 8, uncond, cfg or 1.0, (99, 3))
+    assert torch.equal(codes, want)

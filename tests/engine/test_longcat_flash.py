@@ -2,8 +2,6 @@
 pages: greedy outputs equal transformers' `LongcatFlashForCausalLM` token for token, and the
 Compute Flow paths (codes heads, guided pairs, block steps) equal their references."""
 
-import re
-
 import pytest
 import torch
 from compute_flow import GreedyHead, codes_of, embed, recompute_codes, run
@@ -15,6 +13,7 @@ from omniflow.engine.heads import Guidance
 from omniflow.engine.llm_engine import EngineConfig
 from omniflow.models import MLAConfig, build_tiny_model, load_config
 from omniflow.models.loader import iter_checkpoint_tensors
+from tests.hf_longcat import load_stacked_experts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -25,27 +24,13 @@ def longcat_path(tmp_path_factory):
 
 
 def hf_longcat(path):
-    """transformers' model on the folder's weights: per-expert tensors stacked into its fused
-    ones by hand (its gate_up_proj has rows for the zero experts too, left zero)."""
+    """transformers' model on the folder's weights, per-expert tensors stacked into its fused
+    ones."""
     import transformers
 
     config = transformers.LongcatFlashConfig.from_pretrained(path)
     model = transformers.LongcatFlashForCausalLM(config).eval()
-    state, experts = {}, {}
-    for name, tensor in iter_checkpoint_tensors(path):
-        match = re.match(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$", name)
-        if match:
-            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = tensor
-        else:
-            state[name] = tensor
-    routed, zero = config.n_routed_experts, config.zero_expert_num
-    for prefix, parts in experts.items():
-        gate_up = [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(routed)]
-        gate_up += [torch.zeros_like(gate_up[0])] * zero
-        state[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
-        state[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(routed)])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
+    load_stacked_experts(model, dict(iter_checkpoint_tensors(path)))
     return model
 
 

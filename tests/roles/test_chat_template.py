@@ -133,3 +133,24 @@ def test_stop_text_cuts_a_stop_string_split_over_deltas():
     out = [stop.push(p, False) for p in ["hello E", "N", "D more"]]
     assert "".join(out) == "hello " and stop.push("x", True) == ""
     assert StopText([]).push("as is", False) == "as is"
+
+
+def test_spoken_replies_are_kept_within_their_bytes(tiny):
+    """The speech kept for resent spoken replies is bounded by its rows' bytes: the oldest
+    goes first, one kept again is the newest, one past the whole budget is not kept; a
+    kept one is prompted as its speech (its tokens, its span after <audiogen_start>)."""
+    tokenizer = TextTokenizer.from_folder(tiny)
+    builder = PromptBuilder(tokenizer, ChatTemplate(*load_chat_template(tiny)), placeholder=0)
+    builder.max_spoken_bytes = 1000
+    rows = torch.zeros(10, 10)  # 400 bytes
+    for text in ("one", "two", "one", "three"):
+        builder.remember_spoken(text, [7, 8, 0, 9], 1, rows, [("k", text)])
+    assert list(builder.spoken) == ["one", "three"] and builder.spoken_bytes == 800
+    builder.remember_spoken("long", [7], 1, torch.zeros(30, 10), [])
+    assert "long" not in builder.spoken
+    dialogue = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "three"}]
+    messages, _ = request_messages({"messages": dialogue}, "", {"image": [], "audio": []})
+    tokens, spans = builder.full(messages, {"image": [], "audio": []})
+    (span,) = spans
+    assert tokens[span.start - 1 : span.start + 3] == [7, 8, 0, 9]
+    assert span.content_hash == [("k", "three")]

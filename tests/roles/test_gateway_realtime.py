@@ -28,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 MODEL = "lcrt"
 SHORT = {"audio_chunks": 2, "audio_chunk_tokens": 2}
+# The first turn then ends past a page boundary (40 prompt + the audiotext start + 8 audio
+# tokens; pages of 16): the next turn's cache hit covers its audio positions.
+LONGER = {"audio_chunks": 2, "audio_chunk_tokens": 4}
 
 
 def voice_config() -> str:
@@ -112,7 +115,7 @@ def test_a_voice_turn_through_the_openai_sdk_and_the_next_hits_the_cache(deploym
                             "turn_detection": None,
                         }
                     },
-                    "params": SHORT,
+                    "params": LONGER,
                 }
             )
             updated = await connection.recv()
@@ -127,13 +130,16 @@ def test_a_voice_turn_through_the_openai_sdk_and_the_next_hits_the_cache(deploym
     assert "response.created" in kinds and kinds[-1] == "response.done"
     text = [e.delta for e in first if e.type == "response.output_text.delta"]
     audio = [base64.b64decode(e.delta) for e in first if e.type == "response.output_audio.delta"]
-    assert text and len(audio) == 3  # 1 token first (sooner), then 2, then the last 1
-    assert sum(map(len, audio)) == 2 * 2 * 1920 * 2  # PCM16, 1920 samples per audio token
+    # 1 token first (sooner), then 4, then the last 3, then the 50 ms the last one held
+    # back for a cross-fade (given at the stream's end)
+    assert text and len(audio) == 4
+    assert sum(map(len, audio)) == 2 * 4 * 1920 * 2  # PCM16, 1920 samples per audio token
     assert kinds.index("response.output_audio.done") > kinds.index("response.output_audio.delta")
     done = first[-1].response
     assert done.status == "completed" and done.audio.output.format.rate == 24000
     assert done.output[0].content[0].text == "".join(text)
-    # the second turn goes on from the first one's KV: all of it was prefilled before
+    # the second turn goes on from the first one's KV: all of it was prefilled before, the
+    # audio positions (their rows hold the text spoken with them) through the page they end
     later = second[-1].response.usage
     assert later.input_token_details.cached_tokens >= first[-1].response.usage.input_tokens
     metrics = httpx2.get(f"{url}/metrics").text  # the audio metrics name route, role, replica

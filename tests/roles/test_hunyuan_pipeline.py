@@ -64,15 +64,16 @@ def call(state, inputs, **kwargs):
     return asyncio.run(run())
 
 
-def records(state):
-    async def run():
-        registry = open_registry(state["registry"])
-        try:
-            return {r.role: r for r in await list_actors(registry, state["name"])}
-        finally:
-            await registry.close()
+async def records_now(state):
+    registry = open_registry(state["registry"])
+    try:
+        return {r.role: r for r in await list_actors(registry, state["name"])}
+    finally:
+        await registry.close()
 
-    return asyncio.run(run())
+
+def records(state):
+    return asyncio.run(records_now(state))
 
 
 def pool_stats(state):
@@ -198,6 +199,11 @@ def test_a_killed_ar_leaves_no_lent_page_behind(hunyuan):
             async for event in conn.stream({"text": "a long one"}, params=params, timeout=120):
                 events.append(event)
                 if len(events) == 1:  # diffusion holds the lease now: ar dies under it
+                    # once its record shows it handed the request on: a replica's holding
+                    # is published with its heartbeat, and a client ends what a dead
+                    # replica's last record still held (runtime/migration.py)
+                    while (await records_now(state))["ar"].holding:
+                        await asyncio.sleep(0.02)
                     os.kill(ar.pid, signal.SIGKILL)
             return events
         finally:

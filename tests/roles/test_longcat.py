@@ -120,6 +120,8 @@ def test_everything_at_once_through_the_cli(longcat):
         "hi.wav",
         "--want",
         "text,image,audio",
+        "--seed",
+        "1",
         "--out",
         "out",
         "--json",

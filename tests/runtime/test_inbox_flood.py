@@ -60,7 +60,7 @@ def flood(endpoint: str, reply_to: str) -> list[int]:
             try:
                 sock.send(encode(call), zmq.NOBLOCK)
             except zmq.Again:  # the actor takes no more from this sender: wait a little
-                if not sock.poll(100, zmq.POLLOUT):
+                if not sock.poll(20, zmq.POLLOUT):
                     break
                 continue
             n += 1

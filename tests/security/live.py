@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+import uuid
 from typing import Any
 
 import zmq
@@ -103,10 +104,16 @@ class Probe:
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(endpoint)
         self._n = 0
+        # Unique across probes: a new probe can reuse a freed one's id(), and the actor
+        # remembers the request ids that ended (a reused one is refused as replayed).
+        self._tag = uuid.uuid4().hex[:12]
 
     def request_id(self) -> str:
         self._n += 1
-        return f"probe-{id(self):x}-{self._n}"
+        return self.last_request_id()
+
+    def last_request_id(self) -> str:
+        return f"probe-{self._tag}-{self._n}"
 
     def send(self, parts: list[Any]) -> None:
         self.dealer.send_multipart(parts)

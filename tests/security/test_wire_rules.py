@@ -290,7 +290,7 @@ def test_a_run_dir_left_open_to_others_is_refused_naming_it(tmp_path) -> None:
 
 def test_a_replayed_request_id_is_a_bad_request(live, probe) -> None:
     assert probe.served()
-    rid = f"probe-{id(probe):x}-{probe._n}"  # the one just served
+    rid = probe.last_request_id()  # the one just served
     fail = probe.call(rid, {"x": Frame(1, "float32", (1,))}, [b"\0" * 4])
     assert isinstance(fail, Fail) and fail.code == "bad_request" and "already ended" in fail.message
     assert probe.served()

@@ -42,6 +42,8 @@ from omniflow.models.tiny.tokenizer import (
 
 # Published ids minus text_vocab_size 131072 (vLLM's longcat_next.py defaults / config.json).
 SPECIAL_TOKENS = {
+    "<longcat_img_token_size>": 18,  # the anyres prefix: <longcat_img_token_size>h w</...>
+    "</longcat_img_token_size>": 19,
     "<longcat_audio_start>": 31,
     "<longcat_audio_end>": 32,
     "<longcat_audio_pad>": 33,
@@ -226,6 +228,10 @@ def tiny_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tenso
     tensors |= _llm_tensors(config, seed)
     for prefix, module in parts.items():
         tensors.update({prefix + n: t for n, t in module.state_dict().items()})
+    # Random weights would pick the end-of-audio flag (the last class of audio level 0) for
+    # about one token in 65 and end the audio there; a tiny build keeps it out of reach, so
+    # a request gets the audio length it asks for. A real checkpoint's head decides.
+    tensors["audio_head.heads.0.bias"][-1] = -1e4
     for part in ("visual_model", "visual_bridge_model", "visual_embedding_layer"):
         for name, t in getattr(vision, part).state_dict().items():
             tensors[f"{VISION_PREFIX}{part}.{name}"] = t

@@ -323,35 +323,47 @@ class ConditionalDecoder(nn.Module):
         self.final_proj = nn.Conv1d(ups[-1], mels, 1)
 
     @staticmethod
-    def _attend(x: torch.Tensor, mask: torch.Tensor, blocks: nn.Module) -> torch.Tensor:
-        bias = chunk_bias(mask)
+    def _attend(
+        x: torch.Tensor, mask: torch.Tensor, blocks: nn.Module, biases: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        bias = biases.get(mask.shape[-1])
+        if bias is None:
+            bias = biases[mask.shape[-1]] = chunk_bias(mask)
         h = x.transpose(1, 2)
         for block in _parts(blocks):
             h = block(h, bias)
         return h.transpose(1, 2)
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        biases: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Velocity [B, mels, T] at x [B, mels, T], mask [B, 1, T], mu [B, mels, T], t []."""
+        """Velocity [B, mels, T] at x [B, mels, T], mask [B, 1, T], mu [B, mels, T], t [].
+        ``biases``: the attention biases of ``mask`` by length, kept across the steps of
+        one generation (the mask is the same at every step)."""
+        biases = {} if biases is None else biases
         temb = self.time_mlp(time_embedding(t, self.width).to(x.dtype))
         x = torch.cat([x, mu], dim=1)
         hiddens, masks = [], [mask]
         for resnet, blocks, down in map(_parts, self.down_blocks):
             m = masks[-1]
-            x = self._attend(resnet(x, m, temb), m, blocks)
+            x = self._attend(resnet(x, m, temb), m, blocks, biases)
             hiddens.append(x)
             x = down(x * m)
             masks.append(m[:, :, ::2])
         masks.pop()
         m = masks[-1]
         for resnet, blocks in map(_parts, self.mid_blocks):
-            x = self._attend(resnet(x, m, temb), m, blocks)
+            x = self._attend(resnet(x, m, temb), m, blocks, biases)
         for resnet, blocks, up in map(_parts, self.up_blocks):
             m = masks.pop()
             skip = hiddens.pop()
             x = torch.cat([x[:, :, : skip.shape[-1]], skip], dim=1)
-            x = up(self._attend(resnet(x, m, temb), m, blocks) * m)
+            x = up(self._attend(resnet(x, m, temb), m, blocks, biases) * m)
         x = self.final_block(x, m)
         return self.final_proj(x * m) * mask
 
@@ -386,11 +398,16 @@ class FlowMelDecoder(nn.Module):
         span = self.times().to(mu.dtype)
         estimator = self.conditional_decoder
         t, dt = span[0], span[1] - span[0]
+        guided = self.cfg_rate > 0
+        biases: dict[int, torch.Tensor] = {}  # one mask for every step: its biases once
+        if guided:  # the conditional and unconditional halves in one batch, as CosyVoice
+            mask, mu = torch.cat([mask, mask]), torch.cat([mu, torch.zeros_like(mu)])
         for step in range(1, len(span)):
-            v = estimator(x, mask, mu, t)
-            if self.cfg_rate > 0:
-                uncond = estimator(x, mask, torch.zeros_like(mu), t)
+            if guided:
+                v, uncond = estimator(torch.cat([x, x]), mask, mu, t, biases).chunk(2)
                 v = (1.0 + self.cfg_rate) * v - self.cfg_rate * uncond
+            else:
+                v = estimator(x, mask, mu, t, biases)
             x = x + dt * v
             t = t + dt
             if step < len(span) - 1:

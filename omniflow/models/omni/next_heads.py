@@ -62,9 +62,11 @@ class _HeadLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attention(self.layernorm1(x))
         inner = self.scale * self.dim // self.depth
-        # Depth-wise FFN: position l uses its own slice of linear1/linear2 (biases unused).
-        w1 = self.linear1.weight.view(inner, self.depth, self.dim)
-        w2 = self.linear2.weight.view(self.dim, self.depth, inner)
+        # Depth-wise FFN: position l uses its own slice of linear1/linear2 (biases unused);
+        # x may hold the first positions only (causal: the rest do not change them).
+        n = x.shape[1]
+        w1 = self.linear1.weight.view(inner, self.depth, self.dim)[:, :n]
+        w2 = self.linear2.weight.view(self.dim, self.depth, inner)[:, :n]
         f = nn.functional.gelu(torch.einsum("bld,tld->blt", self.layernorm2(h), w1))
         return h + torch.einsum("blt,dlt->bld", f, w2)
 
@@ -95,12 +97,22 @@ class NextDepthHead(nn.Module):
         model's)."""
         if previous is None:
             previous = hidden.new_zeros(hidden.shape[0], self.depth - 1, hidden.shape[-1])
+        x = self._positions(hidden, previous)
+        return [head(x[:, level]) for level, head in enumerate(self.heads)]
+
+    def level_logits(
+        self, hidden: torch.Tensor, previous: torch.Tensor, level: int
+    ) -> torch.Tensor:
+        """forward's logits of one level only: positions 0..level run, the rest never read."""
+        x = self._positions(hidden, previous[:, :level])
+        return self.heads[level](x[:, level])
+
+    def _positions(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         x = torch.cat([hidden[:, None], previous.to(hidden.dtype)], 1)
         x = self.hidden_proj(self.hidden_norm(x))
         for layer in self.transformer_layers:
             x = layer(x)
-        x = self.headnorm(x)
-        return [head(x[:, level]) for level, head in enumerate(self.heads)]
+        return self.headnorm(x)
 
 
 def head_for(config: dict[str, Any], which: str) -> NextDepthHead:

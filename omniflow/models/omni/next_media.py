@@ -2,8 +2,11 @@
 
 An image or audio token is made by ``visual_head`` / ``audio_head`` (next_heads.py), level
 by level: the LLM's last hidden state and the running sum of the chosen levels' word-
-embedding rows -> level l's logits over codebook size + 1, greedy over the codebook (the
-extra last output, for audio level 0 the published end-of-audio flag, is never chosen). It goes back in as the sum of each level's
+embedding rows -> level l's logits over codebook size + 1, greedy over the codebook. The
+extra last output is for audio level 0 the published end-of-audio flag: chosen, it ends the
+audio (the engine's ``end_code``: modules/state_machine.py of LongCat-Next-inference leaves
+its audio stage there), its row's other levels are 0 and it goes back in as no codes; an
+image never chooses it (its last class is masked, as published). It goes back in as the sum of each level's
 row of ``model.embed_tokens`` (level l's id + ``visual_offset``/``audio_offset`` + the sizes
 of the levels before), then, for images, ``model.visual_tokenizer.visual_embedding_layer``:
 the same input the encoders give a seen image or sound (next_vision.py, next_audio.py).
@@ -12,7 +15,7 @@ the same input the encoders give a seen image or sound (next_vision.py, next_aud
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -27,6 +30,27 @@ from omniflow.models.omni.next_codes import (
 from omniflow.models.omni.next_heads import NextDepthHead, head_for
 
 
+class SpeechTokens(NamedTuple):
+    """The published ids that route speech: ``<longcat_audiogen_start>`` (the turn turns to
+    audio), ``<longcat_audiotext_start>`` and ``_pad`` (the text spoken beside it starts /
+    is over: engine/spoken.py), ``<longcat_audiogen_end>`` (after the audio)."""
+
+    gen_start: int
+    text_start: int
+    text_pad: int
+    gen_end: int
+
+
+class ImageTokens(NamedTuple):
+    """The published ids that route an image: ``<longcat_img_start>`` (after the
+    ``<longcat_img_token_size>h w</longcat_img_token_size>`` anyres prefix), the newline
+    after each row of tokens, ``<longcat_img_end>``."""
+
+    start: int
+    newline: int
+    end: int
+
+
 class NextMediaHead:
     """One modality's codes head: ``codes`` (hidden -> ids [B, 8]) and ``embed`` (ids ->
     the next input row)."""
@@ -39,11 +63,17 @@ class NextMediaHead:
         sizes: list[int],
         placeholder_id: int,
         embedding_layer: EmbeddingLayer | None = None,
+        speech: SpeechTokens | None = None,
+        image: ImageTokens | None = None,
     ) -> None:
         self.key, self.placeholder_id = key, placeholder_id
+        self.speech = speech  # the audio head's: the tokens that route speech
+        self.image = image  # the image head's: the tokens that route an image
         self.head, self.code_rows, self.sizes = head, code_rows, sizes
         self.offsets = code_offsets(0, sizes).to(code_rows.weight.device)
         self.embedding_layer = embedding_layer
+        # the level-0 id that ends the media (engine/heads.py end_code): audio's flag
+        self.end_code = sizes[0] if key == "audio" else None
 
     @torch.no_grad()
     def codes(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -53,17 +83,35 @@ class NextMediaHead:
         previous = hidden.new_zeros(hidden.shape[0], len(self.sizes) - 1, hidden.shape[-1])
         total = hidden.new_zeros(hidden.shape[0], hidden.shape[-1])
         ids = []
+        ended, flag = None, self.end_code
         for level, size in enumerate(self.sizes):
-            code = self.head(hidden, previous)[level][:, :size].argmax(-1)
+            logits = self.head.level_logits(hidden, previous, level)
+            if level == 0 and flag is not None:
+                code = logits[:, : size + 1].argmax(-1)  # the flag may end the audio
+                ended = code == flag
+                code = code.masked_fill(ended, 0)  # the levels after read no flag row
+            else:
+                code = logits[:, :size].argmax(-1)
             ids.append(code)
             if level + 1 < len(self.sizes):
                 total = total + self.code_rows(code + self.offsets[level]).to(hidden.dtype)
                 previous[:, level] = total
-        return torch.stack(ids, -1).to(torch.int64)
+        out = torch.stack(ids, -1).to(torch.int64)
+        if ended is not None and flag is not None and bool(ended.any()):
+            out[ended] = 0
+            out[ended, 0] = flag
+        return out
 
     @torch.no_grad()
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
-        rows = self.code_rows(codes.to(self.offsets.device) + self.offsets).sum(1)
+        codes = codes.to(self.offsets.device)
+        ended = None
+        if self.end_code is not None:  # an end-of-audio row goes back in as no codes
+            ended = codes[:, 0] == self.end_code
+            codes = codes.masked_fill(ended[:, None], 0)
+        rows = self.code_rows(codes + self.offsets).sum(1)
+        if ended is not None:
+            rows = rows.masked_fill(ended[:, None], 0.0)
         if self.embedding_layer is not None:
             rows = self.embedding_layer.pre_buffer(rows)
         return rows
@@ -89,12 +137,23 @@ def load_next_media_heads(
         if key == "image":
             layer = _embedding_layer(config, folder, role)
         heads.append((key, head, rows, sizes, layer))
+    audio = config["audio_config"]
+    names = ("audiogen_start", "audiotext_start", "audiotext_pad", "audiogen_end")
+    speech = None
+    if all(f"{n}_token_id" in audio for n in names):
+        speech = SpeechTokens(*(int(audio[f"{n}_token_id"]) for n in names))
+    visual = config["visual_config"]
+    parts = ("image_start", "image_line", "image_end")
+    image = None
+    if all(f"{n}_token_id" in visual for n in parts):
+        image = ImageTokens(*(int(visual[f"{n}_token_id"]) for n in parts))
     out = []
     for key, head, rows, sizes, layer in heads:
         modules: list[Any] = [head, rows] + ([layer] if layer is not None else [])
         for module in modules:
             module.to(device).eval()
-        out.append(NextMediaHead(key, head, rows, sizes, placeholder_id, layer))
+        marks = (None, image) if key == "image" else (speech, None)
+        out.append(NextMediaHead(key, head, rows, sizes, placeholder_id, layer, *marks))
     return out[0], out[1]
 
 

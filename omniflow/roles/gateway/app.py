@@ -51,6 +51,7 @@ from omniflow.roles.gateway.replies import (
     AUDIO_RATE,
     ChatChunks,
     TextChunks,
+    Transcripts,
     chat_message,
     completion_logprobs,
     finish_reason,
@@ -83,10 +84,7 @@ _RETRY = [(b"retry-after", b"1")]
 
 class GatewayApp:
     def __init__(self, client: Client, config: Config, options: GatewayConfig) -> None:
-        self.client = client
-        self.config = config
-        self.options = options
-        self.name = config.name
+        self.client, self.config, self.options, self.name = client, config, options, config.name
         self.metrics = Metrics(config.name)
         self.started = int(time.time())
         self.inflight = 0
@@ -95,6 +93,7 @@ class GatewayApp:
         self._limit = int(options.max_body_mb * 2**20)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
+        self.transcripts = Transcripts()  # of the audio answered: a resent turn's audio.id
         self.makes = {kind for role in config.roles.values() for kind in makes_of(role.actor)}
         if not self.makes:  # no role says what it makes (custom roles): text, as ever
             self.makes = {"text"}
@@ -226,7 +225,7 @@ class GatewayApp:
         if req.n > 1 and (req.stream or session):
             field = "stream" if req.stream else "session"
             raise ApiError(400, f"n > 1 is served without {field}", "n")
-        inputs, want = chat_inputs(req, self.options.allow_local_paths)
+        inputs, want = chat_inputs(req, self.options.allow_local_paths, self.transcripts)
         for kind in want:
             if kind not in self.makes:
                 raise ApiError(400, f"this deployment makes no {kind}", "modalities")
@@ -242,6 +241,7 @@ class GatewayApp:
                 {"index": i, **chat_message(request_id, outputs, audio_format, req.logprobs)}
                 for i, (outputs, _) in enumerate(results)
             ]
+            self.transcripts.note_choices(choices)
             return {
                 "id": request_id,
                 "object": "chat.completion",
@@ -251,9 +251,10 @@ class GatewayApp:
                 "usage": usage([result.usage for _, result in results]),
             }
 
+        chunks = ChatChunks(request_id, self.name, req.logprobs, include_usage, self.transcripts)
         return await self._serve(
             receive, send, inputs, params, kwargs, request_id, req.n, reply,
-            ChatChunks(request_id, self.name, req.logprobs, include_usage) if req.stream else None,
+            chunks if req.stream else None,
         )  # fmt: skip
 
     async def completions(self, scope: dict[str, Any], receive: Receive, send: Send) -> int:

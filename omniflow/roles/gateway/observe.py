@@ -45,7 +45,7 @@ class Observe:
         # A trace of its own for model requests only (not every /metrics scrape): a span
         # under a new trace id (and a parent id of its own, as the client's would be).
         if span is None and self.tracer.on and scope["path"].startswith("/v1/"):
-            span = tracing.Span(tracing.trace_id(), tracing.span_id(), "01", started)
+            span = tracing.Span.root(started)
         extra = [(b"x-request-id", request_id.encode("latin-1"))]
         if span is not None:
             extra.append((b"traceparent", span.traceparent.encode()))
@@ -65,7 +65,7 @@ class Observe:
             tracing.CURRENT.reset(token)
             ended = time.time()
             method, path = scope["method"], scope["path"]
-            if span is not None:
+            if span is not None and self.tracer.records:
                 attributes = {
                     "http.request.method": method,
                     "url.path": path,

@@ -7,6 +7,7 @@ import base64
 import io
 import time
 import wave
+from collections import OrderedDict
 from typing import Any
 
 from omniflow.roles.gateway.http import event
@@ -34,7 +35,9 @@ def token_logprobs(outputs: list[Output]) -> list[dict[str, Any]]:
 
 def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
     def one(e: dict[str, Any]) -> dict[str, Any]:
-        return {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode())}
+        raw = e.get("bytes")  # the llm's: the token's own bytes
+        raw = list(e["token"].encode()) if raw is None else raw
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": raw}
 
     return {
         "content": [
@@ -114,11 +117,45 @@ def usage(totals: list[dict[str, int]]) -> dict[str, Any]:
     }
 
 
+class Transcripts:
+    """The transcripts of the audio this gateway answered with, by audio id, the newest
+    ``size``: a client that resends an assistant turn as ``{"audio": {"id": ...}}`` (as
+    OpenAI's API takes it) gets that turn's text back, which the llm prompts as the speech
+    it made (roles/llm_prompt.py)."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._by_id: OrderedDict[str, str] = OrderedDict()
+
+    def note(self, audio_id: str, text: str) -> None:
+        self._by_id[audio_id] = text
+        self._by_id.move_to_end(audio_id)
+        while len(self._by_id) > self.size:
+            self._by_id.popitem(last=False)
+
+    def note_choices(self, choices: list[dict[str, Any]]) -> None:
+        for choice in choices:
+            audio = choice["message"].get("audio")
+            if audio is not None:
+                self.note(audio["id"], audio["transcript"])
+
+    def get(self, audio_id: str) -> str | None:
+        return self._by_id.get(audio_id)
+
+
 class ChatChunks:
     """chat.completion.chunk events of one streamed choice."""
 
-    def __init__(self, request_id: str, model: str, logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        logprobs: bool,
+        include_usage: bool,
+        transcripts: Transcripts | None = None,
+    ) -> None:
         self.request_id, self.logprobs, self.include_usage = request_id, logprobs, include_usage
+        self.transcripts, self.text, self.spoke = transcripts, "", False
         self.base = {
             "id": request_id,
             "object": "chat.completion.chunk",
@@ -132,6 +169,9 @@ class ChatChunks:
         if isinstance(output.data.get("finish_reason"), str):
             self.reason = finish_reason([output])
         delta = _delta(output, self.request_id)
+        if delta is not None:
+            self.text += delta.get("content") or ""
+            self.spoke = self.spoke or "audio" in delta
         if delta is None or (delta == {"content": ""} and not output.data.get("logprobs")):
             return None
         if not self.started:
@@ -143,6 +183,8 @@ class ChatChunks:
         return event({**self.base, "choices": [chunk]})
 
     def last(self, result: Result) -> bytes:
+        if self.spoke and self.transcripts is not None:
+            self.transcripts.note(f"audio-{self.request_id}", self.text)
         chunk = {"index": 0, "delta": {}, "finish_reason": self.reason}
         body = event({**self.base, "choices": [chunk]})
         if self.include_usage:

@@ -80,9 +80,14 @@ class AudioPart(msgspec.Struct, tag="input_audio", tag_field="type"):
 Part = TextPart | ImagePart | AudioPart
 
 
+class AssistantAudio(msgspec.Struct):
+    id: str  # a reply's message.audio.id: the turn it stands for
+
+
 class Message(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Part] | None = None
+    audio: AssistantAudio | None = None  # an assistant turn resent by its audio's id
 
 
 class AudioOut(msgspec.Struct):
@@ -244,12 +249,16 @@ def refuse_unsupported(req: ChatRequest) -> None:
         )
 
 
-def chat_inputs(req: ChatRequest, allow_local_paths: bool) -> tuple[dict[str, Any], list[str]]:
+def chat_inputs(
+    req: ChatRequest, allow_local_paths: bool, transcripts: Any = None
+) -> tuple[dict[str, Any], list[str]]:
     """The deployment's inputs for a chat: the whole dialogue as ``messages`` (each medium a
     ``{"type": "image"|"audio"}`` part, in the order of ``images`` / ``audios``), every
     turn's media, and ``text`` (the dialogue flattened, for roles that read no messages).
 
-    An assistant message's content goes as its text: generated media are not resent.
+    An assistant message's content goes as its text: generated media are not resent. One
+    with no content and ``audio.id`` goes as that reply's transcript (``transcripts``, the
+    gateway's: replies.py); an id it does not know is a 400 naming it.
     """
     if not any(m.role == "user" for m in req.messages):
         raise ApiError(400, "no message with role user", "messages")
@@ -258,6 +267,8 @@ def chat_inputs(req: ChatRequest, allow_local_paths: bool) -> tuple[dict[str, An
     images: list[bytes] = []
     audio: list[bytes] = []
     for i, message in enumerate(req.messages):
+        if message.role == "assistant" and not message.content and message.audio is not None:
+            message = msgspec.structs.replace(message, content=_heard(message, i, transcripts))
         content, text = _content(message, i, images, audio, allow_local_paths)
         messages.append({"role": message.role, "content": content})
         if len(req.messages) == 1:
@@ -272,6 +283,17 @@ def chat_inputs(req: ChatRequest, allow_local_paths: bool) -> tuple[dict[str, An
             inputs[f"{key}s"] = items
     want = sorted(set(req.modalities or ["text"]), key=["text", "image", "audio"].index)
     return inputs, want
+
+
+def _heard(message: Message, i: int, transcripts: Any) -> str:
+    """The transcript of the reply an assistant message names by its audio id."""
+    assert message.audio is not None
+    text = None if transcripts is None else transcripts.get(message.audio.id)
+    if text is None:
+        raise ApiError(
+            400, f"unknown or expired audio id {message.audio.id!r}", f"messages[{i}].audio.id"
+        )
+    return text
 
 
 def _content(

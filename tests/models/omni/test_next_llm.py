@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import shutil
 
 import pytest
@@ -21,6 +20,7 @@ from omniflow.models.omni.next_builder import build_tiny_next
 from omniflow.models.omni.next_media import load_next_media_heads
 from omniflow.models.omni.next_vision import load_next_vision
 from omniflow.models.omni.ngram import NgramEmbedding
+from tests.hf_longcat import load_stacked_experts
 from tests.models.omni.test_next_layout import _head_reference, _ngram_reference, _tensors
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -44,24 +44,10 @@ def _hf_decoder(config: dict, t: dict):
     ).split()
     hf_config = transformers.LongcatFlashConfig(**{k: config[k] for k in keys})
     model = transformers.LongcatFlashModel(hf_config).eval()
-    state, experts = {}, {}
-    for name, tensor in t.items():
-        if not name.startswith(("model.layers.", "model.norm.", "model.embed_tokens.")):
-            continue
-        name = name[len("model.") :]
-        match = re.match(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$", name)
-        if match:
-            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = tensor
-        else:
-            state[name] = tensor
-    routed, zero = hf_config.n_routed_experts, hf_config.zero_expert_num
-    for prefix, parts in experts.items():
-        gate_up = [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(routed)]
-        gate_up += [torch.zeros_like(gate_up[0])] * zero
-        state[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
-        state[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(routed)])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
+    prefixes = ("model.layers.", "model.norm.", "model.embed_tokens.")
+    load_stacked_experts(
+        model, {n[len("model.") :]: v for n, v in t.items() if n.startswith(prefixes)}
+    )
     return model
 
 

@@ -1,0 +1,146 @@
+"""Spoken requests (engine/spoken.py): a text token beside each audio token from one hidden
+state, as LongCat-Next's parallel speech makes them, against a full-recompute oracle."""
+
+import pytest
+import torch
+from compute_flow import GreedyHead, codes_of, embed, run
+from conftest import random_prompts
+
+from omniflow.engine import LLMEngine, SamplingParams, Spoken
+from omniflow.engine.llm_engine import EngineConfig
+from omniflow.engine.spoken import NO_TEXT
+from omniflow.models.omni.next_builder import build_tiny_next
+from omniflow.roles.llm_media import spoken_rows
+
+START, END = 7, frozenset({9})
+GREEDY = SamplingParams(temperature=0.0, max_tokens=7)
+
+
+@pytest.fixture
+def engine(llama_path):
+    return LLMEngine(
+        llama_path, EngineConfig(page_size=4, num_pages=256, max_num_batched_tokens=512)
+    )
+
+
+def oracle(model, head, prompt, steps, spoken, allowed=None):
+    """Each step by re-running the whole context: the greedy text token (None once the
+    text ended) and, after the first step, the head's codes; the next row is the step's
+    token row (the start token's, or the codes') plus the text token's embedding."""
+    context, text, codes, ended = embed(model, prompt), [], [], False
+    with torch.inference_mode():
+        for step in range(steps):
+            hidden = model.hidden_states(context)[-1:]
+            row = embed(model, [spoken.start_id])[0] if step == 0 else None
+            if step:
+                ids = head.codes(hidden)
+                codes.append(ids[0])
+                row = head.embed(ids)[0].to(context.dtype)
+            token = NO_TEXT
+            if not ended:
+                logits = model.logits(hidden).float()[0]
+                if allowed is not None:
+                    logits[[i for i in range(len(logits)) if i not in allowed]] = -torch.inf
+                token = int(logits.argmax())
+                stream = [t for t in text if t != NO_TEXT]
+                ended = token in spoken.end_ids or len(stream) + 1 >= spoken.max_text
+                if token not in spoken.end_ids:
+                    row = row + embed(model, [token])[0]
+            text.append(token)
+            context = torch.cat([context, row[None]])
+    return text, torch.stack(codes)
+
+
+def spoken_text(deltas):
+    return [t for d in deltas for t in d.text_ids]
+
+
+def test_text_and_codes_equal_the_oracle_alone_and_batched_with_others(engine):
+    head = GreedyHead(engine.model.config.hidden_size, key="audio")
+    prompts = random_prompts([11, 19], seed=8)
+    spoken = Spoken(START, END, max_text=4)
+    want = [oracle(engine.model, head, p, 7, spoken) for p in prompts]
+    engine.add_request("alone", prompts[0], GREEDY, head=head, spoken=spoken)
+    out = run(engine)["alone"]
+    assert spoken_text(out) == want[0][0]
+    assert torch.equal(codes_of(out), want[0][1])
+    assert out[0].token_ids[0] == START and out[-1].finish_reason == "length"
+    text = want[0][0]
+    assert len([t for t in text if t != NO_TEXT]) == 4 and text[4:] == [NO_TEXT] * 3
+    # Batched with a second spoken request, a plain codes one and a text one.
+    plain = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("text", prompts[1], plain)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"s{i}", prompt, GREEDY, head=head, spoken=spoken)
+    engine.add_request("codes", prompts[1], SamplingParams(max_tokens=5), head=head)
+    out = run(engine)
+    for i in range(2):
+        assert spoken_text(out[f"s{i}"]) == want[i][0]
+        assert torch.equal(codes_of(out[f"s{i}"]), want[i][1])
+    assert codes_of(out["codes"]).shape == (5, head.levels)
+    assert len([t for d in out["text"] for t in d.token_ids]) == 5
+
+
+def test_an_end_token_ends_the_text_and_the_audio_goes_on(engine):
+    """The first text token is the end token (the only one allowed): no text follows, and
+    every row after has no text part."""
+    head = GreedyHead(engine.model.config.hidden_size, key="audio")
+    prompt = random_prompts([13], seed=9)[0]
+    spoken = Spoken(START, END, max_text=50)
+    params = SamplingParams(temperature=0.0, max_tokens=5, allowed_token_ids=[9])
+    engine.add_request("r", prompt, params, head=head, spoken=spoken)
+    out = run(engine)["r"]
+    text, codes = oracle(engine.model, head, prompt, 5, spoken, allowed={9})
+    assert spoken_text(out) == text == [9] + [NO_TEXT] * 4
+    assert torch.equal(codes_of(out), codes)
+
+
+@pytest.fixture(scope="module")
+def next_path(tmp_path_factory):
+    return build_tiny_next(tmp_path_factory.mktemp("spoken-next") / "ckpt", seed=5)
+
+
+@pytest.mark.parametrize("model", ["llama", "longcat-next"])
+def test_the_role_rebuilds_the_rows_the_engine_fed(request, model):
+    """A session's next turn gets a spoken turn's rows from the role's spoken_rows: each
+    step's hidden state, recomputed over them, is the one the engine handed the head. On
+    LongCat-Next the text rows read the text stream's n-gram predecessors."""
+    path = request.getfixturevalue("llama_path" if model == "llama" else "next_path")
+    engine = LLMEngine(path, EngineConfig(page_size=4, num_pages=256))
+    head = GreedyHead(engine.model.config.hidden_size, key="audio")
+    prompt = random_prompts([10], seed=10, vocab=400)[0]
+    spoken = Spoken(START, END, max_text=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    engine.add_request("r", prompt, params, head=head, spoken=spoken)
+    out = run(engine)["r"]
+    steps, codes = spoken_text(out), codes_of(out)
+    assert len([t for t in steps if t != NO_TEXT and t not in END]) > 1  # a text stream
+    model = engine.model
+    rows, keys = spoken_rows(model, head, spoken, steps, codes)
+    assert keys[0] == ("spoken", steps[0]) and keys[1][1] == steps[1]
+    seen = list(head.seen)  # the hidden states the engine handed the head
+    context = torch.cat([prompt_rows(model, prompt), rows])
+    with torch.inference_mode():  # each step's state comes from the rows before it
+        for k in range(1, len(steps)):
+            hidden = model.hidden_states(context[: len(prompt) + k])[-1:]
+            torch.testing.assert_close(hidden, seen[k - 1], atol=1e-4, rtol=1e-4)
+            assert torch.equal(head.codes(hidden)[0], codes[k - 1])
+
+
+def prompt_rows(model, prompt):
+    """The prompt's input rows as the engine embeds them (an n-gram model: with contexts)."""
+    context = None
+    if model.input_context:
+        ids = list(prompt)
+        context = torch.tensor(
+            [[ids[p - s] if p >= s else -1 for s in range(1, model.input_context + 1)]
+             for p in range(len(ids))]
+        )  # fmt: skip
+    with torch.inference_mode():
+        return model.embed(torch.tensor(prompt), context).clone()
+
+
+def test_spoken_needs_a_codes_head_and_no_guidance(engine):
+    with pytest.raises(ValueError, match="spoken needs a codes head"):
+        engine.add_request("r", [1, 2, 3], GREEDY, spoken=Spoken(START, END, 4))
+    assert not engine.sequences
