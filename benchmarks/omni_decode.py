@@ -58,7 +58,7 @@ class ImageHead:
         self.depth_head = load_depth_head(folder / "head", "cpu")
         self.embedder = load_model("code_embedder", folder / "embedder", "cpu")
 
-    def codes(self, hidden: torch.Tensor) -> torch.Tensor:
+    def codes(self, hidden: torch.Tensor, pick=None) -> torch.Tensor:
         return self.depth_head.generate(hidden, temperature=0.0)
 
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 def engine_ms_per_token(engine: LLMEngine, head, context: list[int], tokens: int, tag: str):
     """ms per image token after the first (the prefill is not counted)."""
-    params = SamplingParams(max_tokens=tokens)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0)
     engine.add_request(tag, context, params, head=head, guidance=Guidance([1], CFG_SCALE))
     while not any(d.codes is not None for d in engine.step()):
         pass
@@ -100,7 +100,7 @@ def throughput(engine: LLMEngine, head, concurrency: int, tokens: int, seed: int
         engine.add_request(
             f"c{concurrency}-{seed}-{index}",
             prompt_of(32, seed * 100 + index),
-            SamplingParams(max_tokens=tokens),
+            SamplingParams(max_tokens=tokens, temperature=0.0),
             head=head,
             guidance=Guidance([1], CFG_SCALE),
         )

@@ -61,11 +61,23 @@ class MediaOutput:
     # (token, width): that token after every width media tokens (an image's row end)
     row_end: tuple[int, int] | None = None
     ended: bool = False  # the head's end code came (engine/heads.py end_code): no more tokens
+    _stacked: torch.Tensor | None = None  # codes as one tensor [N, K], grown by made()
 
     def codes_since(self, step: int) -> list[torch.Tensor]:
         """The codes of output tokens step.. (a spoken request's first token and row ends
         have none)."""
         return self.codes[bisect.bisect_left(self.at, step) :]
+
+    def made(self) -> torch.Tensor | None:
+        """Every code made so far as one tensor [N, K] (None before the first), stacked
+        once: the rows since the last call are added to it."""
+        if not self.codes:
+            return None
+        done = 0 if self._stacked is None else self._stacked.shape[0]
+        if done < len(self.codes):
+            new = torch.stack(self.codes[done:])
+            self._stacked = new if self._stacked is None else torch.cat((self._stacked, new))
+        return self._stacked
 
     def ends_row(self, made: int) -> bool:
         """Whether the output token after ``made`` ones is a row end."""

@@ -19,7 +19,7 @@ place by every block step, never computed here.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from collections.abc import Sequence as SequenceOf
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -28,6 +28,11 @@ import torch
 if TYPE_CHECKING:
     from omniflow.engine.sequence import EmbeddingSpan
     from omniflow.kv.share import KVLease
+
+
+CodesPick = Callable[[int, torch.Tensor], torch.Tensor]
+"""(level, logits [B, n]) -> ids [B]: how a codes head chooses each level's ids, one row per
+request, by the requests' sampling params (engine/sampler.py ``Sampler.codes_pick``)."""
 
 
 class CodesHead(Protocol):
@@ -43,8 +48,10 @@ class CodesHead(Protocol):
         """The token id a media token holds in the sequence."""
         ...
 
-    def codes(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, hidden] -> codebook ids [B, K] int64."""
+    def codes(self, hidden: torch.Tensor, pick: CodesPick | None = None) -> torch.Tensor:
+        """Final hidden states [B, hidden] -> codebook ids [B, K] int64, each level's ids
+        chosen by ``pick`` from its logits (None: greedy). A head whose levels have no logits
+        of their own to pick from may ignore it."""
         ...
 
     def embed(self, codes: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ def append_from_hidden(
     model: DecoderLM, sampler: Sampler, output: StepOutput, leaders: list[Sequence]
 ) -> None:
     """Guidance on the hidden states, then each leader's head: lm_head + sampler for text,
-    the codes head for media tokens (one batched call per head)."""
+    the codes head for media tokens (one batched call per head, its levels picked by the
+    sampler from each request's params)."""
     assert output.hidden is not None
     rows = {id(sequence): row for row, sequence in enumerate(output.sequences)}
     hidden = []
@@ -52,7 +53,7 @@ def append_from_hidden(
     for indices in heads.values():
         head = leaders[indices[0]].head
         assert head is not None
-        codes = head.codes(states[indices])
+        codes = head.codes(states[indices], sampler.codes_pick([leaders[i] for i in indices]))
         inputs = head.embed(codes).to(states.dtype)
         end = end_code(head)
         ends = codes[:, 0].eq(end).tolist() if end is not None else [False] * len(indices)

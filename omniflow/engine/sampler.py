@@ -1,5 +1,6 @@
 """Turns a step's logits into one token per sequence: penalties, allowed ids, temperature,
-top-k, top-p, min-p, then greedy argmax or a seeded draw; reports log-probabilities."""
+top-k, top-p, min-p, then greedy argmax or a seeded draw; reports log-probabilities. A codes
+head's levels are picked the same way (``Sampler.codes_pick``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from typing import NamedTuple
 
 import torch
 
+from omniflow.engine.codes_sampling import codes_pick
+from omniflow.engine.heads import CodesPick
+from omniflow.engine.seeds import position_generator
 from omniflow.engine.sequence import Sequence
 
 
@@ -58,23 +62,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    z = (x + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def position_generator(seed: int, position: int) -> torch.Generator:
-    """The generator for the token at ``position`` (its index in prompt + output) of a
-    request seeded ``seed``: a state of that pair alone, mixed so that near seeds and
-    positions give unrelated noise."""
-    return torch.Generator().manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ position))
-
-
 class Sampler:
     def __init__(self, seed: int | None = None):
         self.generator = torch.Generator()
@@ -113,6 +100,11 @@ class Sampler:
         chosen_logprobs = raw_logprobs.gather(1, chosen.to(logits.device)[:, None])[:, 0]
         tops = self._top_logprobs(raw_logprobs, sequences)
         return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), tops)
+
+    def codes_pick(self, sequences: list[Sequence]) -> CodesPick | None:
+        """How a codes head picks each level's ids for these sequences (codes_sampling.py),
+        unseeded ones from this sampler's generator."""
+        return codes_pick(sequences, self.generator)
 
     @staticmethod
     def _top_logprobs(

@@ -39,7 +39,8 @@ class MediaHead:
         self.key, self.placeholder_id = key, placeholder_id
         self.depth_head, self.embedder = depth_head, embedder
 
-    def codes(self, hidden: torch.Tensor) -> torch.Tensor:
+    def codes(self, hidden: torch.Tensor, pick: Any = None) -> torch.Tensor:
+        """Greedy: the legacy omni-layout depth head chooses its levels itself."""
         return self.depth_head.generate(hidden, temperature=0.0)
 
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
@@ -180,7 +181,7 @@ async def run_stage(
         params = dataclasses.replace(cast(SamplingParams, params), max_tokens=stage.tokens + 1)
     else:
         rows = stage.tokens // stage.row_end[1] if stage.row_end else 0  # + a newline each
-        params = SamplingParams(max_tokens=stage.tokens + rows)
+        params = media_params(params, stage.tokens + rows)
     buffered: list[torch.Tensor] = []  # ids rows not yet sent
     index = 0
     first = previous is None
@@ -205,6 +206,14 @@ async def run_stage(
         yield {"audio_codes": torch.stack(buffered).cpu(), "index": index}
     if stage.grid is not None:
         yield {"image_codes": torch.stack(buffered).cpu(), "image_grid": stage.grid}
+
+
+def media_params(params: SamplingParams | None, tokens: int) -> SamplingParams:
+    """A media stage's params: the request's sampling, by which the engine picks its codes
+    (as published), without its text's stops and logprobs; greedy without a request's."""
+    if params is None:
+        return SamplingParams(max_tokens=tokens, temperature=0.0)
+    return dataclasses.replace(params, max_tokens=tokens, stop=[], stop_token_ids=[], logprobs=None)
 
 
 class SaidText:

@@ -18,10 +18,12 @@ class GreedyHead:
         self.tables = torch.randn(levels, ids, hidden, generator=generator) * 0.5
         self.seen: list[torch.Tensor] = []  # every hidden state the engine handed in
 
-    def codes(self, hidden: torch.Tensor) -> torch.Tensor:
+    def codes(self, hidden: torch.Tensor, pick=None) -> torch.Tensor:
         self.seen.append(hidden.detach().clone())
         logits = (hidden.float() @ self.projection).view(-1, self.levels, self.ids)
-        return logits.argmax(-1)
+        if pick is None:
+            return logits.argmax(-1)
+        return torch.stack([pick(level, logits[:, level]) for level in range(self.levels)], -1)
 
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
         return self.tables[torch.arange(self.levels), codes].sum(1)
@@ -33,10 +35,12 @@ def embed(model, token_ids) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def recompute_codes(model, head, prompt, n, uncond_prompt=None, scale=1.0, row_end=None):
+def recompute_codes(
+    model, head, prompt, n, uncond_prompt=None, scale=1.0, row_end=None, picker=None
+):
     """n media tokens by re-running the whole context through the model for each one;
     ``row_end`` (token, width): that token's own row after every width of them (n counts
-    those steps too)."""
+    those steps too); ``picker(rows so far)``: the head's pick for the next one."""
     context = embed(model, prompt)
     uncond = None if uncond_prompt is None else embed(model, uncond_prompt)
     rows, states = [], []
@@ -51,7 +55,7 @@ def recompute_codes(model, head, prompt, n, uncond_prompt=None, scale=1.0, row_e
         if uncond is not None:
             hidden = guided(hidden, model.hidden_states(uncond)[-1:], scale)
         states.append(hidden[0])
-        ids = head.codes(hidden)
+        ids = head.codes(hidden, None if picker is None else picker(rows))
         rows.append(ids[0])
         step = head.embed(ids).to(context.dtype)
         context = torch.cat([context, step])

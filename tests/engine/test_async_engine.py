@@ -138,7 +138,9 @@ def test_codes_kept_stages_and_block_steps_through_the_async_engine(llama_path):
             options = dict(head=head, guidance=Guidance([1], 2.0), keep=True)
             codes = [
                 d.codes
-                async for d in engine.generate("i", [4], SamplingParams(max_tokens=3), **options)
+                async for d in engine.generate(
+                    "i", [4], SamplingParams(max_tokens=3, temperature=0.0), **options
+                )
             ]
             assert sum(len(c) for c in codes if c is not None) == 3
             rows = torch.randn(4, backend.model.config.hidden_size)

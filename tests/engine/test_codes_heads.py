@@ -21,7 +21,9 @@ def engine(llama_path):
 
 def add_codes(engine, rid, prompt, n, head, cfg=None):
     guidance = None if cfg is None else Guidance(UNCOND, cfg)
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=n), head=head, guidance=guidance)
+    engine.add_request(
+        rid, prompt, SamplingParams(max_tokens=n, temperature=0.0), head=head, guidance=guidance
+    )
 
 
 @pytest.mark.parametrize("cfg", [None, 3.0])
@@ -140,7 +142,7 @@ def test_kept_media_tokens_are_a_prefix_cache_hit_for_the_next_turn(llama_path):
     text = [t for d in run(engine)["text"] for t in d.token_ids]
     computed = engine.stats["prompt_tokens_computed"]
     add = dict(head=head, guidance=Guidance(UNCOND, 2.0), continue_from="text")
-    engine.add_request("image", [], SamplingParams(max_tokens=12), **add)
+    engine.add_request("image", [], SamplingParams(max_tokens=12, temperature=0.0), **add)
     out = run(engine)["image"]
     assert engine.stats["prompt_tokens_computed"] == computed + 1 + len(UNCOND)  # no re-prefill
     assert out[0].num_cached_tokens == len(prompt) + len(text) - 1
@@ -205,7 +207,8 @@ def test_the_unconditional_prompt_is_served_from_the_prefix_cache(engine):
     for rid, seed in (("a", 13), ("b", 14)):
         prompt = random_prompts([6], seed=seed)[0]
         guidance = Guidance(uncond, 2.0)
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=2), head=head, guidance=guidance)
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        engine.add_request(rid, prompt, params, head=head, guidance=guidance)
         follower = engine.sequences[rid].partner
         run(engine)
     assert follower.num_cached_tokens == 8  # the second pair: two full pages of uncond
@@ -218,7 +221,7 @@ def test_row_ends_are_plain_tokens_between_rows_of_codes(engine, cfg):
     head = GreedyHead(engine.model.config.hidden_size)
     prompt = random_prompts([12], seed=12)[0]
     guidance = None if cfg is None else Guidance(UNCOND, cfg)
-    params = SamplingParams(max_tokens=8)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
     engine.add_request("r", prompt, params, head=head, guidance=guidance, row_end=(99, 3))
     out = run(engine)["r"]
     tokens = [t for d in out for t in d.token_ids]
@@ -229,3 +232,55 @@ def test_row_ends_are_plain_tokens_between_rows_of_codes(engine, cfg):
     with torch.inference_mode():
         want, _ = recompute_codes(engine.model, head, prompt, 8, uncond, cfg or 1.0, (99, 3))
     assert torch.equal(codes, want)
+
+
+def test_sampled_codes_follow_the_request_params_and_its_seed(engine):
+    """Codes are drawn by the request's sampling (as LongCat-Next's published sampler
+    draws them): seeded, the same alone and batched; another seed, other codes; top_k 1 is
+    the greedy codes."""
+    head = GreedyHead(engine.model.config.hidden_size)
+    prompt, other = random_prompts([11, 19], seed=13)
+    greedy, _ = recompute_codes(engine.model, head, prompt, 10)
+
+    def sampled(rid, seed, prompt=prompt, **extra):
+        params = SamplingParams(max_tokens=10, temperature=1.0, seed=seed, **extra)
+        engine.add_request(rid, prompt, params, head=head)
+
+    sampled("alone", 7)
+    alone = codes_of(run(engine)["alone"])
+    sampled("again", 7)
+    sampled("seed8", 8)
+    sampled("other", 3, other)
+    sampled("top1", None, top_k=1)
+    out = run(engine)
+    assert torch.equal(codes_of(out["again"]), alone)
+    assert not torch.equal(alone, greedy)
+    assert not torch.equal(codes_of(out["seed8"]), alone)
+    assert torch.equal(codes_of(out["top1"]), greedy)
+
+
+def test_the_repetition_penalty_covers_each_level_s_earlier_codes(engine):
+    """Greedy codes with a repetition penalty: each level's logits of the ids that level
+    already took are scaled (divided where positive, multiplied where not), against a
+    recompute that penalizes in the test."""
+    head = GreedyHead(engine.model.config.hidden_size)
+    prompt = random_prompts([15], seed=14)[0]
+    penalty = 3.0
+
+    def picker(rows):
+        def pick(level, logits):
+            logits = logits.clone()
+            for seen in {int(row[level]) for row in rows}:
+                score = logits[0, seen]
+                logits[0, seen] = score / penalty if score > 0 else score * penalty
+            return logits.argmax(-1)
+
+        return pick
+
+    want, _ = recompute_codes(engine.model, head, prompt, 12, picker=picker)
+    plain, _ = recompute_codes(engine.model, head, prompt, 12)
+    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=penalty)
+    engine.add_request("r", prompt, params, head=head)
+    got = codes_of(run(engine)["r"])
+    assert torch.equal(got, want)
+    assert not torch.equal(got, plain)

@@ -61,7 +61,7 @@ def test_codes_heads_equal_the_recompute_reference(longcat_path, cfg):
     expected = [recompute_codes(engine.model, head, p, 6, uncond, cfg or 1.0)[0] for p in prompts]
     guidance = None if cfg is None else Guidance([1, 5], cfg)
     for index, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=6)
+        params = SamplingParams(max_tokens=6, temperature=0.0)
         engine.add_request(f"r{index}", prompt, params, head=head, guidance=guidance)
     out = run(engine)
     for index in range(len(prompts)):

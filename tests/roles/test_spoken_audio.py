@@ -195,3 +195,36 @@ def test_a_resent_spoken_reply_is_prompted_as_it_was_said(tmp_path):
     # last page's share (pages of 16)
     spoken = first["prompt_tokens"] + 1 + 1 + 6 + 1  # <audiogen_start>, start, audio, end
     assert second["cached_tokens"] >= spoken // 16 * 16 > first["prompt_tokens"] // 16 * 16
+
+
+@pytest.mark.parametrize(
+    "want", [{"want": "image", "image_grid": [2, 3]}, {**PARAMS, "want": "audio"}]
+)
+def test_media_codes_are_drawn_by_the_request_s_sampling(tmp_path, want):
+    """An image's and an audio turn's codes as the published sampler draws them: by the
+    request's temperature and seed (the same seed, the same codes; temperature 0, the
+    greedy ones, which a seeded draw at temperature 1 is not). No text before them, so
+    the codes are all that sampling changes."""
+    prebuilt_longcat(tmp_path)
+    model = tmp_path / "models" / "longcat-tiny" / "next"
+    runs = {"a": {"seed": 5}, "b": {"seed": 5}, "greedy": {"temperature": 0.0}}
+
+    async def main():
+        actor = LLMRole("llm", 0, {"model_path": str(model), "kv_cache_mb": 8, "threads": 1})
+        await actor.setup()
+        try:
+            got = {}
+            for name, extra in runs.items():
+                params = {**want, "max_tokens": 3, **extra}
+                request = make_request({"text": "make"}, params=params, request_id=name)
+                outs = await drive(actor, request, make_ctx("llm", name))
+                key = "image_codes" if "image_grid" in want else "audio_codes"
+                got[name] = torch.cat([o[key] for o in outs if key in o])
+            return got
+        finally:
+            await actor.close()
+
+    got = asyncio.run(main())
+    assert torch.equal(got["a"], got["b"])
+    assert got["a"].shape == got["greedy"].shape
+    assert not torch.equal(got["a"], got["greedy"])

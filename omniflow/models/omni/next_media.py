@@ -2,7 +2,9 @@
 
 An image or audio token is made by ``visual_head`` / ``audio_head`` (next_heads.py), level
 by level: the LLM's last hidden state and the running sum of the chosen levels' word-
-embedding rows -> level l's logits over codebook size + 1, greedy over the codebook. The
+embedding rows -> level l's logits over codebook size + 1, each level's id picked by the
+request's sampling (the engine's ``pick``: temperature, top-k, top-p and the repetition
+penalty over its earlier codes, as published) or greedy over the codebook. The
 extra last output is for audio level 0 the published end-of-audio flag: chosen, it ends the
 audio (the engine's ``end_code``: modules/state_machine.py of LongCat-Next-inference leaves
 its audio stage there), its row's other levels are 0 and it goes back in as no codes; an
@@ -14,6 +16,7 @@ the same input the encoders give a seen image or sound (next_vision.py, next_aud
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,6 +31,9 @@ from omniflow.models.omni.next_codes import (
     load_code_rows,
 )
 from omniflow.models.omni.next_heads import NextDepthHead, head_for
+
+# (level, logits [B, n]) -> ids [B]: the engine's CodesPick (engine/heads.py)
+CodesPick = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class SpeechTokens(NamedTuple):
@@ -76,9 +82,10 @@ class NextMediaHead:
         self.end_code = sizes[0] if key == "audio" else None
 
     @torch.no_grad()
-    def codes(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Level by level: greedy id of level l, then its word-embedding row joins the
-        running sum the next level's position reads."""
+    def codes(self, hidden: torch.Tensor, pick: CodesPick | None = None) -> torch.Tensor:
+        """Level by level: level l's id (``pick``ed from its logits, or greedy), then its
+        word-embedding row joins the running sum the next level's position reads."""
+        choose = pick or _greedy
         hidden = hidden.to(self.head.hidden_proj.weight.dtype)
         previous = hidden.new_zeros(hidden.shape[0], len(self.sizes) - 1, hidden.shape[-1])
         total = hidden.new_zeros(hidden.shape[0], hidden.shape[-1])
@@ -87,11 +94,11 @@ class NextMediaHead:
         for level, size in enumerate(self.sizes):
             logits = self.head.level_logits(hidden, previous, level)
             if level == 0 and flag is not None:
-                code = logits[:, : size + 1].argmax(-1)  # the flag may end the audio
+                code = choose(level, logits[:, : size + 1])  # the flag may end the audio
                 ended = code == flag
                 code = code.masked_fill(ended, 0)  # the levels after read no flag row
             else:
-                code = logits[:, :size].argmax(-1)
+                code = choose(level, logits[:, :size])
             ids.append(code)
             if level + 1 < len(self.sizes):
                 total = total + self.code_rows(code + self.offsets[level]).to(hidden.dtype)
@@ -115,6 +122,10 @@ class NextMediaHead:
         if self.embedding_layer is not None:
             rows = self.embedding_layer.pre_buffer(rows)
         return rows
+
+
+def _greedy(level: int, logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
 
 
 def load_next_media_heads(
