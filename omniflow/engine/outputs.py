@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from omniflow.engine.flows import MediaOutput
 from omniflow.engine.heads import end_code, guided
 from omniflow.engine.model_runner import StepOutput
 from omniflow.engine.protocol import TokenDelta
@@ -113,9 +114,10 @@ def check_stop(
     """Set finish_reason (and stop_reason) if the token just appended ends the request."""
     params, token = sequence.params, sequence.output_token_ids[-1]
     if sequence.head is not None:  # media tokens: the head's end code or their count
-        if sequence.media is not None and sequence.media.ended:
+        media = sequence.media
+        if media is not None and media.ended:
             sequence.finish_reason = "stop"
-        elif len(sequence.output_token_ids) >= params.max_tokens:
+        elif len(sequence.output_token_ids) >= params.max_tokens or _made_all(media):
             sequence.finish_reason = "length"
         return
     if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
@@ -138,6 +140,19 @@ def check_stop(
                 return
     if len(sequence.output_token_ids) >= params.max_tokens or len(sequence) >= max_model_len:
         sequence.finish_reason = "length"
+
+
+def _made_all(media: MediaOutput | None) -> bool:
+    """A serial spoken request has made the audio tokens it asked for (max_tokens counts its
+    text too)."""
+    spoken = None if media is None else media.spoken
+    return (
+        spoken is not None
+        and spoken.spec.audio_tokens is not None
+        and (
+            len(media.codes) >= spoken.spec.audio_tokens  # type: ignore[union-attr]
+        )
+    )
 
 
 def delta_of(sequence: Sequence, num_new: int) -> TokenDelta:

@@ -10,8 +10,16 @@ stream's embedding is the model's input embedding over the text tokens alone (fo
 n-gram embedding, its predecessors are the stream's). A row has no text part once the
 text has ended: at one of `end_ids` (the audiotext pad, EOS) or after `max_text` tokens.
 
-`speak` runs a step's speaking sequences: their text tokens, the first steps' start tokens,
-and the text rows the others' media tokens take. `text_rows` and `token_row` rebuild the
+Serial speech (the published delay ∞, `Spoken.audio_tokens` set): the text comes first
+inside the speech block, a token per step, each its own row (its text-stream embedding) and
+no audio; the step whose text ends (an end id, or after `max_text` tokens) makes the start
+token alone; then `audio_tokens` audio tokens, with no text. As LongCat-Next-inference's
+`output_processor.py` and `input_processor.py` run it: until the text's pad the step's
+input is the text token, then `<longcat_audiotext_start>`, then the audio codes alone.
+
+`speak` runs a step's speaking sequences: their text tokens, the start tokens (a parallel
+request's first step, a serial one's after its text), and the text rows the others' media
+tokens take. `text_rows` and `token_row` rebuild the
 same rows from a finished turn's text, for a session's next turn.
 """
 
@@ -36,6 +44,9 @@ class Spoken(NamedTuple):
     start_id: int  # the first step's token; its row carries the first text token
     end_ids: frozenset[int]  # text tokens that end the text (then no text follows)
     max_text: int  # text tokens at most
+    # Serial: the text first, then the start token, then this many audio tokens (None:
+    # parallel, a text token beside each audio token).
+    audio_tokens: int | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -44,11 +55,7 @@ class SpokenText:
     steps: list[int] = field(default_factory=list)  # per step: its text token, or NO_TEXT
     stream: list[int] = field(default_factory=list)  # the text tokens so far (no end id)
     ended: bool = False
-
-    @property
-    def opening(self) -> bool:
-        """The next step is the first: text only, no audio token."""
-        return not self.steps
+    started: bool = False  # the start token is in: the steps after it make audio
 
 
 def text_row(model: DecoderLM, stream: list[int], token: int) -> torch.Tensor:
@@ -67,14 +74,15 @@ def speak(
     model: DecoderLM, sampler: Sampler, leaders: list[Sequence], states: torch.Tensor
 ) -> tuple[dict[int, tuple[int, torch.Tensor | None]], set[int]]:
     """The step of the speaking leaders (states: every leader's hidden state [hidden]):
-    each samples its text token; a first step appends the start token (its row: the start
-    token's plus the text's). Returns, for the others, index -> (the text token, its text
-    row or None once the text has ended), for their media token's row; and the indices of
-    the first steps (done: no codes)."""
+    each samples its text token; a parallel first step appends the start token (its row:
+    the start token's plus the text's), a serial one its text token until the text ends,
+    then the start token. Returns, for the others, index -> (the text token, its text row
+    or None once the text has ended), for their media token's row; and the indices of the
+    steps before the start token's (done: no codes)."""
     speaking = [i for i, s in enumerate(leaders) if s.media is not None and s.media.spoken]
     if not speaking:
         return {}, set()
-    opening = {i for i in speaking if _state(leaders[i]).opening}
+    opening = {i for i in speaking if not _state(leaders[i]).started}  # no audio this step
     rows: dict[int, torch.Tensor | None] = dict.fromkeys(speaking)
     live = [i for i in speaking if not _state(leaders[i]).ended]
     for i in speaking:
@@ -96,12 +104,16 @@ def speak(
     said = {}
     for i in speaking:
         state, text = _state(leaders[i]), rows[i]
-        if i in opening:
+        if i not in opening:
+            said[i] = (state.steps[-1], text)
+        elif state.spec.audio_tokens is None or text is None:
+            # parallel's first step, or serial's once its text has ended: the start token
             start = token_row(model, state.spec.start_id)
             start = start if text is None else start + text.to(start.dtype)
             leaders[i].append_row(state.spec.start_id, start, ("spoken", state.steps[-1]))
-        else:
-            said[i] = (state.steps[-1], text)
+            state.started = True
+        else:  # serial, its text going on: the text token, its own row
+            leaders[i].append_row(state.steps[-1], text, ("spoken", state.steps[-1]))
     return said, opening
 
 

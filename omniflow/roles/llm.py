@@ -26,11 +26,10 @@ next input; each is one engine decode step (a codes head, engine/heads.py). Imag
 use classifier-free guidance against a paired unconditional sequence (the prompt without
 the user's turns), scheduled with it. A turn is one sequence: text, then image, then
 audio each go on from the last stage's KV. A turn of text and audio on a model with the
-audiotext tokens (the published layout) makes them together, as LongCat-Next streams
-speech: each audio step samples a text token too, from the same hidden state, and its row
-carries both (engine/spoken.py; params.audio_text "serial": the text stage first). Its
-text is then at most one token longer than its audio (audio_chunks x audio_chunk_tokens,
-the forced length): a longer reply is cut there ("length"), or asks for serial.
+audiotext tokens (the published layout) speaks as LongCat-Next does (engine/spoken.py):
+parallel, each audio step samples a text token too and its row carries both; serial, the
+text first in the speech block, then the audio alone. A parallel text is at most one token
+longer than its audio (audio_chunks x audio_chunk_tokens): a longer one is cut ("length").
 Random weights cannot choose a modality, so ``want`` forces which outputs are made.
 
 Options: ``LLMOptions`` in roles/options.py. ``hidden_size`` of a build_tiny model must
@@ -414,11 +413,10 @@ class LLMRole(PrefixPulls, ModelActor):
         self, given: dict[str, Any], want: set[str], stages: list[Stage], resumed: list[int],
         max_text: int,
     ) -> Spoken | None:  # fmt: skip
-        """Whether the turn's text is made beside its audio (params.audio_text, default:
-        where the audio head has the audiotext tokens): a turn of text and audio only,
-        not a migrated one (its text goes on first)."""
+        """How a turn of text and audio only (not a migrated one) speaks, where the audio
+        head has the audiotext tokens: params.audio_text parallel (the default) or serial."""
         mode = given.get("audio_text", "")
-        if mode == "serial" or not {"text", "audio"} <= want or "image" in want or resumed:
+        if not {"text", "audio"} <= want or "image" in want or resumed:
             return None
         ids = speech_tokens(stages[-1].head)
         if ids is None:
@@ -428,7 +426,8 @@ class LLMRole(PrefixPulls, ModelActor):
                     f"{self.path} has no audiotext tokens for its audio head: only serial",
                 )
             return None
-        return Spoken(ids.text_start, frozenset({ids.text_pad, *self.llm.eos_token_ids}), max_text)
+        ends, audio = frozenset({ids.text_pad, *self.llm.eos_token_ids}), stages[-1].tokens
+        return Spoken(ids.text_start, ends, max_text, audio if mode == "serial" else None)
 
     def meta(self) -> dict[str, Any]:
         """The routing summary: sessions held here, then media that began recent prompts;

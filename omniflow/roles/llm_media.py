@@ -178,7 +178,8 @@ async def run_stage(
     given = (spans or None) if previous is None else None
     if spoken is not None:
         options["spoken"] = spoken  # one more step: the first makes text only
-        params = dataclasses.replace(cast(SamplingParams, params), max_tokens=stage.tokens + 1)
+        made = stage.tokens + 1 + (spoken.max_text if spoken.audio_tokens is not None else 0)
+        params = dataclasses.replace(cast(SamplingParams, params), max_tokens=made)
     else:
         rows = stage.tokens // stage.row_end[1] if stage.row_end else 0  # + a newline each
         params = media_params(params, stage.tokens + rows)
@@ -247,13 +248,15 @@ def spoken_rows(
     model: Any, head: Any, spoken: Spoken, steps: list[int], codes: torch.Tensor
 ) -> tuple[torch.Tensor, list]:
     """A spoken turn's input rows and prefix keys, as the engine fed them (engine/spoken.py):
-    the start token's row, then each media token's, each with its step's text row."""
+    a serial turn's text tokens' rows, the start token's row, then each media token's, each
+    with its step's text row (a parallel turn's steps: the start token's, then codes)."""
     rows = text_rows(model, steps, spoken.end_ids)
+    lead = len(steps) - len(codes)  # the steps without codes: the start token's is last
     with torch.inference_mode():
-        rows[0] += token_row(model, spoken.start_id).to(rows.dtype).cpu()
-        rows[1:] += head.embed(codes).to(rows.dtype).cpu()
-    keys: list[Any] = [("spoken", steps[0])]
-    keys += [(codes_key(head, ids), text) for ids, text in zip(codes, steps[1:], strict=True)]
+        rows[lead - 1] += token_row(model, spoken.start_id).to(rows.dtype).cpu()
+        rows[lead:] += head.embed(codes).to(rows.dtype).cpu()
+    keys: list[Any] = [("spoken", step) for step in steps[:lead]]
+    keys += [(codes_key(head, ids), text) for ids, text in zip(codes, steps[lead:], strict=True)]
     return rows, keys
 
 
@@ -282,12 +285,13 @@ def spoken_layout(
     keys: list,
     pad: int,
 ) -> tuple[list[int], list[EmbeddingSpan]]:
-    """After a spoken stage: <audiogen_start>, then the start token and the audio tokens
-    (rows and keys from spoken_rows), then <audiogen_end>."""
+    """After a spoken stage: <audiogen_start>, then (serial) the text's tokens, the start
+    token and the audio tokens (rows and keys from spoken_rows), then <audiogen_end>."""
     marks = cast(SpeechTokens, speech_tokens(stage.head))
     out = list(tokens) + [marks.gen_start]
     span = EmbeddingSpan(len(out), rows, keys)
-    out += [spoken.start_id] + [pad] * (len(keys) - 1) + [marks.gen_end]
+    said = [key[1] for key in keys if key[0] == "spoken"][:-1]  # a serial turn's text
+    out += said + [spoken.start_id] + [pad] * (len(keys) - len(said) - 1) + [marks.gen_end]
     return out, list(spans) + [span]
 
 

@@ -102,31 +102,85 @@ def next_path(tmp_path_factory):
     return build_tiny_next(tmp_path_factory.mktemp("spoken-next") / "ckpt", seed=5)
 
 
+def serial_oracle(model, head, prompt, spoken):
+    """Serial speech (the published delay ∞) by re-running the whole context: greedy text
+    tokens, each step's row its own embedding, until an end id or max_text tokens; then the
+    start token's row alone; then audio_tokens steps of the head's codes and their rows.
+    Returns each step's token id, its text entry, and the codes."""
+    context, tokens, text, codes = embed(model, prompt), [], [], []
+    with torch.inference_mode():
+        while len(codes) < spoken.audio_tokens:
+            hidden = model.hidden_states(context)[-1:]
+            if START in tokens:  # the audio
+                ids = head.codes(hidden)
+                codes.append(ids[0])
+                row, token, said = head.embed(ids)[0].to(context.dtype), 0, NO_TEXT
+            elif len(text) >= spoken.max_text:  # the text ran out: the start token
+                row, token, said = embed(model, [START])[0], START, NO_TEXT
+            else:
+                said = int(model.logits(hidden).float()[0].argmax())
+                token = START if said in spoken.end_ids else said
+                row = embed(model, [token])[0]
+            tokens.append(token)
+            text.append(said)
+            context = torch.cat([context, row[None]])
+    return tokens, text, torch.stack(codes)
+
+
+def test_serial_speech_says_its_text_first_then_the_audio_alone(engine):
+    """As published delay ∞: the text's tokens, the start token, then the audio tokens with
+    no text, against the recompute; max_tokens counts them all, the audio ends at its own
+    count. Batched with a parallel one, each is what it is alone."""
+    head = GreedyHead(engine.model.config.hidden_size, key="audio")
+    prompts = random_prompts([13, 9], seed=21)
+    first = serial_oracle(engine.model, head, prompts[0], Spoken(START, END, 3, 4))[1]
+    for max_text, end in ((3, END), (40, frozenset({first[1]}))):  # cut; ended by its end id
+        serial = Spoken(START, end, max_text=max_text, audio_tokens=4)
+        tokens, text, codes = serial_oracle(engine.model, head, prompts[0], serial)
+        assert (text[-5] in end) == (max_text == 40)
+        params = SamplingParams(temperature=0.0, max_tokens=4 + max_text + 1)
+        engine.add_request("s", prompts[0], params, head=head, spoken=serial)
+        engine.add_request("p", prompts[1], GREEDY, head=head, spoken=Spoken(START, end, 4))
+        out = run(engine)
+        got = out["s"]
+        assert [t for d in got for t in d.token_ids][: len(tokens) - 4] == tokens[:-4]
+        assert spoken_text(got) == text and torch.equal(codes_of(got), codes)
+        assert got[-1].finish_reason == "length" and codes.shape[0] == 4
+        assert text[-4:] == [NO_TEXT] * 4  # no text beside the audio
+        assert tokens.index(START) == len(tokens) - 5  # the start token right before it
+        assert spoken_text(out["p"])[0] != NO_TEXT and out["p"][0].token_ids[0] == START
+
+
+@pytest.mark.parametrize("audio_tokens", [None, 3])
 @pytest.mark.parametrize("model", ["llama", "longcat-next"])
-def test_the_role_rebuilds_the_rows_the_engine_fed(request, model):
+def test_the_role_rebuilds_the_rows_the_engine_fed(request, model, audio_tokens):
     """A session's next turn gets a spoken turn's rows from the role's spoken_rows: each
     step's hidden state, recomputed over them, is the one the engine handed the head. On
-    LongCat-Next the text rows read the text stream's n-gram predecessors."""
+    LongCat-Next the text rows read the text stream's n-gram predecessors. Parallel
+    (audio_tokens None) and serial."""
     path = request.getfixturevalue("llama_path" if model == "llama" else "next_path")
     engine = LLMEngine(path, EngineConfig(page_size=4, num_pages=256))
     head = GreedyHead(engine.model.config.hidden_size, key="audio")
     prompt = random_prompts([10], seed=10, vocab=400)[0]
-    spoken = Spoken(START, END, max_text=5)
-    params = SamplingParams(temperature=0.0, max_tokens=8)
+    spoken = Spoken(START, END, max_text=5, audio_tokens=audio_tokens)
+    more = 0 if audio_tokens is None else 5
+    params = SamplingParams(temperature=0.0, max_tokens=8 + more)
     engine.add_request("r", prompt, params, head=head, spoken=spoken)
     out = run(engine)["r"]
     steps, codes = spoken_text(out), codes_of(out)
     assert len([t for t in steps if t != NO_TEXT and t not in END]) > 1  # a text stream
     model = engine.model
     rows, keys = spoken_rows(model, head, spoken, steps, codes)
-    assert keys[0] == ("spoken", steps[0]) and keys[1][1] == steps[1]
+    lead = len(steps) - len(codes)  # the steps without codes
+    assert lead == 1 if audio_tokens is None else lead > 1
+    assert keys[0] == ("spoken", steps[0]) and keys[lead][1] == steps[lead]
     seen = list(head.seen)  # the hidden states the engine handed the head
     context = torch.cat([prompt_rows(model, prompt), rows])
     with torch.inference_mode():  # each step's state comes from the rows before it
-        for k in range(1, len(steps)):
+        for k in range(lead, len(steps)):
             hidden = model.hidden_states(context[: len(prompt) + k])[-1:]
-            torch.testing.assert_close(hidden, seen[k - 1], atol=1e-4, rtol=1e-4)
-            assert torch.equal(head.codes(hidden)[0], codes[k - 1])
+            torch.testing.assert_close(hidden, seen[k - lead], atol=1e-4, rtol=1e-4)
+            assert torch.equal(head.codes(hidden)[0], codes[k - lead])
 
 
 def prompt_rows(model, prompt):

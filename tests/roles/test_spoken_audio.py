@@ -78,7 +78,9 @@ def test_parallel_on_a_model_without_audiotext_tokens_is_refused_by_name():
     head.speech = SpeechTokens(6, 7, 9, 8)
     spoken = LLMRole._spoken(role, {}, want, [stage], [], 5)
     assert spoken is not None and spoken.start_id == 7 and spoken.end_ids == {9, 2}
-    assert LLMRole._spoken(role, {"audio_text": "serial"}, want, [stage], [], 5) is None
+    assert spoken.audio_tokens is None  # parallel
+    serial = LLMRole._spoken(role, {"audio_text": "serial"}, want, [stage], [], 5)
+    assert serial is not None and serial.audio_tokens == 6  # the text, then 6 audio tokens
     assert LLMRole._spoken(role, {}, want, [stage], [3], 5) is None  # migrated: serial
 
 
@@ -157,10 +159,12 @@ def test_the_end_of_audio_flag_ends_the_audio_there(tmp_path, mode):
     assert any("text" in o for o in following)  # the next turn went on from the flag row
 
 
-def test_a_resent_spoken_reply_is_prompted_as_it_was_said(tmp_path):
+@pytest.mark.parametrize("mode", ["parallel", "serial"])
+def test_a_resent_spoken_reply_is_prompted_as_it_was_said(tmp_path, mode):
     """A stateless client resends a spoken turn's text: the llm prompts it as the speech it
-    made (the speech tokens, the audio tokens' rows and keys), so the prefix cache serves
-    the whole first turn, speech included, as it does for a session."""
+    made (the speech tokens, the audio tokens' rows and keys; serial: the text's tokens in
+    the speech block too), so the prefix cache serves the whole first turn, speech
+    included, as it does for a session."""
     prebuilt_longcat(tmp_path)
     model = tmp_path / "models" / "longcat-tiny" / "next"
     ask = [{"role": "user", "content": "say something long enough to fill a page or two"}]
@@ -169,7 +173,7 @@ def test_a_resent_spoken_reply_is_prompted_as_it_was_said(tmp_path):
         actor = LLMRole("llm", 0, {"model_path": str(model), "kv_cache_mb": 8, "threads": 1})
         await actor.setup()
         try:
-            params = {**PARAMS, "seed": 4}
+            params = {**PARAMS, "seed": 4, "audio_text": mode}
             ctx = make_ctx("llm", "s1")
             said = await drive(actor, make_request({"messages": ask}, params=params), ctx)
             reply = "".join(o.get("text", "") for o in said)
@@ -194,6 +198,8 @@ def test_a_resent_spoken_reply_is_prompted_as_it_was_said(tmp_path):
     # 6 audio tokens and the speech markers past the first prompt: all cached but the
     # last page's share (pages of 16)
     spoken = first["prompt_tokens"] + 1 + 1 + 6 + 1  # <audiogen_start>, start, audio, end
+    if mode == "serial":  # the text's tokens before the start token
+        spoken += first["completion_tokens"]
     assert second["cached_tokens"] >= spoken // 16 * 16 > first["prompt_tokens"] // 16 * 16
 
 
