@@ -30,7 +30,8 @@ MODEL = "lcrt"
 SHORT = {"audio_chunks": 2, "audio_chunk_tokens": 2}
 # The first turn then ends past a page boundary (40 prompt + the audiotext start + 8 audio
 # tokens; pages of 16): the next turn's cache hit covers its audio positions.
-LONGER = {"audio_chunks": 2, "audio_chunk_tokens": 4}
+# seeded: an unseeded reply's first text token is now and then its end (no text at all)
+LONGER = {"audio_chunks": 2, "audio_chunk_tokens": 4, "seed": 3}
 
 
 def voice_config() -> str:
