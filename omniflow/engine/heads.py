@@ -8,7 +8,9 @@ keyed in the prefix cache by (`key`, its ids), so a later turn that repeats it r
 
 Classifier-free guidance pairs a request (the conditional sequence) with an unconditional
 one (`Guidance`); the scheduler runs both in the same step, and the hidden states are
-combined as uncond + scale * (cond - uncond) before the head.
+combined as uncond + scale * (cond - uncond) before the head, or, for a codes head with
+``guided_codes(cond, uncond, scale, pick)``, the head gets both halves and guides each
+level's logits itself (LongCat-Next's published image head).
 
 A block step (`BlockRows`) is N input rows that attend bidirectionally among themselves and
 causally to a kept sequence's computed prefix; their K/V never enter the prefix cache, and

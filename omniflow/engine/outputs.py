@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from omniflow.engine.flows import MediaOutput
-from omniflow.engine.heads import end_code, guided
+from omniflow.engine.heads import CodesHead, CodesPick, end_code, guided
 from omniflow.engine.model_runner import StepOutput
 from omniflow.engine.protocol import TokenDelta
 from omniflow.engine.sampler import Sampler
@@ -34,10 +34,12 @@ def append_from_hidden(
     assert output.hidden is not None
     rows = {id(sequence): row for row, sequence in enumerate(output.sequences)}
     hidden = []
-    for sequence in leaders:
+    halves: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}  # for guided_codes
+    for i, sequence in enumerate(leaders):
         state = output.hidden[rows[id(sequence)]]
         if sequence.pair is not None:
             base = output.hidden[rows[id(sequence.pair.follower)]]
+            halves[i] = (state, base, sequence.pair.scale)
             state = guided(state, base, sequence.pair.scale)
         hidden.append(state)
     states = torch.stack(hidden)
@@ -54,7 +56,9 @@ def append_from_hidden(
     for indices in heads.values():
         head = leaders[indices[0]].head
         assert head is not None
-        codes = head.codes(states[indices], sampler.codes_pick([leaders[i] for i in indices]))
+        codes = _codes(
+            head, states, indices, halves, sampler.codes_pick([leaders[i] for i in indices])
+        )
         inputs = head.embed(codes).to(states.dtype)
         end = end_code(head)
         ends = codes[:, 0].eq(end).tolist() if end is not None else [False] * len(indices)
@@ -71,6 +75,25 @@ def append_from_hidden(
             for member in (leaders[i], leaders[i].partner):
                 if member is not None:
                     member.append_codes(head, codes[j], inputs[j])
+
+
+def _codes(
+    head: CodesHead,
+    states: torch.Tensor,
+    indices: list[int],
+    halves: dict[int, tuple[torch.Tensor, torch.Tensor, float]],
+    pick: CodesPick | None,
+) -> torch.Tensor:
+    """The head's codes for the leaders at ``indices``: from their guided hidden states, or,
+    for a head with ``guided_codes`` (engine/heads.py), from both halves of each pair (an
+    unpaired row is its own unconditional half at scale 1)."""
+    guide = getattr(head, "guided_codes", None)
+    if guide is None or not any(i in halves for i in indices):
+        return head.codes(states[indices], pick)
+    cond = torch.stack([halves[i][0] if i in halves else states[i] for i in indices])
+    uncond = torch.stack([halves[i][1] if i in halves else states[i] for i in indices])
+    scale = torch.tensor([halves[i][2] if i in halves else 1.0 for i in indices])
+    return guide(cond, uncond, scale, pick)
 
 
 def _row_ends(leaders: list[Sequence]) -> set[int]:

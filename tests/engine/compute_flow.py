@@ -29,6 +29,27 @@ class GreedyHead:
         return self.tables[torch.arange(self.levels), codes].sum(1)
 
 
+class TanhHead(GreedyHead):
+    """GreedyHead with logits tanh(hidden @ projection): not linear in the hidden state."""
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(hidden.float() @ self.projection).view(-1, self.levels, self.ids)
+
+    def codes(self, hidden: torch.Tensor, pick=None) -> torch.Tensor:
+        self.seen.append(hidden.detach().clone())
+        return self._logits(hidden).argmax(-1)
+
+
+class LogitGuidedHead(TanhHead):
+    """TanhHead that guides each level's logits itself (guided_codes), as LongCat-Next's
+    image head does."""
+
+    def guided_codes(self, cond, uncond, scale, pick=None) -> torch.Tensor:
+        self.seen.append(cond.detach().clone())
+        c, u = self._logits(cond), self._logits(uncond)
+        return (u + scale[:, None, None] * (c - u)).argmax(-1)
+
+
 def embed(model, token_ids) -> torch.Tensor:
     with torch.inference_mode():
         return model.embed(torch.tensor(token_ids)).clone()
@@ -52,10 +73,16 @@ def recompute_codes(
                 uncond = torch.cat([uncond, step])
             continue
         hidden = model.hidden_states(context)[-1:]
-        if uncond is not None:
-            hidden = guided(hidden, model.hidden_states(uncond)[-1:], scale)
-        states.append(hidden[0])
-        ids = head.codes(hidden, None if picker is None else picker(rows))
+        pick = None if picker is None else picker(rows)
+        if uncond is not None and hasattr(head, "guided_codes"):  # the head guides logits
+            base = model.hidden_states(uncond)[-1:]
+            states.append(hidden[0])
+            ids = head.guided_codes(hidden, base, torch.tensor([scale]), pick)
+        else:
+            if uncond is not None:
+                hidden = guided(hidden, model.hidden_states(uncond)[-1:], scale)
+            states.append(hidden[0])
+            ids = head.codes(hidden, pick)
         rows.append(ids[0])
         step = head.embed(ids).to(context.dtype)
         context = torch.cat([context, step])

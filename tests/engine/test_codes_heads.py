@@ -2,7 +2,14 @@
 
 import pytest
 import torch
-from compute_flow import GreedyHead, codes_of, recompute_codes, run
+from compute_flow import (
+    GreedyHead,
+    LogitGuidedHead,
+    TanhHead,
+    codes_of,
+    recompute_codes,
+    run,
+)
 from conftest import random_prompts
 
 from omniflow.engine import LLMEngine, SamplingParams
@@ -284,3 +291,22 @@ def test_the_repetition_penalty_covers_each_level_s_earlier_codes(engine):
     got = codes_of(run(engine)["r"])
     assert torch.equal(got, want)
     assert not torch.equal(got, plain)
+
+
+def test_a_head_that_guides_its_logits_gets_both_halves_of_each_pair(engine):
+    """A head with guided_codes: the engine hands it each pair's conditional and
+    unconditional states (not their guided mix), an unpaired row at scale 1 beside them;
+    equal to the recompute that does the same, and not to guidance on hidden states."""
+    head = LogitGuidedHead(engine.model.config.hidden_size)
+    prompts = random_prompts([10, 16], seed=15)
+    want = recompute_codes(engine.model, head, prompts[0], 8, UNCOND, 4.0)[0]
+    mixed = recompute_codes(
+        engine.model, TanhHead(head.projection.shape[0]), prompts[0], 8, UNCOND, 4.0
+    )[0]
+    plain = recompute_codes(engine.model, head, prompts[1], 8)[0]
+    add_codes(engine, "guided", prompts[0], 8, head, 4.0)
+    add_codes(engine, "plain", prompts[1], 8, head)
+    out = run(engine)
+    assert torch.equal(codes_of(out["guided"]), want)
+    assert torch.equal(codes_of(out["plain"]), plain)
+    assert not torch.equal(want, mixed)

@@ -85,14 +85,41 @@ class NextMediaHead:
     def codes(self, hidden: torch.Tensor, pick: CodesPick | None = None) -> torch.Tensor:
         """Level by level: level l's id (``pick``ed from its logits, or greedy), then its
         word-embedding row joins the running sum the next level's position reads."""
+        return self._levels(hidden, pick)
+
+    @torch.no_grad()
+    def guided_codes(
+        self,
+        cond: torch.Tensor,
+        uncond: torch.Tensor,
+        scale: torch.Tensor,
+        pick: CodesPick | None = None,
+    ) -> torch.Tensor:
+        """Classifier-free guidance as the published image head runs it
+        (``depth_transformer_forward_new``): each level's logits of both halves, then
+        uncond + scale * (cond - uncond) (scale [B]); the one id picked goes on in both."""
+        return self._levels(cond, pick, uncond, scale)
+
+    def _levels(
+        self,
+        hidden: torch.Tensor,
+        pick: CodesPick | None,
+        uncond: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         choose = pick or _greedy
         hidden = hidden.to(self.head.hidden_proj.weight.dtype)
-        previous = hidden.new_zeros(hidden.shape[0], len(self.sizes) - 1, hidden.shape[-1])
-        total = hidden.new_zeros(hidden.shape[0], hidden.shape[-1])
+        rows, width = hidden.shape
+        both = hidden if uncond is None else torch.cat([hidden, uncond.to(hidden.dtype)])
+        previous = hidden.new_zeros(both.shape[0], len(self.sizes) - 1, width)
+        total = hidden.new_zeros(rows, width)
         ids = []
         ended, flag = None, self.end_code
         for level, size in enumerate(self.sizes):
-            logits = self.head.level_logits(hidden, previous, level)
+            logits = self.head.level_logits(both, previous, level)
+            if scale is not None:
+                cond, base = logits[:rows], logits[rows:]
+                logits = base + (scale.to(logits)[:, None] * (cond - base))
             if level == 0 and flag is not None:
                 code = choose(level, logits[:, : size + 1])  # the flag may end the audio
                 ended = code == flag
@@ -102,7 +129,9 @@ class NextMediaHead:
             ids.append(code)
             if level + 1 < len(self.sizes):
                 total = total + self.code_rows(code + self.offsets[level]).to(hidden.dtype)
-                previous[:, level] = total
+                previous[:rows, level] = total
+                if uncond is not None:  # the unconditional half reads the same ids
+                    previous[rows:, level] = total
         out = torch.stack(ids, -1).to(torch.int64)
         if ended is not None and flag is not None and bool(ended.any()):
             out[ended] = 0

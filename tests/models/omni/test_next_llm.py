@@ -148,6 +148,31 @@ def test_codes_heads_embed_as_the_encoders_do(folder):
         assert torch.equal(head.codes(hidden), torch.stack(want, -1))
 
 
+def test_the_image_head_guides_each_level_s_logits_as_published(folder):
+    """CFG as the published depth_transformer_forward_new runs it: each level's logits of
+    both halves (both reading the ids chosen before), uncond + s * (cond - uncond), the
+    class past the codebook left out; not the head over guided hidden states."""
+    image, _ = load_next_media_heads(folder, placeholder_id=0)
+    generator = torch.Generator().manual_seed(2)
+    cond, uncond = (torch.randn(3, 64, generator=generator) for _ in range(2))
+    scale = torch.tensor([3.0, 1.0, 5.0])
+    config, t = read_config(folder, "t"), _tensors(folder)
+    sizes = image.sizes
+    first = [config["visual_offset"] + sum(sizes[:level]) for level in range(8)]
+    previous, total, want = torch.zeros(3, 7, 64), torch.zeros(3, 64), []
+    for level in range(8):
+        c = _head_reference(cond, t, "visual_head.", 8, previous)[level]
+        u = _head_reference(uncond, t, "visual_head.", 8, previous)[level]
+        code = (u + scale[:, None] * (c - u))[:, : sizes[level]].argmax(-1)
+        want.append(code)
+        if level < 7:
+            total = total + t["model.embed_tokens.weight"][first[level] + code]
+            previous[:, level] = total
+    got = image.guided_codes(cond, uncond, scale)
+    assert torch.equal(got, torch.stack(want, -1))
+    assert not torch.equal(got, image.codes(uncond + scale[:, None] * (cond - uncond)))
+
+
 def _rewrite(folder, tmp_path, edit):
     copy = tmp_path / "edited"
     shutil.copytree(folder, copy)
