@@ -14,6 +14,8 @@ the text sampler's exponential race over the whole row would cost ~0.2 ms a leve
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from omniflow.engine.heads import CodesPick
@@ -33,26 +35,45 @@ def codes_pick(sequences: list[Sequence], generator: torch.Generator) -> CodesPi
 
     def pick(level: int, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float().clone()
-        chosen = torch.empty(len(sequences), dtype=torch.long)
+        plain: list[int] = []  # the sampled rows without top-k, top-p, min-p
+        filtered: list[int] = []  # and with
         for row, sequence in enumerate(sequences):
             params = sequence.params
-            if params.repetition_penalty != 1.0:
-                if row not in past:
-                    past[row] = _past_codes(sequence)
-                seen = past[row]
-                if seen is not None:
-                    _penalize(logits[row], seen[:, level], params.repetition_penalty)
-            if params.is_greedy:
-                chosen[row] = int(logits[row].argmax())
-                continue
-            seed = params.seed
-            noise = (
-                generator if seed is None else position_generator(seed, len(sequence), level + 1)
-            )
-            chosen[row] = draw(logits[row], params, noise)
+            if params.repetition_penalty != 1.0 and row not in past:
+                past[row] = _past_codes(sequence)
+            if not params.is_greedy:
+                (filtered if _filters(params) else plain).append(row)
+        if past:
+            _penalize(logits, level, past, [s.params.repetition_penalty for s in sequences])
+        chosen = logits.argmax(-1).cpu()  # the greedy rows'
+        noise = {row: _noise(sequences[row], level, generator) for row in plain + filtered}
+        if plain:  # one softmax and inverse CDF for all of them
+            temperature = torch.tensor([sequences[r].params.temperature for r in plain])
+            u = torch.stack([torch.rand((), generator=noise[r]) for r in plain])
+            chosen[plain] = _inverse_cdf(logits[plain] / temperature[:, None].to(logits), u)
+        for row in filtered:
+            chosen[row] = draw(logits[row], sequences[row].params, noise[row])
         return chosen.to(logits.device)
 
     return pick
+
+
+def _filters(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def _noise(sequence: Sequence, level: int, generator: torch.Generator) -> torch.Generator:
+    """A row's generator for this level: its own (seed, position, level)'s, or the shared."""
+    seed = sequence.params.seed
+    return generator if seed is None else position_generator(seed, len(sequence), level + 1)
+
+
+def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of logits [B, n], the id whose CDF first passes u [B] (in [0, 1)) of the
+    row's mass: a draw from the row's softmax."""
+    cdf = logits.softmax(-1).cumsum(-1)
+    at = u.to(cdf)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, at, right=True)[:, 0].clamp(max=cdf.shape[-1] - 1).cpu()
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -86,12 +107,24 @@ def _likeliest(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Te
     return probs.sort(descending=True)
 
 
-def _penalize(row: torch.Tensor, seen: torch.Tensor, penalty: float) -> None:
-    """transformers' repetition rule on the ids seen: divided where positive, else times."""
-    ids = seen.to(row.device)  # repeats write the same value: no need to dedupe
-    ids = ids[ids < row.shape[-1]]
-    scores = row[ids]
-    row[ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
+def _penalize(
+    logits: torch.Tensor, level: int, past: dict[int, torch.Tensor | None], penalty: list[float]
+) -> None:
+    """transformers' repetition rule, in place, on each row's ids seen at this level (past:
+    row -> its earlier codes [N, K]): divided by the row's penalty where positive, else
+    multiplied by it."""
+    rows = [row for row, seen in past.items() if seen is not None]
+    if not rows:
+        return
+    ids = torch.cat([cast(torch.Tensor, past[row])[:, level] for row in rows]).to(logits.device)
+    counts = torch.tensor([cast(torch.Tensor, past[row]).shape[0] for row in rows])
+    at = torch.tensor(rows).repeat_interleave(counts).to(logits.device)
+    keep = ids < logits.shape[-1]
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[at[keep], ids[keep]] = True
+    scale = torch.tensor(penalty, dtype=logits.dtype, device=logits.device)[:, None]
+    penalized = torch.where(logits > 0, logits / scale, logits * scale)
+    logits.copy_(torch.where(seen, penalized, logits))
 
 
 def _past_codes(sequence: Sequence) -> torch.Tensor | None:
