@@ -141,13 +141,15 @@ class NextMediaHead:
     @torch.no_grad()
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
         codes = codes.to(self.offsets.device)
-        ended = None
-        if self.end_code is not None:  # an end-of-audio row goes back in as no codes
-            ended = codes[:, 0] == self.end_code
-            codes = codes.masked_fill(ended[:, None], 0)
+        empty = None
+        if self.end_code is not None:
+            # An audio row goes back in as no codes where its level 0 is the end-of-audio
+            # flag or 0, as the published get_audio_embeddings masks them.
+            empty = (codes[:, 0] == self.end_code) | (codes[:, 0] == 0)
+            codes = codes.masked_fill(empty[:, None], 0)
         rows = self.code_rows(codes + self.offsets).sum(1)
-        if ended is not None:
-            rows = rows.masked_fill(ended[:, None], 0.0)
+        if empty is not None:
+            rows = rows.masked_fill(empty[:, None], 0.0)
         if self.embedding_layer is not None:
             rows = self.embedding_layer.pre_buffer(rows)
         return rows

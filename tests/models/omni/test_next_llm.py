@@ -148,6 +148,17 @@ def test_codes_heads_embed_as_the_encoders_do(folder):
         assert torch.equal(head.codes(hidden), torch.stack(want, -1))
 
 
+def test_an_audio_token_whose_level_0_is_0_or_the_flag_goes_back_in_as_nothing(folder):
+    """As the published get_audio_embeddings masks a generated audio row: level 0 equal to
+    0 or to the end-of-audio flag (the codebook size) gives a zero input row."""
+    _, audio = load_next_media_heads(folder, placeholder_id=0)
+    codes = torch.tensor(
+        [[0, 3, 1, 2, 0, 1, 2, 3], [audio.end_code] + [0] * 7, [1, 3, 1, 2, 0, 1, 2, 3]]
+    )
+    rows = audio.embed(codes)
+    assert not rows[0].any() and not rows[1].any() and rows[2].any()
+
+
 def test_the_image_head_guides_each_level_s_logits_as_published(folder):
     """CFG as the published depth_transformer_forward_new runs it: each level's logits of
     both halves (both reading the ids chosen before), uncond + s * (cond - uncond), the
