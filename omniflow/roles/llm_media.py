@@ -291,8 +291,15 @@ def spoken_layout(
     out = list(tokens) + [marks.gen_start]
     span = EmbeddingSpan(len(out), rows, keys)
     said = [key[1] for key in keys if key[0] == "spoken"][:-1]  # a serial turn's text
-    out += said + [spoken.start_id] + [pad] * (len(keys) - len(said) - 1) + [marks.gen_end]
-    return out, list(spans) + [span]
+    out += said + [spoken.start_id] + [pad] * (len(keys) - len(said) - 1)
+    # <audiogen_end> follows, unless the audio ended at its flag: that step's row is it
+    return out + ([] if _flagged(stage, keys[-1]) else [marks.gen_end]), list(spans) + [span]
+
+
+def _flagged(stage: Stage, key: Any) -> bool:
+    """Whether a spoken turn's last key is the head's end-of-audio flag row."""
+    end, codes = getattr(stage.head, "end_code", None), key[0]
+    return end is not None and isinstance(codes, tuple) and codes[1][0] == end
 
 
 def embed_codes(head: MediaHead, ids: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from omniflow.engine import Spoken
 from omniflow.models.loader import load_tokenizer
 from omniflow.models.omni.next_builder import build_tiny_next
 from omniflow.models.omni.next_media import SpeechTokens, load_next_media_heads
 from omniflow.roles.llm import LLMRole
-from omniflow.roles.llm_media import Stage, media_layout, media_stages
+from omniflow.roles.llm_media import Stage, media_layout, media_stages, spoken_layout
 from omniflow.runtime.actor import BadRequest, Request
 from tests.helpers import prebuilt_longcat
 from tests.roles.media import drive, make_ctx, make_request
@@ -234,3 +235,16 @@ def test_media_codes_are_drawn_by_the_request_s_sampling(tmp_path, want):
     assert torch.equal(got["a"], got["b"])
     assert got["a"].shape == got["greedy"].shape
     assert not torch.equal(got["a"], got["greedy"])
+
+
+def test_a_spoken_turn_that_ended_at_its_flag_has_no_second_audiogen_end():
+    """The flag's step feeds <longcat_audiogen_end> (published), so the turn's layout ends
+    there; a turn cut by its length gets <longcat_audiogen_end> after its last token."""
+    head = SimpleNamespace(key="audio", end_code=99, speech=SpeechTokens(6, 7, 9, 8))
+    stage = Stage(head, 2, 2, None, None, 1)
+    spoken = Spoken(7, frozenset({9}), 4)
+    rows = torch.zeros(3, 4)
+    for last, tail in (((99, 0), []), ((5, 1), [8])):
+        keys = [("spoken", 3), ((("audio", (4, 2)), -1)), ((("audio", last)), -1)]
+        out, spans = spoken_layout(stage, spoken, [1, 2], [], rows, keys, 0)
+        assert out == [1, 2, 6, 7, 0, 0, *tail] and spans[0].start == 3

@@ -7,7 +7,8 @@ request's sampling (the engine's ``pick``: temperature, top-k, top-p and the rep
 penalty over its earlier codes, as published) or greedy over the codebook. The
 extra last output is for audio level 0 the published end-of-audio flag: chosen, it ends the
 audio (the engine's ``end_code``: modules/state_machine.py of LongCat-Next-inference leaves
-its audio stage there), its row's other levels are 0 and it goes back in as no codes; an
+its audio stage there), its row's other levels are 0 and it goes back in as no codes but
+``<longcat_audiogen_end>``'s word embedding (that step's published ext id); an
 image never chooses it (its last class is masked, as published). It goes back in as the sum of each level's
 row of ``model.embed_tokens`` (level l's id + ``visual_offset``/``audio_offset`` + the sizes
 of the levels before), then, for images, ``model.visual_tokenizer.visual_embedding_layer``:
@@ -80,6 +81,8 @@ class NextMediaHead:
         self.embedding_layer = embedding_layer
         # the level-0 id that ends the media (engine/heads.py end_code): audio's flag
         self.end_code = sizes[0] if key == "audio" else None
+        # the flag row's input: <longcat_audiogen_end>'s word embedding (set by the loader)
+        self.end_row: torch.Tensor | None = None
 
     @torch.no_grad()
     def codes(self, hidden: torch.Tensor, pick: CodesPick | None = None) -> torch.Tensor:
@@ -141,15 +144,19 @@ class NextMediaHead:
     @torch.no_grad()
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
         codes = codes.to(self.offsets.device)
-        empty = None
+        empty = flagged = None
         if self.end_code is not None:
             # An audio row goes back in as no codes where its level 0 is the end-of-audio
-            # flag or 0, as the published get_audio_embeddings masks them.
-            empty = (codes[:, 0] == self.end_code) | (codes[:, 0] == 0)
+            # flag or 0, as the published get_audio_embeddings masks them; the flag's step
+            # feeds <longcat_audiogen_end> instead (its ext id there).
+            flagged = codes[:, 0] == self.end_code
+            empty = flagged | (codes[:, 0] == 0)
             codes = codes.masked_fill(empty[:, None], 0)
         rows = self.code_rows(codes + self.offsets).sum(1)
-        if empty is not None:
+        if empty is not None and flagged is not None:
             rows = rows.masked_fill(empty[:, None], 0.0)
+            if self.end_row is not None:
+                rows = torch.where(flagged[:, None], self.end_row.to(rows), rows)
         if self.embedding_layer is not None:
             rows = self.embedding_layer.pre_buffer(rows)
         return rows
@@ -195,7 +202,12 @@ def load_next_media_heads(
         for module in modules:
             module.to(device).eval()
         marks = (None, image) if key == "image" else (speech, None)
-        out.append(NextMediaHead(key, head, rows, sizes, placeholder_id, layer, *marks))
+        made = NextMediaHead(key, head, rows, sizes, placeholder_id, layer, *marks)
+        if key == "audio" and speech is not None:
+            end = nn.Embedding(1, hidden)
+            load_code_rows(end, folder, speech.gen_end, role)
+            made.end_row = end.weight.detach()[0].to(device)
+        out.append(made)
     return out[0], out[1]
 
 

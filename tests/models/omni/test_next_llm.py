@@ -148,15 +148,18 @@ def test_codes_heads_embed_as_the_encoders_do(folder):
         assert torch.equal(head.codes(hidden), torch.stack(want, -1))
 
 
-def test_an_audio_token_whose_level_0_is_0_or_the_flag_goes_back_in_as_nothing(folder):
-    """As the published get_audio_embeddings masks a generated audio row: level 0 equal to
-    0 or to the end-of-audio flag (the codebook size) gives a zero input row."""
+def test_a_generated_audio_row_goes_back_in_as_published(folder):
+    """As the published get_audio_embeddings builds a generated audio step's input: level 0
+    equal to 0 gives no audio embedding; the end-of-audio flag (the codebook size) gives
+    <longcat_audiogen_end>'s word embedding (the step's ext id), no codes."""
     _, audio = load_next_media_heads(folder, placeholder_id=0)
     codes = torch.tensor(
         [[0, 3, 1, 2, 0, 1, 2, 3], [audio.end_code] + [0] * 7, [1, 3, 1, 2, 0, 1, 2, 3]]
     )
     rows = audio.embed(codes)
-    assert not rows[0].any() and not rows[1].any() and rows[2].any()
+    end = read_config(folder, "t")["audio_config"]["audiogen_end_token_id"]
+    assert not rows[0].any() and rows[2].any()
+    torch.testing.assert_close(rows[1], _tensors(folder)["model.embed_tokens.weight"][end])
 
 
 def test_the_image_head_guides_each_level_s_logits_as_published(folder):
