@@ -14,8 +14,6 @@ the text sampler's exponential race over the whole row would cost ~0.2 ms a leve
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 
 from omniflow.engine.heads import CodesPick
@@ -31,25 +29,25 @@ def codes_pick(sequences: list[Sequence], generator: torch.Generator) -> CodesPi
     without a penalty (the head's own argmax). ``generator``: the unseeded rows' noise."""
     if all(s.params.is_greedy and s.params.repetition_penalty == 1.0 for s in sequences):
         return None
-    past: dict[int, torch.Tensor | None] = {}  # each row's earlier codes [N, K], made once
+    sampled = [row for row, s in enumerate(sequences) if not s.params.is_greedy]
+    plain = [row for row in sampled if not _filters(sequences[row].params)]  # batched
+    filtered = [row for row in sampled if _filters(sequences[row].params)]  # a row at a time
+    temperature = torch.tensor([sequences[row].params.temperature for row in plain])
+    penalty = [s.params.repetition_penalty for s in sequences]
+    past = {}  # the penalized rows' earlier codes [N, K]
+    for row, sequence in enumerate(sequences):
+        if penalty[row] != 1.0 and sequence.media is not None:
+            if (made := sequence.media.made()) is not None:
+                past[row] = made
 
     def pick(level: int, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float().clone()
-        plain: list[int] = []  # the sampled rows without top-k, top-p, min-p
-        filtered: list[int] = []  # and with
-        for row, sequence in enumerate(sequences):
-            params = sequence.params
-            if params.repetition_penalty != 1.0 and row not in past:
-                past[row] = _past_codes(sequence)
-            if not params.is_greedy:
-                (filtered if _filters(params) else plain).append(row)
         if past:
-            _penalize(logits, level, past, [s.params.repetition_penalty for s in sequences])
+            _penalize(logits, level, past, penalty)
         chosen = logits.argmax(-1).cpu()  # the greedy rows'
-        noise = {row: _noise(sequences[row], level, generator) for row in plain + filtered}
+        noise = {row: _noise(sequences[row], level, generator) for row in sampled}
         if plain:  # one softmax and inverse CDF for all of them
-            temperature = torch.tensor([sequences[r].params.temperature for r in plain])
-            u = torch.stack([torch.rand((), generator=noise[r]) for r in plain])
+            u = torch.stack([torch.rand((), generator=noise[row]) for row in plain])
             chosen[plain] = _inverse_cdf(logits[plain] / temperature[:, None].to(logits), u)
         for row in filtered:
             chosen[row] = draw(logits[row], sequences[row].params, noise[row])
@@ -108,16 +106,14 @@ def _likeliest(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Te
 
 
 def _penalize(
-    logits: torch.Tensor, level: int, past: dict[int, torch.Tensor | None], penalty: list[float]
+    logits: torch.Tensor, level: int, past: dict[int, torch.Tensor], penalty: list[float]
 ) -> None:
     """transformers' repetition rule, in place, on each row's ids seen at this level (past:
     row -> its earlier codes [N, K]): divided by the row's penalty where positive, else
     multiplied by it."""
-    rows = [row for row, seen in past.items() if seen is not None]
-    if not rows:
-        return
-    ids = torch.cat([cast(torch.Tensor, past[row])[:, level] for row in rows]).to(logits.device)
-    counts = torch.tensor([cast(torch.Tensor, past[row]).shape[0] for row in rows])
+    rows = list(past)
+    ids = torch.cat([past[row][:, level] for row in rows]).to(logits.device)
+    counts = torch.tensor([past[row].shape[0] for row in rows])
     at = torch.tensor(rows).repeat_interleave(counts).to(logits.device)
     keep = ids < logits.shape[-1]
     seen = torch.zeros_like(logits, dtype=torch.bool)
@@ -125,8 +121,3 @@ def _penalize(
     scale = torch.tensor(penalty, dtype=logits.dtype, device=logits.device)[:, None]
     penalized = torch.where(logits > 0, logits / scale, logits * scale)
     logits.copy_(torch.where(seen, penalized, logits))
-
-
-def _past_codes(sequence: Sequence) -> torch.Tensor | None:
-    """The codes [N, K] a media sequence has made, or None."""
-    return None if sequence.media is None else sequence.media.made()

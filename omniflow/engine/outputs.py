@@ -168,14 +168,9 @@ def check_stop(
 def _made_all(media: MediaOutput | None) -> bool:
     """A serial spoken request has made the audio tokens it asked for (max_tokens counts its
     text too)."""
-    spoken = None if media is None else media.spoken
-    return (
-        spoken is not None
-        and spoken.spec.audio_tokens is not None
-        and (
-            len(media.codes) >= spoken.spec.audio_tokens  # type: ignore[union-attr]
-        )
-    )
+    if media is None or media.spoken is None or media.spoken.spec.audio_tokens is None:
+        return False
+    return len(media.codes) >= media.spoken.spec.audio_tokens
 
 
 def delta_of(sequence: Sequence, num_new: int) -> TokenDelta:
