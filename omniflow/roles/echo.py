@@ -102,17 +102,27 @@ _PATTERNS: dict[int, Any] = {}
 
 def fill_pattern(t: Any, seed: int) -> Any:
     """Write into the uint8 tensor ``t`` bytes that differ from byte to byte and from seed
-    to seed (the first 8 are ``seed``, little-endian); returns ``t``."""
+    to seed (the first 8 are ``seed``, little-endian); returns ``t``.
+
+    One memcpy on this thread (numpy's): torch's ``copy_`` splits 1 MiB over its OpenMP
+    threads, which on a host whose cores every stage shares doubled the fill's CPU time
+    (profiled in benchmarks/tensor_path.py) for no gain in latency.
+    """
+    import numpy as np
     import torch
 
     n = t.numel()
     base = _PATTERNS.get(n)
     if base is None:
         i = torch.arange(n, dtype=torch.int64)
-        base = _PATTERNS[n] = ((i * 2654435761) >> 13).to(torch.uint8)
+        base = _PATTERNS[n] = ((i * 2654435761) >> 13).to(torch.uint8).numpy()
         while len(_PATTERNS) > 8:
             _PATTERNS.pop(next(iter(_PATTERNS)))
-    t.copy_(base)
-    head = torch.tensor(list(seed.to_bytes(8, "little", signed=True)), dtype=torch.uint8)
-    t[: min(n, 8)] = head[: min(n, 8)]
+    out = t.numpy() if t.is_contiguous() else None
+    if out is None:
+        t.copy_(torch.from_numpy(base))
+    else:
+        np.copyto(out, base)
+    head = seed.to_bytes(8, "little", signed=True)[: min(n, 8)]
+    t[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else t[:0]
     return t
