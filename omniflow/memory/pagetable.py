@@ -231,6 +231,18 @@ class PageTable:
             out[0] = anon
         return out
 
+    def held(self, lease: int, holder: int) -> int:
+        """Refs on a live ``lease`` held by ``holder`` (0: the anonymous ones)."""
+        slot = self.check(lease)
+        if not holder:
+            return self._slots[slot * SLOT_QWORDS + _ANON]
+        h = self._holders
+        base = slot * 2 * HOLDERS
+        for i in range(base, base + 2 * HOLDERS, 2):
+            if h[i] == holder:
+                return h[i + 1]
+        return 0
+
     def slot_of_page(self, page: int) -> int:
         """The slot owning ``page`` if it is in use, else -1."""
         if not 0 <= page < self.n_pages or not self._page_used[page]:

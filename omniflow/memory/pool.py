@@ -204,12 +204,22 @@ class PagePool:
 
     def share(self, tensor: torch.Tensor, pid: int) -> Shm:
         """A handle to ``tensor`` (already in the pool), with a ref taken for ``pid``. No copy."""
-        if not self.contains(tensor):
-            raise ValueError("tensor: not in this pool; use copy_in() first")
-        if not tensor.is_contiguous():
+        ref = self.try_share(tensor, pid)
+        if ref is None:
+            if not self.contains(tensor):
+                raise ValueError("tensor: not in this pool; use copy_in() first")
             raise ValueError("tensor: a Shm handle needs a contiguous tensor; use copy_in()")
+        return ref
+
+    def try_share(self, tensor: torch.Tensor, pid: int) -> Shm | None:
+        """``share``, or None when ``tensor`` is not a contiguous CPU tensor in the pool (one
+        address read: this runs at every hop that passes a tensor on)."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        offset = (tensor.data_ptr() or _address(tensor)) - self.base
+        if not self.data_offset <= offset < self.size:
+            return None
         name = dtype_name(tensor.dtype)
-        offset = _address(tensor) - self.base
         nbytes = tensor.numel() * ITEMSIZE[name]
         page = (offset - self.data_offset) // self.page_size
         with self._seg.lock():
@@ -253,13 +263,12 @@ class PagePool:
         with self._seg.lock():
             slot = self._table.check(ref.lease)
             self._check_within(slot, ref.offset, ref.nbytes, ref.lease)
-            if holder is not None:
-                holders = self._table.holders(ref.lease)
-                if holders.get(holder, 0) <= claimed:
-                    raise InvalidHandle(
-                        f"lease {ref.lease} holds no ref for pid {holder} (holders: "
-                        f"{holders}, already opened: {claimed}): no sender shared it here"
-                    )
+            if holder is not None and self._table.held(ref.lease, holder) <= claimed:
+                raise InvalidHandle(
+                    f"lease {ref.lease} holds no ref for pid {holder} (holders: "
+                    f"{self._table.holders(ref.lease)}, already opened: {claimed}): no "
+                    "sender shared it here"
+                )
         return self._view(ref.offset, dtype, tuple(ref.shape))
 
     def _check_within(self, slot: int, offset: int, nbytes: int, lease: int) -> None:

@@ -77,6 +77,7 @@ class Segment:
         self._pid = os.getpid()
         # flock excludes other open file descriptions, not threads sharing this one.
         self._thread_lock = threading.Lock()
+        self._locked = _Locked(self._thread_lock, fd)
 
     def address(self) -> int:
         """The mapping's base address."""
@@ -133,9 +134,11 @@ class Segment:
         return cls(name, fd, mm, st.st_size, created=False)
 
     def lock(self) -> _Locked:
+        """The cross-process lock, as a context manager (one object per process, reused:
+        it runs three times per tensor hop)."""
         if self._pid != os.getpid():
             self._after_fork()
-        return _Locked(self._thread_lock, self._fd)
+        return self._locked
 
     def _after_fork(self) -> None:
         # A forked child shares the parent's open file description, so flock would not
@@ -143,6 +146,7 @@ class Segment:
         fd = os.open(self.path, os.O_RDWR)
         self._fd, self._pid = fd, os.getpid()
         self._thread_lock = threading.Lock()
+        self._locked = _Locked(self._thread_lock, fd)
 
     def unlink(self) -> bool:
         return unlink_segment(self.name)
@@ -157,6 +161,7 @@ class Segment:
             pass  # live views: the mapping goes when the last one is garbage-collected
         os.close(self._fd)
         self._fd = -1
+        self._locked = _Locked(self._thread_lock, -1)  # a lock after close fails, as ever
 
 
 class _Locked:

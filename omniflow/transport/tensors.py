@@ -114,8 +114,9 @@ def export(value: Any, frames: list[Any], link: Link = Link()) -> TensorRef:
 
 
 def _export_shm(pool: PagePool, t: torch.Tensor, pid: int) -> Shm:
-    if t.is_contiguous() and pool.contains(t):
-        return pool.share(t, received(pid))  # already in the pool: no copy
+    shared = pool.try_share(t, received(pid))  # already in the pool: no copy
+    if shared is not None:
+        return shared
     staged = pool.copy_in(t)  # the one copy (device -> pinned host by DMA when registered)
     try:
         return pool.share(staged.tensor, received(pid))

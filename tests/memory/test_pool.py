@@ -103,6 +103,40 @@ def test_open_is_a_zero_copy_view(pool: PagePool) -> None:
     assert view[0, 0] == 7.0
 
 
+def test_share_refuses_what_is_not_a_pool_block_and_try_share_says_none(
+    pool: PagePool,
+) -> None:
+    outside = torch.zeros(64, dtype=torch.uint8)
+    t, lease = pool.empty((4, 4), torch.float32)
+    strided = t.t()  # in the pool, not contiguous
+    for tensor, message in ((outside, "not in this pool"), (strided, "contiguous")):
+        assert pool.try_share(tensor, 0) is None
+        with pytest.raises(ValueError, match=message):
+            pool.share(tensor, 0)
+    ref = pool.try_share(t[1], 0)  # a contiguous row inside the block: no copy
+    assert ref is not None and ref.lease == lease.id and ref.nbytes == 16
+    assert pool.open(ref).data_ptr() == t[1].data_ptr()
+    pool.release(ref.lease, 0)
+    lease.release()
+
+
+def test_open_counts_only_the_refs_held_for_that_holder(pool: PagePool) -> None:
+    t, lease = pool.empty((16,), torch.float32)
+    ref = pool.share(t, 4242)  # one ref, held for holder 4242
+    assert pool.open(ref, holder=4242).data_ptr() == t.data_ptr()
+    with pytest.raises(InvalidHandle, match="holds no ref for pid 4242"):
+        pool.open(ref, holder=4242, claimed=1)  # that one ref is already opened
+    with pytest.raises(InvalidHandle, match="holds no ref for pid 4343"):
+        pool.open(ref, holder=4343)
+    pool.retain(ref.lease, 0, 2)  # anonymous refs count for holder 0 only
+    assert pool.open(ref, holder=0, claimed=1).shape == (16,)
+    with pytest.raises(InvalidHandle, match="holds no ref for pid 0"):
+        pool.open(ref, holder=0, claimed=2)
+    pool.release(ref.lease, 0, 2)
+    pool.release(ref.lease, 4242)
+    lease.release()
+
+
 def _good_ref(pool: PagePool) -> tuple[Shm, object]:
     t, lease = pool.empty((16,), torch.float32)
     return pool.share(t, 0), lease
