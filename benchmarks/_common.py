@@ -50,6 +50,44 @@ def have_ray() -> bool:
     return True
 
 
+def tree_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) each process of this run has used so far: this one as
+    ``client``, each omniflow worker under it by ``role/replica``. From /proc (Linux); a
+    difference of two readings is what the work between them cost, however noisy the
+    host's clock speed or neighbours make the latencies."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    mine, grew = {os.getpid()}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in mine} - mine
+        mine |= more
+        grew = bool(more)
+    out: dict[str, float] = {}
+    for pid in mine:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # gone meanwhile
+        if pid == os.getpid():
+            name = "client"
+        elif "omniflow.runtime.worker" in argv and len(argv) >= 5:
+            name = f"{argv[-3]}/{argv[-2]}"
+        else:
+            continue  # the supervisor's helpers, if any: not a stage
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def cpu_name() -> str:
     """The CPU model and how many cores this process may use: every benchmark prints it."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

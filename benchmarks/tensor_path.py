@@ -8,7 +8,9 @@ back to the client. ``small`` requests carry 64 bytes of text and no tensor; ``m
 requests the same text and ``tensor_bytes = 1 MiB``. Rounds alternate small and mib at
 each concurrency (small c1, mib c1, small c8, mib c8, ...), round after round, and
 report the median p50 latency and requests/s over rounds; ``rps_min_max`` is the
-slowest round's requests/s over the fastest's.
+slowest round's requests/s over the fastest's. ``cpu_us_per_request``: the CPU time
+(user + system, from /proc) every process of the run spent per request, and at c32 each
+process's share: where a tensor's cost goes, steadier than latency on a shared host.
 
 ``first_burst_p99_ms``: the p99 of the first 32 mib requests ever in flight at once (after
 one request of each kind, so every process has started and each stage's path is known);
@@ -28,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import cpu_name, emit, median, pct, short_run_root  # noqa: E402
+from _common import cpu_name, emit, median, pct, short_run_root, tree_cpu_seconds  # noqa: E402
 
 import omniflow  # noqa: E402
 from omniflow.runtime.config import parse  # noqa: E402
@@ -81,6 +83,7 @@ async def main(rounds: int, requests: int) -> dict:
     lat = {k: {c: [] for c in CONCURRENCY} for k in KINDS}
     p50s: dict[str, dict[int, list[float]]] = {k: {c: [] for c in CONCURRENCY} for k in KINDS}
     rps: dict[str, dict[int, list[float]]] = {k: {c: [] for c in CONCURRENCY} for k in KINDS}
+    cpu: dict[str, dict[int, dict[str, float]]] = {k: {c: {} for c in CONCURRENCY} for k in KINDS}
     async with omniflow.Runtime(config()) as rt:
         for nbytes in KINDS.values():
             await once(rt, nbytes, 0)
@@ -88,7 +91,11 @@ async def main(rounds: int, requests: int) -> dict:
         for _ in range(rounds):
             for c in CONCURRENCY:
                 for kind, nbytes in KINDS.items():
+                    before = tree_cpu_seconds()
                     got, r = await drive(rt, nbytes, per_round(c, requests), c)
+                    spent = cpu[kind][c]
+                    for name, secs in tree_cpu_seconds().items():
+                        spent[name] = spent.get(name, 0.0) + secs - before.get(name, 0.0)
                     lat[kind][c] += got
                     p50s[kind][c].append(pct(got, 50))
                     rps[kind][c].append(r)
@@ -106,6 +113,16 @@ async def main(rounds: int, requests: int) -> dict:
     out["mib_over_small_p50"] = [
         round(m / s, 2) for m, s in zip(out["p50_ms"]["mib"], out["p50_ms"]["small"], strict=True)
     ]
+    # CPU time per request, every process together and (at c32) each: where a tensor's
+    # cost goes, read from /proc, steadier than latencies on a noisy host (10 ms ticks,
+    # summed over every round's requests)
+    done = {c: rounds * per_round(c, requests) for c in CONCURRENCY}
+    out["cpu_us_per_request"] = {
+        k: [round(sum(cpu[k][c].values()) / done[c] * 1e6) for c in CONCURRENCY] for k in KINDS
+    }
+    out["cpu_us_per_request_c32"] = {
+        k: {n: round(v / done[32] * 1e6) for n, v in sorted(cpu[k][32].items())} for k in KINDS
+    }
     out["first_burst_p99_ms"] = round(pct(first, 99) * 1e3, 3)
     out["steady_p99_ms"] = round(pct(lat["mib"][32], 99) * 1e3, 3)
     return out
