@@ -56,35 +56,32 @@ def tree_cpu_seconds() -> dict[str, float]:
     difference of two readings is what the work between them cost, however noisy the
     host's clock speed or neighbours make the latencies."""
     tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
+    stats: dict[int, tuple[int, float]] = {}  # pid: (parent, CPU seconds), one read each
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                    fields = f.read().rsplit(")", 1)[1].split()
+                stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
             except (OSError, IndexError, ValueError):
-                continue
+                continue  # gone meanwhile
     mine, grew = {os.getpid()}, True
     while grew:
-        more = {pid for pid, parent in parents.items() if parent in mine} - mine
+        more = {pid for pid, (parent, _) in stats.items() if parent in mine} - mine
         mine |= more
         grew = bool(more)
     out: dict[str, float] = {}
-    for pid in mine:
+    for pid in mine & stats.keys():
+        if pid == os.getpid():
+            out["client"] = stats[pid][1]
+            continue
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
-            continue  # gone meanwhile
-        if pid == os.getpid():
-            name = "client"
-        elif "omniflow.runtime.worker" in argv and len(argv) >= 5:
-            name = f"{argv[-3]}/{argv[-2]}"
-        else:
-            continue  # the supervisor's helpers, if any: not a stage
-        out[name] = (int(fields[11]) + int(fields[12])) / tick
+            continue
+        if "omniflow.runtime.worker" in argv and len(argv) >= 5:  # not the supervisor's helpers
+            out[f"{argv[-3]}/{argv[-2]}"] = stats[pid][1]
     return out
 
 

@@ -82,8 +82,8 @@ class TieredCache:
         """Keep ``tensor`` under ``key``: a copy in the pool, or a ref if it is already there."""
         with self._lock:
             self.discard(key)
-            if tensor.is_contiguous() and self.pool.contains(tensor):
-                ref = self.pool.share(tensor, os.getpid())
+            ref = self.pool.try_share(tensor, os.getpid())
+            if ref is not None:
                 lease = Lease(self.pool, ref.lease, ref.offset, ref.nbytes, os.getpid())
             else:
                 pt = self._make_room(lambda: self.pool.copy_in(tensor))

@@ -118,11 +118,11 @@ def fill_pattern(t: Any, seed: int) -> Any:
         base = _PATTERNS[n] = ((i * 2654435761) >> 13).to(torch.uint8).numpy()
         while len(_PATTERNS) > 8:
             _PATTERNS.pop(next(iter(_PATTERNS)))
-    out = t.numpy() if t.is_contiguous() else None
-    if out is None:
-        t.copy_(torch.from_numpy(base))
+    if t.is_contiguous():
+        np.copyto(t.numpy(), base)
     else:
-        np.copyto(out, base)
-    head = seed.to_bytes(8, "little", signed=True)[: min(n, 8)]
-    t[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8) if head else t[:0]
+        t.copy_(torch.from_numpy(base))
+    head = seed.to_bytes(8, "little", signed=True)[:n]
+    if head:
+        t[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     return t
