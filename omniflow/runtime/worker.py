@@ -253,9 +253,18 @@ class Worker:
         listed = self.intake_closed
         if not listed and not orphaned:
             await self._leaving(registry, key, record)
-        drained = await host.drain(
-            min(rt.drain_timeout_s, ORPHAN_DRAIN_S) if orphaned else rt.drain_timeout_s
-        )
+        # The lease outlives the drain: a record that expired while this replica still
+        # held a request would read, to the clients, as a replica gone with it.
+        lease = None if orphaned else asyncio.create_task(self._keep_lease(registry))
+        try:
+            drained = await host.drain(
+                min(rt.drain_timeout_s, ORPHAN_DRAIN_S) if orphaned else rt.drain_timeout_s
+            )
+        finally:
+            if lease is not None:
+                lease.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await lease
         if listed and not orphaned:
             await self._leaving(registry, key, record)
         if not orphaned:
@@ -263,6 +272,14 @@ class Worker:
                 await registry.delete(key)
         if not drained:
             log.warning("%s/%d: in-flight requests cancelled at shutdown", self.role, self.replica)
+
+    async def _keep_lease(self, registry: Registry) -> None:
+        while True:
+            await asyncio.sleep(self.config.runtime.heartbeat_s)
+            try:
+                await registry.keepalive()
+            except Exception as e:  # as in the heartbeat: the TTL is the judge
+                log.warning("%s/%d: keepalive failed: %s", self.role, self.replica, e)
 
     @property
     def orphaned(self) -> bool:

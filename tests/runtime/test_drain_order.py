@@ -17,10 +17,20 @@ def test_stop_finishes_a_request_upstream_through_every_role_after_it(run_root):
 
     async def main():
         async with omniflow.Runtime(cfg) as rt:
-            # Each role sleeps 1.5 s on it: the stop begins while it is in `upper`, and
-            # `reverse` must still be there when `upper` hands it on.
+            assert rt.client is not None
+            view, gone = rt.client.view, []
+            on_gone = view.on_gone
+
+            def seen_gone(record):
+                gone.append((record.actor_id, record.state))
+                on_gone(record)
+
+            view.on_gone = seen_gone
+            # Each role sleeps 2.5 s on it: the stop begins while it is in `upper`, and
+            # `reverse` must still be there when `upper` hands it on, its record kept alive
+            # past the registry's TTL (1 s) while it drains.
             inflight = asyncio.create_task(
-                rt.call({"text": "in flight"}, params={"delay_ms": 1500}, timeout=30)
+                rt.call({"text": "in flight"}, params={"delay_ms": 2500}, timeout=30)
             )
             upper = next(r for r in rt.supervisor.replicas if r.role == "upper")
             holding = Path(rt.run_dir) / "upper-0.holding"
@@ -41,9 +51,11 @@ def test_stop_finishes_a_request_upstream_through_every_role_after_it(run_root):
             outs, _ = await inflight
             await stopping
             took = time.monotonic() - started
-            return [o.data["text"] for o in outs], refused, refused_after, took
+            return [o.data["text"] for o in outs], refused, refused_after, took, gone
 
-    texts, refused, refused_after, took = asyncio.run(main())
+    texts, refused, refused_after, took, gone = asyncio.run(main())
+    # Each left the registry in order, none by its record expiring while it drained.
+    assert sorted(gone) == [("reverse/0", "leaving"), ("upper/0", "leaving")]
     assert texts == expected_echo("in flight")
     assert refused.code == "shutting_down" and refused_after < 3.0  # at once, not by a timeout
     assert took < 20.0
